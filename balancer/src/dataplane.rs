@@ -1,0 +1,1 @@
+//! Loading, attaching and reading the XDP program (filled in by the dataplane work).

@@ -1,0 +1,1 @@
+//! The demo inference worker (filled in by the mock-worker work).
