@@ -1,0 +1,261 @@
+//! Turning what a worker did into a breaker outcome.
+//!
+//! The rules are the gateway document's table: listed failure statuses and
+//! "no response" are failures, capacity pushback (429 by default) records
+//! nothing, every other status is a success. Responses the gateway makes
+//! itself never reach this module.
+
+use serde::{Deserialize, Serialize};
+
+/// Why an outcome counted against a worker. Carried into the
+/// `worker_cb_failures_total{reason}` metric so an operator sees *why* a
+/// breaker tripped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[repr(u8)]
+pub enum FailureReason {
+    /// The worker answered a status in its failure list.
+    Status = 0,
+    /// No connection could be made, or it broke before a response arrived.
+    Connect = 1,
+    /// No response within the request timeout.
+    Timeout = 2,
+    /// The response arrived, but its first byte came later than the slow budget.
+    Slow = 3,
+    /// A streamed response stopped producing chunks for the idle timeout.
+    Stall = 4,
+}
+
+impl FailureReason {
+    pub const ALL: [FailureReason; 5] = [
+        FailureReason::Status,
+        FailureReason::Connect,
+        FailureReason::Timeout,
+        FailureReason::Slow,
+        FailureReason::Stall,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureReason::Status => "status",
+            FailureReason::Connect => "connect",
+            FailureReason::Timeout => "timeout",
+            FailureReason::Slow => "slow",
+            FailureReason::Stall => "stall",
+        }
+    }
+}
+
+/// What one request did to a worker's breaker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Success,
+    Failure(FailureReason),
+    /// Capacity pushback (429 by default), or a request cancelled by its
+    /// client: no sample in either direction.
+    Ignored,
+}
+
+/// A set of HTTP status codes with O(1) membership, so classification on the
+/// request path is a bit test rather than a list scan.
+#[derive(Clone, Copy, PartialEq, Eq, Default)]
+pub struct StatusSet([u64; 10]);
+
+impl StatusSet {
+    pub const fn empty() -> Self {
+        Self([0; 10])
+    }
+
+    /// Codes outside 100..=599 are not HTTP statuses and are refused by the
+    /// config layer before they get here; they are ignored if they do.
+    pub fn from_codes(codes: &[u16]) -> Self {
+        let mut set = Self::empty();
+        for &code in codes {
+            set.insert(code);
+        }
+        set
+    }
+
+    pub fn insert(&mut self, code: u16) {
+        if (100..=599).contains(&code) {
+            self.0[usize::from(code) / 64] |= 1 << (code % 64);
+        }
+    }
+
+    #[inline]
+    pub fn contains(&self, code: u16) -> bool {
+        code < 640 && self.0[usize::from(code) / 64] & (1 << (code % 64)) != 0
+    }
+
+    pub fn codes(&self) -> Vec<u16> {
+        (100..=599).filter(|&c| self.contains(c)).collect()
+    }
+}
+
+impl std::fmt::Debug for StatusSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(self.codes()).finish()
+    }
+}
+
+/// The document's default `capacity_status_codes`.
+pub const DEFAULT_CAPACITY_CODES: &[u16] = &[429];
+/// The document's default `retryable_status_codes` (the failure list).
+pub const DEFAULT_FAILURE_CODES: &[u16] = &[408, 429, 500, 502, 503, 504];
+
+/// Per-worker status classification.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Classifier {
+    capacity: StatusSet,
+    failure: StatusSet,
+}
+
+impl Default for Classifier {
+    fn default() -> Self {
+        Self::new(DEFAULT_CAPACITY_CODES, DEFAULT_FAILURE_CODES)
+    }
+}
+
+impl Classifier {
+    pub fn new(capacity: &[u16], failure: &[u16]) -> Self {
+        Self {
+            capacity: StatusSet::from_codes(capacity),
+            failure: StatusSet::from_codes(failure),
+        }
+    }
+
+    /// Capacity codes win over failure codes: the document skips a code that
+    /// is in both lists.
+    #[inline]
+    pub fn classify(&self, status: u16) -> Outcome {
+        if self.capacity.contains(status) {
+            Outcome::Ignored
+        } else if self.failure.contains(status) {
+            Outcome::Failure(FailureReason::Status)
+        } else {
+            Outcome::Success
+        }
+    }
+
+    pub fn is_capacity(&self, status: u16) -> bool {
+        self.capacity.contains(status)
+    }
+
+    pub fn capacity_codes(&self) -> Vec<u16> {
+        self.capacity.codes()
+    }
+
+    pub fn failure_codes(&self) -> Vec<u16> {
+        self.failure.codes()
+    }
+}
+
+/// gRPC status codes, by their wire numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(i32)]
+pub enum GrpcCode {
+    Ok = 0,
+    Cancelled = 1,
+    Unknown = 2,
+    InvalidArgument = 3,
+    DeadlineExceeded = 4,
+    NotFound = 5,
+    AlreadyExists = 6,
+    PermissionDenied = 7,
+    ResourceExhausted = 8,
+    FailedPrecondition = 9,
+    Aborted = 10,
+    OutOfRange = 11,
+    Unimplemented = 12,
+    Internal = 13,
+    Unavailable = 14,
+    DataLoss = 15,
+    Unauthenticated = 16,
+}
+
+/// Maps a gRPC status to the HTTP status the breaker classifies, so gRPC
+/// workers share one classification table with HTTP workers. The four
+/// mappings the document names are exact (RESOURCE_EXHAUSTED→429 pushback,
+/// UNAVAILABLE→503 and DEADLINE_EXCEEDED→504 failures, INVALID_ARGUMENT→400
+/// success); the rest follow the usual gRPC-to-HTTP table.
+pub fn grpc_to_http(code: GrpcCode) -> u16 {
+    match code {
+        GrpcCode::Ok => 200,
+        GrpcCode::Cancelled => 499,
+        GrpcCode::Unknown | GrpcCode::Internal | GrpcCode::DataLoss => 500,
+        GrpcCode::InvalidArgument | GrpcCode::FailedPrecondition | GrpcCode::OutOfRange => 400,
+        GrpcCode::DeadlineExceeded => 504,
+        GrpcCode::NotFound => 404,
+        GrpcCode::AlreadyExists | GrpcCode::Aborted => 409,
+        GrpcCode::PermissionDenied => 403,
+        GrpcCode::ResourceExhausted => 429,
+        GrpcCode::Unimplemented => 501,
+        GrpcCode::Unavailable => 503,
+        GrpcCode::Unauthenticated => 401,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classification_success_for_2xx_and_unlisted_statuses() {
+        let c = Classifier::default();
+        for s in [200, 201, 204, 301, 400, 401, 404, 409, 422, 501, 505] {
+            assert_eq!(c.classify(s), Outcome::Success, "status {s}");
+        }
+    }
+
+    #[test]
+    fn classification_failure_for_408_500_502_503_504() {
+        let c = Classifier::default();
+        for s in [408, 500, 502, 503, 504] {
+            assert_eq!(c.classify(s), Outcome::Failure(FailureReason::Status), "status {s}");
+        }
+    }
+
+    #[test]
+    fn classification_429_records_nothing() {
+        assert_eq!(Classifier::default().classify(429), Outcome::Ignored);
+    }
+
+    #[test]
+    fn override_capacity_list_replaces_default_and_wins_over_failure_list() {
+        // 503 as backpressure, 429 dropped from the capacity list: 429 falls
+        // through to the failure list, where it is a failure.
+        let c = Classifier::new(&[503], DEFAULT_FAILURE_CODES);
+        assert_eq!(c.classify(503), Outcome::Ignored);
+        assert_eq!(c.classify(429), Outcome::Failure(FailureReason::Status));
+    }
+
+    #[test]
+    fn override_failure_list_replaces_default() {
+        let c = Classifier::new(DEFAULT_CAPACITY_CODES, &[500]);
+        assert_eq!(c.classify(500), Outcome::Failure(FailureReason::Status));
+        assert_eq!(c.classify(503), Outcome::Success);
+        assert_eq!(c.classify(429), Outcome::Ignored);
+    }
+
+    #[test]
+    fn grpc_mapping_from_the_document() {
+        let c = Classifier::default();
+        assert_eq!(grpc_to_http(GrpcCode::ResourceExhausted), 429);
+        assert_eq!(grpc_to_http(GrpcCode::Unavailable), 503);
+        assert_eq!(grpc_to_http(GrpcCode::DeadlineExceeded), 504);
+        assert_eq!(grpc_to_http(GrpcCode::InvalidArgument), 400);
+        assert_eq!(c.classify(grpc_to_http(GrpcCode::ResourceExhausted)), Outcome::Ignored);
+        assert_eq!(
+            c.classify(grpc_to_http(GrpcCode::Unavailable)),
+            Outcome::Failure(FailureReason::Status)
+        );
+        assert_eq!(c.classify(grpc_to_http(GrpcCode::InvalidArgument)), Outcome::Success);
+    }
+
+    #[test]
+    fn status_set_ignores_out_of_range_codes() {
+        let s = StatusSet::from_codes(&[99, 600, 1000, 200]);
+        assert_eq!(s.codes(), vec![200]);
+        assert!(!s.contains(1000));
+    }
+}

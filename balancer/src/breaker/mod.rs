@@ -1,0 +1,609 @@
+//! The per-worker circuit breaker: a pure state machine.
+//!
+//! Owns the closed / open / half-open states, their counters and the rules of
+//! the gateway document (per-request failure counting, half-open trials,
+//! readmission on promotion). It takes time from an injected [`Clock`], does no
+//! I/O, and knows nothing about HTTP beyond the [`Outcome`] it is handed: the
+//! proxy classifies, the health checker promotes, the metrics layer reads
+//! [`Breaker::snapshot`] at scrape time, and subscribers learn about every
+//! transition through a [`TransitionObserver`].
+//!
+//! # Concurrency
+//! The request path (`admit`, `record` in the closed state) is a handful of
+//! atomic operations on this breaker alone: no global lock, no allocation.
+//! State, half-open in-flight count and an epoch share one `AtomicU64`, so an
+//! admission decision and a probe-slot reservation are one CAS. Transitions
+//! are rare and take this breaker's own mutex, which makes each of them happen
+//! exactly once however many threads race to it.
+
+mod classify;
+mod window;
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+pub use classify::{
+    Classifier, DEFAULT_CAPACITY_CODES, DEFAULT_FAILURE_CODES, FailureReason, GrpcCode, Outcome,
+    StatusSet, grpc_to_http,
+};
+use window::Window;
+
+use crate::clock::{Clock, Nanos, nanos};
+
+/// A breaker's state, with the numbering of the `worker_cb_state` gauge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum State {
+    Closed = 0,
+    Open = 1,
+    HalfOpen = 2,
+}
+
+impl State {
+    pub const ALL: [State; 3] = [State::Closed, State::Open, State::HalfOpen];
+    const COUNT: usize = Self::ALL.len();
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            State::Closed => "closed",
+            State::Open => "open",
+            State::HalfOpen => "half_open",
+        }
+    }
+
+    /// The value of the `worker_cb_state` gauge.
+    pub fn gauge(self) -> i64 {
+        self as i64
+    }
+
+    fn from_bits(bits: u64) -> State {
+        match bits & STATE_MASK {
+            0 => State::Closed,
+            1 => State::Open,
+            _ => State::HalfOpen,
+        }
+    }
+}
+
+impl std::fmt::Display for State {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why a transition happened; logged and handed to observers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransitionReason {
+    /// Closed → open: the failure threshold was reached.
+    FailureThreshold,
+    /// Open → half-open: the open timeout passed.
+    OpenTimeout,
+    /// Open → half-open: the worker was promoted back to Ready.
+    Promotion,
+    /// Half-open → closed: the success threshold was reached.
+    TrialSucceeded,
+    /// Half-open → open: a trial request failed.
+    TrialFailed,
+}
+
+impl TransitionReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransitionReason::FailureThreshold => "failure_threshold",
+            TransitionReason::OpenTimeout => "open_timeout",
+            TransitionReason::Promotion => "promotion",
+            TransitionReason::TrialSucceeded => "trial_succeeded",
+            TransitionReason::TrialFailed => "trial_failed",
+        }
+    }
+}
+
+/// One state change, as observers see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Transition {
+    pub from: State,
+    pub to: State,
+    pub reason: TransitionReason,
+    pub at: Nanos,
+}
+
+/// Told about every transition, in order, while the breaker's transition lock
+/// is held: implementations must be quick and must not call back into the
+/// same breaker's mutating methods.
+pub trait TransitionObserver: Send + Sync {
+    fn on_transition(&self, transition: &Transition);
+}
+
+/// Failure counting over a time window instead of consecutive failures (an
+/// option beyond the document, off by default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowSettings {
+    /// The span failures are counted over (`--cb-window-duration-secs`).
+    pub duration: Duration,
+    /// Fewer calls than this in the window never open the circuit, so one
+    /// failure on an idle worker is not a 100% failure rate.
+    pub min_calls: u32,
+}
+
+/// The tunables of one breaker, after flags and per-worker overrides are merged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Settings {
+    /// Failed requests that open the circuit (`u32::MAX`: never).
+    pub failure_threshold: u32,
+    /// Consecutive half-open successes that close it.
+    pub success_threshold: u32,
+    /// How long it stays open before a trial.
+    pub open_timeout: Duration,
+    /// At most this many requests in flight to a half-open worker; 0 means no
+    /// limit, as in the document.
+    pub half_open_max_inflight: u32,
+    /// `None`: consecutive failures (the document). `Some`: failures within a window.
+    pub window: Option<WindowSettings>,
+}
+
+impl Default for Settings {
+    /// The document's defaults.
+    fn default() -> Self {
+        Self {
+            failure_threshold: 10,
+            success_threshold: 3,
+            open_timeout: Duration::from_secs(60),
+            half_open_max_inflight: 0,
+            window: None,
+        }
+    }
+}
+
+/// Proof that a request was admitted, to be handed back to [`Breaker::record`].
+/// It remembers whether it holds one of the limited half-open probe slots, so
+/// the slot is returned exactly once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use = "a ticket must be handed back through Breaker::record"]
+pub struct Ticket {
+    epoch: u32,
+    probe: bool,
+}
+
+/// A consistent-enough copy of a breaker's counters, for metrics and the admin API.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    pub state: State,
+    pub consecutive_failures: u32,
+    pub consecutive_successes: u32,
+    pub successes: u64,
+    /// Indexed like [`FailureReason::ALL`].
+    pub failures: [u64; 5],
+    /// `transitions[from][to]`, indexed by `State as usize`.
+    pub transitions: [[u64; State::COUNT]; State::COUNT],
+    pub health_readmissions: u64,
+    pub half_open_inflight: u32,
+    /// When the circuit leaves the open state by timeout, if it is open.
+    pub open_until: Option<Nanos>,
+}
+
+impl Snapshot {
+    pub fn failures_total(&self) -> u64 {
+        self.failures.iter().sum()
+    }
+
+    pub fn transitions_total(&self) -> u64 {
+        self.transitions.iter().flatten().sum()
+    }
+}
+
+// Layout of `Breaker::word`: state | half-open in-flight << 8 | epoch << 32.
+const STATE_MASK: u64 = 0xff;
+const INFLIGHT_ONE: u64 = 1 << 8;
+const INFLIGHT_MASK: u64 = 0x00ff_ffff << 8;
+const EPOCH_SHIFT: u32 = 32;
+
+fn epoch_of(word: u64) -> u32 {
+    (word >> EPOCH_SHIFT) as u32
+}
+
+fn inflight_of(word: u64) -> u32 {
+    ((word & INFLIGHT_MASK) >> 8) as u32
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// One worker's circuit breaker.
+pub struct Breaker {
+    id: u64,
+    name: Arc<str>,
+    word: AtomicU64,
+    consecutive_failures: AtomicU32,
+    consecutive_successes: AtomicU32,
+    opened_at: AtomicU64,
+
+    failure_threshold: AtomicU32,
+    success_threshold: AtomicU32,
+    open_timeout: AtomicU64,
+    half_open_max_inflight: AtomicU32,
+    windowed: AtomicBool,
+
+    successes: AtomicU64,
+    failures: [AtomicU64; 5],
+    transitions: [[AtomicU64; State::COUNT]; State::COUNT],
+    readmissions: AtomicU64,
+
+    /// Serialises transitions (and the optional window), never taken by a
+    /// closed-state admission or a plain success.
+    transition_lock: Mutex<Option<Window>>,
+    observer: Option<Arc<dyn TransitionObserver>>,
+}
+
+impl std::fmt::Debug for Breaker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Breaker")
+            .field("name", &self.name)
+            .field("state", &self.state())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Breaker {
+    /// A closed breaker. `name` (the worker URL) labels its log events.
+    pub fn new(
+        name: impl Into<Arc<str>>,
+        settings: Settings,
+        observer: Option<Arc<dyn TransitionObserver>>,
+    ) -> Self {
+        let breaker = Self {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            name: name.into(),
+            word: AtomicU64::new(State::Closed as u64),
+            consecutive_failures: AtomicU32::new(0),
+            consecutive_successes: AtomicU32::new(0),
+            opened_at: AtomicU64::new(0),
+            failure_threshold: AtomicU32::new(0),
+            success_threshold: AtomicU32::new(0),
+            open_timeout: AtomicU64::new(0),
+            half_open_max_inflight: AtomicU32::new(0),
+            windowed: AtomicBool::new(false),
+            successes: AtomicU64::new(0),
+            failures: Default::default(),
+            transitions: Default::default(),
+            readmissions: AtomicU64::new(0),
+            transition_lock: Mutex::new(None),
+            observer,
+        };
+        breaker.set_settings(settings);
+        breaker
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Applies new tunables (a per-worker override changed). The state and
+    /// counters stay; a lowered threshold takes effect at the next failure.
+    pub fn set_settings(&self, s: Settings) {
+        let mut window = self.lock();
+        self.failure_threshold
+            .store(s.failure_threshold.max(1), Ordering::Relaxed);
+        self.success_threshold
+            .store(s.success_threshold.max(1), Ordering::Relaxed);
+        self.open_timeout
+            .store(nanos(s.open_timeout), Ordering::Relaxed);
+        self.half_open_max_inflight
+            .store(s.half_open_max_inflight, Ordering::Relaxed);
+        let same_window = window.as_ref().map(Window::settings) == s.window;
+        if !same_window {
+            *window = s.window.map(Window::new);
+        }
+        self.windowed.store(s.window.is_some(), Ordering::Relaxed);
+    }
+
+    pub fn settings(&self) -> Settings {
+        Settings {
+            failure_threshold: self.failure_threshold.load(Ordering::Relaxed),
+            success_threshold: self.success_threshold.load(Ordering::Relaxed),
+            open_timeout: Duration::from_nanos(self.open_timeout.load(Ordering::Relaxed)),
+            half_open_max_inflight: self.half_open_max_inflight.load(Ordering::Relaxed),
+            window: self.lock().as_ref().map(Window::settings),
+        }
+    }
+
+    /// The current state, without moving an expired open circuit: use
+    /// [`Breaker::is_available`] or [`Breaker::poll`] for that.
+    #[inline]
+    pub fn state(&self) -> State {
+        State::from_bits(self.word.load(Ordering::Acquire))
+    }
+
+    /// Whether selection may pick this worker now. Moves an open circuit whose
+    /// timeout has passed to half-open (the document's "next check of the
+    /// worker's state"). Reserves nothing: call [`Breaker::admit`] on the
+    /// worker finally chosen.
+    #[inline]
+    pub fn is_available(&self, clock: &dyn Clock) -> bool {
+        loop {
+            let word = self.word.load(Ordering::Acquire);
+            match State::from_bits(word) {
+                State::Closed => return true,
+                State::HalfOpen => {
+                    let max = self.half_open_max_inflight.load(Ordering::Relaxed);
+                    return max == 0 || inflight_of(word) < max;
+                }
+                State::Open => {
+                    if !self.try_leave_open(word, clock) {
+                        return false;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Admits one request, or says no. In half-open with a probe limit this
+    /// takes one of the limited slots.
+    #[inline]
+    pub fn admit(&self, clock: &dyn Clock) -> Option<Ticket> {
+        loop {
+            let word = self.word.load(Ordering::Acquire);
+            let epoch = epoch_of(word);
+            match State::from_bits(word) {
+                State::Closed => return Some(Ticket { epoch, probe: false }),
+                State::HalfOpen => {
+                    let max = self.half_open_max_inflight.load(Ordering::Relaxed);
+                    if max == 0 {
+                        return Some(Ticket { epoch, probe: false });
+                    }
+                    if inflight_of(word) >= max {
+                        return None;
+                    }
+                    if self
+                        .word
+                        .compare_exchange_weak(
+                            word,
+                            word + INFLIGHT_ONE,
+                            Ordering::AcqRel,
+                            Ordering::Acquire,
+                        )
+                        .is_ok()
+                    {
+                        return Some(Ticket { epoch, probe: true });
+                    }
+                }
+                State::Open => {
+                    if !self.try_leave_open(word, clock) {
+                        return None;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Records what an admitted request did and gives its ticket back.
+    #[inline]
+    pub fn record(&self, ticket: Ticket, outcome: Outcome, clock: &dyn Clock) {
+        if ticket.probe {
+            self.release_probe(ticket.epoch);
+        }
+        match outcome {
+            Outcome::Success => self.on_success(clock),
+            Outcome::Failure(reason) => self.on_failure(reason, clock),
+            Outcome::Ignored => {}
+        }
+    }
+
+    /// Moves an expired open circuit to half-open, and otherwise says when it
+    /// will expire. The agent's timer calls this so that a worker nobody sends
+    /// requests to (an L4-only or idle one) does not stay isolated forever.
+    pub fn poll(&self, clock: &dyn Clock) -> Option<Nanos> {
+        let word = self.word.load(Ordering::Acquire);
+        if State::from_bits(word) != State::Open || self.try_leave_open(word, clock) {
+            return None;
+        }
+        Some(self.open_until())
+    }
+
+    /// The worker was promoted back to Ready. An open circuit goes on trial at
+    /// once; a closed one forgets the failures of the outage. The caller makes
+    /// sure a promotion is a real NotReady → Ready move, so each one starts at
+    /// most one trial.
+    pub fn promote(&self, clock: &dyn Clock) {
+        let word = self.word.load(Ordering::Acquire);
+        match State::from_bits(word) {
+            State::Open => {
+                self.transition(word, State::HalfOpen, TransitionReason::Promotion, clock.now());
+            }
+            State::Closed => {
+                let _guard = self.lock();
+                if State::from_bits(self.word.load(Ordering::Acquire)) == State::Closed {
+                    self.consecutive_failures.store(0, Ordering::Release);
+                }
+            }
+            State::HalfOpen => {}
+        }
+    }
+
+    pub fn snapshot(&self) -> Snapshot {
+        let word = self.word.load(Ordering::Acquire);
+        let state = State::from_bits(word);
+        Snapshot {
+            state,
+            consecutive_failures: self.consecutive_failures.load(Ordering::Acquire),
+            consecutive_successes: self.consecutive_successes.load(Ordering::Acquire),
+            successes: self.successes.load(Ordering::Relaxed),
+            failures: std::array::from_fn(|i| self.failures[i].load(Ordering::Relaxed)),
+            transitions: std::array::from_fn(|f| {
+                std::array::from_fn(|t| self.transitions[f][t].load(Ordering::Relaxed))
+            }),
+            health_readmissions: self.readmissions.load(Ordering::Relaxed),
+            half_open_inflight: inflight_of(word),
+            open_until: (state == State::Open).then(|| self.open_until()),
+        }
+    }
+
+    /// A process-unique id, for per-request bookkeeping ([`RequestCharges`]).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    fn open_until(&self) -> Nanos {
+        self.opened_at
+            .load(Ordering::Acquire)
+            .saturating_add(self.open_timeout.load(Ordering::Relaxed))
+    }
+
+    /// Returns true when the circuit left the open state (by this call or a
+    /// concurrent one), false while it must stay open.
+    fn try_leave_open(&self, word: u64, clock: &dyn Clock) -> bool {
+        let now = clock.now();
+        if now < self.open_until() {
+            return false;
+        }
+        self.transition(word, State::HalfOpen, TransitionReason::OpenTimeout, now);
+        true
+    }
+
+    fn release_probe(&self, epoch: u32) {
+        // A transition since admission reset the count and bumped the epoch;
+        // the slot this ticket held no longer exists.
+        let _ = self
+            .word
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+                (epoch_of(w) == epoch && inflight_of(w) > 0).then(|| w - INFLIGHT_ONE)
+            });
+    }
+
+    fn on_success(&self, clock: &dyn Clock) {
+        self.successes.fetch_add(1, Ordering::Relaxed);
+        // Skip the store when already zero: the common case stays a read of a
+        // shared cache line rather than a write to it.
+        if self.consecutive_failures.load(Ordering::Relaxed) != 0 {
+            self.consecutive_failures.store(0, Ordering::Release);
+        }
+        let successes = self.consecutive_successes.fetch_add(1, Ordering::AcqRel) + 1;
+        let word = self.word.load(Ordering::Acquire);
+        match State::from_bits(word) {
+            State::HalfOpen => {
+                if successes >= self.success_threshold.load(Ordering::Relaxed) {
+                    self.transition(word, State::Closed, TransitionReason::TrialSucceeded, clock.now());
+                }
+            }
+            State::Closed if self.windowed.load(Ordering::Relaxed) => {
+                let now = clock.now();
+                if let Some(w) = self.lock().as_mut() {
+                    w.record(now, false);
+                }
+            }
+            State::Closed | State::Open => {}
+        }
+    }
+
+    fn on_failure(&self, reason: FailureReason, clock: &dyn Clock) {
+        self.failures[reason as usize].fetch_add(1, Ordering::Relaxed);
+        self.consecutive_successes.store(0, Ordering::Release);
+        let failures = self.consecutive_failures.fetch_add(1, Ordering::AcqRel) + 1;
+        let word = self.word.load(Ordering::Acquire);
+        match State::from_bits(word) {
+            State::Closed => {
+                let threshold = self.failure_threshold.load(Ordering::Relaxed);
+                let now = clock.now();
+                let trip = if self.windowed.load(Ordering::Relaxed) {
+                    self.lock()
+                        .as_mut()
+                        .is_some_and(|w| w.record(now, true).trips(threshold))
+                } else {
+                    failures >= threshold
+                };
+                if trip {
+                    self.transition(word, State::Open, TransitionReason::FailureThreshold, now);
+                }
+            }
+            State::HalfOpen => {
+                self.transition(word, State::Open, TransitionReason::TrialFailed, clock.now());
+            }
+            State::Open => {}
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Window>> {
+        // Nothing under this lock can panic halfway through an update, so a
+        // poisoned lock still guards consistent data.
+        self.transition_lock
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Moves from the state in `expected` to `to`, unless another thread got
+    /// there first (the state or epoch in `word` changed). Returns whether
+    /// this call made the transition.
+    fn transition(&self, expected: u64, to: State, reason: TransitionReason, now: Nanos) -> bool {
+        let mut window = self.lock();
+        let current = self.word.load(Ordering::Acquire);
+        if current & !INFLIGHT_MASK != expected & !INFLIGHT_MASK {
+            return false;
+        }
+        let from = State::from_bits(current);
+        // Counter resets of the reference gateway: a new state starts its own
+        // run, except that opening keeps the failure run that caused it.
+        match to {
+            State::Closed | State::HalfOpen => {
+                self.consecutive_failures.store(0, Ordering::Release);
+                self.consecutive_successes.store(0, Ordering::Release);
+                if let Some(w) = window.as_mut() {
+                    w.clear();
+                }
+            }
+            State::Open => {
+                self.consecutive_successes.store(0, Ordering::Release);
+                self.opened_at.store(now, Ordering::Release);
+            }
+        }
+        let next = (u64::from(epoch_of(current).wrapping_add(1)) << EPOCH_SHIFT) | to as u64;
+        self.word.store(next, Ordering::Release);
+        self.transitions[from as usize][to as usize].fetch_add(1, Ordering::Relaxed);
+        if reason == TransitionReason::Promotion {
+            self.readmissions.fetch_add(1, Ordering::Relaxed);
+        }
+        tracing::info!(
+            worker = %self.name,
+            from = from.as_str(),
+            to = to.as_str(),
+            reason = reason.as_str(),
+            "circuit breaker transition"
+        );
+        if let Some(observer) = &self.observer {
+            observer.on_transition(&Transition {
+                from,
+                to,
+                reason,
+                at: now,
+            });
+        }
+        drop(window);
+        true
+    }
+}
+
+/// Per-request failure accounting: however many attempts of one request fail
+/// on the same worker, that worker is charged one failure. The retry loop
+/// keeps one of these per request and records through it.
+#[derive(Debug, Default)]
+pub struct RequestCharges {
+    charged: Vec<u64>,
+}
+
+impl RequestCharges {
+    /// Records `outcome` on `breaker`, downgrading a repeated failure of this
+    /// request on the same breaker to no sample. Allocates only on a request's
+    /// first failure.
+    pub fn record(&mut self, breaker: &Breaker, ticket: Ticket, outcome: Outcome, clock: &dyn Clock) {
+        let outcome = match outcome {
+            Outcome::Failure(_) if self.charged.contains(&breaker.id()) => Outcome::Ignored,
+            Outcome::Failure(_) => {
+                self.charged.push(breaker.id());
+                outcome
+            }
+            other => other,
+        };
+        breaker.record(ticket, outcome, clock);
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,670 @@
+//! One test per rule of the gateway document, a property test against a
+//! reference model, and a concurrency test. Time only moves through
+//! `ManualClock`.
+
+use std::sync::Mutex as StdMutex;
+use std::sync::atomic::AtomicUsize;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::clock::ManualClock;
+
+const SECOND: Duration = Duration::from_secs(1);
+
+fn settings(failure: u32, success: u32, timeout_secs: u64) -> Settings {
+    Settings {
+        failure_threshold: failure,
+        success_threshold: success,
+        open_timeout: Duration::from_secs(timeout_secs),
+        ..Settings::default()
+    }
+}
+
+/// A ticket as an in-flight request holds it, whatever the state is now.
+fn inflight() -> Ticket {
+    Ticket {
+        epoch: 0,
+        probe: false,
+    }
+}
+
+fn fail(b: &Breaker, c: &ManualClock) {
+    b.record(inflight(), Outcome::Failure(FailureReason::Status), c);
+}
+
+fn succeed(b: &Breaker, c: &ManualClock) {
+    b.record(inflight(), Outcome::Success, c);
+}
+
+#[derive(Default)]
+struct Recorder(StdMutex<Vec<Transition>>);
+
+impl TransitionObserver for Recorder {
+    fn on_transition(&self, t: &Transition) {
+        self.0.lock().unwrap().push(*t);
+    }
+}
+
+impl Recorder {
+    fn moves(&self) -> Vec<(State, State, TransitionReason)> {
+        let seen = self.0.lock().unwrap();
+        seen.iter().map(|t| (t.from, t.to, t.reason)).collect()
+    }
+}
+
+fn open_breaker(failure: u32, success: u32, timeout_secs: u64) -> (Breaker, ManualClock) {
+    let clock = ManualClock::new();
+    let b = Breaker::new("http://w", settings(failure, success, timeout_secs), None);
+    for _ in 0..failure {
+        fail(&b, &clock);
+    }
+    assert_eq!(b.state(), State::Open);
+    (b, clock)
+}
+
+#[test]
+fn defaults_are_the_documents() {
+    let s = Settings::default();
+    assert_eq!(
+        (s.failure_threshold, s.success_threshold, s.open_timeout),
+        (10, 3, Duration::from_secs(60))
+    );
+    assert_eq!((s.half_open_max_inflight, s.window), (0, None));
+}
+
+#[test]
+fn closed_failed_request_increments_consecutive_failures() {
+    let clock = ManualClock::new();
+    let b = Breaker::new("w", settings(5, 1, 1), None);
+    for n in 1..=4 {
+        fail(&b, &clock);
+        assert_eq!(b.snapshot().consecutive_failures, n);
+        assert_eq!(b.state(), State::Closed);
+    }
+}
+
+#[test]
+fn closed_success_resets_consecutive_failures_to_zero() {
+    let clock = ManualClock::new();
+    let b = Breaker::new("w", settings(3, 1, 1), None);
+    fail(&b, &clock);
+    fail(&b, &clock);
+    succeed(&b, &clock);
+    assert_eq!(b.snapshot().consecutive_failures, 0);
+    fail(&b, &clock);
+    fail(&b, &clock);
+    assert_eq!(b.state(), State::Closed, "the success broke the run");
+    fail(&b, &clock);
+    assert_eq!(b.state(), State::Open);
+}
+
+#[test]
+fn closed_opens_when_consecutive_failures_reach_threshold() {
+    for threshold in [1, 2, 3, 10] {
+        let (b, _) = open_breaker(threshold, 3, 60);
+        let snap = b.snapshot();
+        assert_eq!(snap.consecutive_failures, threshold);
+        assert_eq!(snap.transitions[0][1], 1);
+    }
+}
+
+#[test]
+fn per_request_counting_charges_one_failure_per_request_per_worker() {
+    let clock = ManualClock::new();
+    let a = Breaker::new("a", settings(3, 1, 60), None);
+    let b = Breaker::new("b", settings(3, 1, 60), None);
+    // Two requests, each failing five attempts on `a` and one on `b`.
+    for _ in 0..2 {
+        let mut charges = RequestCharges::default();
+        for _ in 0..5 {
+            let t = a.admit(&clock).unwrap();
+            charges.record(&a, t, Outcome::Failure(FailureReason::Status), &clock);
+        }
+        let t = b.admit(&clock).unwrap();
+        charges.record(&b, t, Outcome::Failure(FailureReason::Connect), &clock);
+    }
+    assert_eq!(a.snapshot().consecutive_failures, 2);
+    assert_eq!(a.snapshot().failures_total(), 2);
+    assert_eq!(b.snapshot().consecutive_failures, 2);
+    assert_eq!(a.state(), State::Closed, "ten failed attempts, two failed requests");
+}
+
+#[test]
+fn per_request_counting_still_records_successes_after_a_failure() {
+    let clock = ManualClock::new();
+    let a = Breaker::new("a", settings(3, 1, 60), None);
+    let mut charges = RequestCharges::default();
+    charges.record(&a, inflight(), Outcome::Failure(FailureReason::Status), &clock);
+    charges.record(&a, inflight(), Outcome::Success, &clock);
+    let snap = a.snapshot();
+    assert_eq!((snap.successes, snap.failures_total(), snap.consecutive_failures), (1, 1, 0));
+}
+
+#[test]
+fn open_worker_is_not_selectable() {
+    let (b, clock) = open_breaker(2, 1, 60);
+    assert!(!b.is_available(&clock));
+    assert_eq!(b.admit(&clock), None);
+    clock.advance(59 * SECOND);
+    assert!(!b.is_available(&clock));
+    assert_eq!(b.state(), State::Open);
+}
+
+#[test]
+fn open_moves_to_half_open_on_first_check_after_timeout() {
+    let recorder = Arc::new(Recorder::default());
+    let clock = ManualClock::new();
+    let b = Breaker::new("w", settings(1, 2, 30), Some(recorder.clone()));
+    fail(&b, &clock);
+    clock.advance(30 * SECOND);
+    assert_eq!(b.state(), State::Open, "nothing checked yet");
+    assert!(b.is_available(&clock));
+    assert_eq!(b.state(), State::HalfOpen);
+    assert_eq!(
+        recorder.moves(),
+        vec![
+            (State::Closed, State::Open, TransitionReason::FailureThreshold),
+            (State::Open, State::HalfOpen, TransitionReason::OpenTimeout),
+        ]
+    );
+    assert_eq!(b.snapshot().health_readmissions, 0, "a timeout is not a readmission");
+}
+
+#[test]
+fn open_timeout_is_driven_by_poll_without_traffic() {
+    let (b, clock) = open_breaker(1, 1, 10);
+    let deadline = b.poll(&clock).expect("open circuits report their deadline");
+    assert_eq!(deadline, nanos(10 * SECOND));
+    clock.set(deadline - 1);
+    assert_eq!(b.poll(&clock), Some(deadline));
+    clock.set(deadline);
+    assert_eq!(b.poll(&clock), None);
+    assert_eq!(b.state(), State::HalfOpen);
+}
+
+#[test]
+fn half_open_takes_traffic_unthrottled() {
+    let (b, clock) = open_breaker(1, 3, 1);
+    clock.advance(SECOND);
+    let tickets: Vec<_> = (0..100).map(|_| b.admit(&clock)).collect();
+    assert!(tickets.iter().all(Option::is_some));
+    assert_eq!(b.state(), State::HalfOpen);
+}
+
+#[test]
+fn half_open_closes_after_success_threshold_consecutive_successes() {
+    let (b, clock) = open_breaker(1, 3, 1);
+    clock.advance(SECOND);
+    assert!(b.is_available(&clock));
+    succeed(&b, &clock);
+    succeed(&b, &clock);
+    assert_eq!(b.state(), State::HalfOpen);
+    assert_eq!(b.snapshot().consecutive_successes, 2);
+    succeed(&b, &clock);
+    assert_eq!(b.state(), State::Closed);
+    let snap = b.snapshot();
+    assert_eq!((snap.consecutive_failures, snap.consecutive_successes), (0, 0));
+}
+
+#[test]
+fn half_open_any_failure_reopens_for_a_full_timeout() {
+    let (b, clock) = open_breaker(1, 3, 20);
+    clock.advance(20 * SECOND);
+    assert!(b.is_available(&clock));
+    succeed(&b, &clock);
+    succeed(&b, &clock);
+    b.record(inflight(), Outcome::Failure(FailureReason::Timeout), &clock);
+    assert_eq!(b.state(), State::Open);
+    clock.advance(19 * SECOND);
+    assert!(!b.is_available(&clock), "the timeout started over at the failure");
+    clock.advance(SECOND);
+    assert!(b.is_available(&clock));
+    assert_eq!(b.snapshot().transitions[2][1], 1);
+}
+
+#[test]
+fn half_open_pushback_records_nothing_and_cannot_close() {
+    let (b, clock) = open_breaker(1, 1, 1);
+    clock.advance(SECOND);
+    assert!(b.is_available(&clock));
+    let before = b.snapshot();
+    for _ in 0..10 {
+        b.record(inflight(), Outcome::Ignored, &clock);
+    }
+    assert_eq!(b.state(), State::HalfOpen);
+    assert_eq!(b.snapshot(), before);
+}
+
+#[test]
+fn pushback_records_nothing_in_closed_state() {
+    let clock = ManualClock::new();
+    let b = Breaker::new("w", settings(2, 1, 1), None);
+    fail(&b, &clock);
+    let before = b.snapshot();
+    b.record(inflight(), Outcome::Ignored, &clock);
+    assert_eq!(b.snapshot(), before, "not a success: the failure run continues");
+    fail(&b, &clock);
+    assert_eq!(b.state(), State::Open);
+}
+
+#[test]
+fn promotion_moves_open_to_half_open_at_once_and_counts_a_readmission() {
+    let recorder = Arc::new(Recorder::default());
+    let clock = ManualClock::new();
+    let b = Breaker::new("w", settings(1, 2, 60), Some(recorder.clone()));
+    fail(&b, &clock);
+    clock.advance(SECOND);
+    b.promote(&clock);
+    assert_eq!(b.state(), State::HalfOpen);
+    assert_eq!(b.snapshot().health_readmissions, 1);
+    assert_eq!(recorder.moves()[1], (State::Open, State::HalfOpen, TransitionReason::Promotion));
+    // The trial is the timeout's trial: success threshold closes it ...
+    succeed(&b, &clock);
+    succeed(&b, &clock);
+    assert_eq!(b.state(), State::Closed);
+}
+
+#[test]
+fn promotion_trial_failure_reopens_for_a_full_timeout() {
+    let (b, clock) = open_breaker(1, 2, 60);
+    b.promote(&clock);
+    fail(&b, &clock);
+    assert_eq!(b.state(), State::Open);
+    clock.advance(59 * SECOND);
+    assert!(!b.is_available(&clock));
+    clock.advance(SECOND);
+    assert!(b.is_available(&clock));
+    assert_eq!(b.snapshot().health_readmissions, 1);
+}
+
+#[test]
+fn promotion_resets_the_failure_count_of_a_closed_circuit() {
+    let clock = ManualClock::new();
+    let b = Breaker::new("w", settings(3, 1, 60), None);
+    fail(&b, &clock);
+    fail(&b, &clock);
+    b.promote(&clock);
+    assert_eq!(b.snapshot().consecutive_failures, 0);
+    fail(&b, &clock);
+    assert_eq!(b.state(), State::Closed, "the outage's failures are forgotten");
+    assert_eq!(b.snapshot().health_readmissions, 0);
+}
+
+#[test]
+fn promotion_of_a_half_open_circuit_changes_nothing() {
+    let (b, clock) = open_breaker(1, 3, 1);
+    clock.advance(SECOND);
+    assert!(b.is_available(&clock));
+    succeed(&b, &clock);
+    let before = b.snapshot();
+    b.promote(&clock);
+    assert_eq!(b.snapshot(), before);
+}
+
+#[test]
+fn disable_circuit_breaker_never_opens_but_still_counts() {
+    let clock = ManualClock::new();
+    let b = Breaker::new("w", settings(u32::MAX, 3, 60), None);
+    for _ in 0..10_000 {
+        fail(&b, &clock);
+    }
+    assert_eq!(b.state(), State::Closed);
+    assert_eq!(b.snapshot().failures_total(), 10_000);
+}
+
+#[test]
+fn per_worker_override_thresholds_and_timeout_apply() {
+    let clock = ManualClock::new();
+    let b = Breaker::new("w", settings(10, 3, 60), None);
+    b.set_settings(settings(2, 1, 5));
+    fail(&b, &clock);
+    fail(&b, &clock);
+    assert_eq!(b.state(), State::Open);
+    clock.advance(5 * SECOND);
+    assert!(b.is_available(&clock));
+    succeed(&b, &clock);
+    assert_eq!(b.state(), State::Closed);
+}
+
+#[test]
+fn half_open_max_inflight_limits_concurrent_probes() {
+    let clock = ManualClock::new();
+    let s = Settings {
+        half_open_max_inflight: 1,
+        ..settings(1, 2, 1)
+    };
+    let b = Breaker::new("w", s, None);
+    fail(&b, &clock);
+    clock.advance(SECOND);
+    let probe = b.admit(&clock).expect("one probe");
+    assert!(!b.is_available(&clock), "the only slot is taken");
+    assert_eq!(b.admit(&clock), None);
+    b.record(probe, Outcome::Success, &clock);
+    let probe = b.admit(&clock).expect("the slot came back");
+    b.record(probe, Outcome::Success, &clock);
+    assert_eq!(b.state(), State::Closed);
+    // Closed admits without limit.
+    assert!((0..5).all(|_| b.admit(&clock).is_some()));
+}
+
+#[test]
+fn half_open_probe_slot_of_an_older_epoch_is_not_returned_twice() {
+    let clock = ManualClock::new();
+    let s = Settings {
+        half_open_max_inflight: 1,
+        ..settings(1, 1, 1)
+    };
+    let b = Breaker::new("w", s, None);
+    fail(&b, &clock);
+    clock.advance(SECOND);
+    let stale = b.admit(&clock).unwrap();
+    fail(&b, &clock); // reopens: the slot count restarts
+    clock.advance(SECOND);
+    let fresh = b.admit(&clock).unwrap();
+    b.record(stale, Outcome::Ignored, &clock);
+    assert_eq!(b.snapshot().half_open_inflight, 1, "the stale ticket freed nothing");
+    assert_eq!(b.admit(&clock), None);
+    b.record(fresh, Outcome::Ignored, &clock);
+    assert_eq!(b.snapshot().half_open_inflight, 0);
+}
+
+#[test]
+fn window_mode_opens_on_failures_within_the_window() {
+    let clock = ManualClock::new();
+    let s = Settings {
+        window: Some(WindowSettings {
+            duration: Duration::from_secs(10),
+            min_calls: 4,
+        }),
+        ..settings(3, 1, 5)
+    };
+    let b = Breaker::new("w", s, None);
+    // Failures interleaved with successes still count inside the window.
+    fail(&b, &clock);
+    succeed(&b, &clock);
+    fail(&b, &clock);
+    assert_eq!(b.state(), State::Closed);
+    fail(&b, &clock);
+    assert_eq!(b.state(), State::Open);
+}
+
+#[test]
+fn window_mode_forgets_failures_older_than_the_window() {
+    let clock = ManualClock::new();
+    let s = Settings {
+        window: Some(WindowSettings {
+            duration: Duration::from_secs(10),
+            min_calls: 1,
+        }),
+        ..settings(3, 1, 5)
+    };
+    let b = Breaker::new("w", s, None);
+    fail(&b, &clock);
+    fail(&b, &clock);
+    clock.advance(11 * SECOND);
+    fail(&b, &clock);
+    assert_eq!(b.state(), State::Closed);
+    fail(&b, &clock);
+    fail(&b, &clock);
+    assert_eq!(b.state(), State::Open);
+}
+
+#[test]
+fn window_mode_needs_the_minimum_number_of_calls() {
+    let clock = ManualClock::new();
+    let s = Settings {
+        window: Some(WindowSettings {
+            duration: Duration::from_secs(10),
+            min_calls: 5,
+        }),
+        ..settings(2, 1, 5)
+    };
+    let b = Breaker::new("w", s, None);
+    for _ in 0..4 {
+        fail(&b, &clock);
+    }
+    assert_eq!(b.state(), State::Closed);
+    fail(&b, &clock);
+    assert_eq!(b.state(), State::Open);
+}
+
+#[test]
+fn every_transition_is_counted_and_observed_once() {
+    let recorder = Arc::new(Recorder::default());
+    let clock = ManualClock::new();
+    let b = Breaker::new("w", settings(1, 1, 1), Some(recorder.clone()));
+    for _ in 0..3 {
+        fail(&b, &clock); // closed -> open
+        clock.advance(SECOND);
+        b.poll(&clock); // open -> half-open
+        succeed(&b, &clock); // half-open -> closed
+    }
+    let snap = b.snapshot();
+    assert_eq!(snap.transitions_total(), 9);
+    assert_eq!(recorder.moves().len(), 9);
+    assert_eq!(snap.transitions[0][1], 3);
+    assert_eq!(snap.transitions[1][2], 3);
+    assert_eq!(snap.transitions[2][0], 3);
+}
+
+#[test]
+fn concurrent_checks_make_exactly_one_open_to_half_open_per_timeout() {
+    const THREADS: usize = 4;
+    const ROUNDS: usize = 200;
+    let clock = Arc::new(ManualClock::new());
+    let recorder = Arc::new(Recorder::default());
+    let b = Arc::new(Breaker::new("w", settings(3, 2, 1), Some(recorder.clone())));
+    let barrier = Arc::new(std::sync::Barrier::new(THREADS));
+    let admitted = Arc::new(AtomicUsize::new(0));
+    let handles: Vec<_> = (0..THREADS)
+        .map(|i| {
+            let (b, clock, barrier, admitted) =
+                (b.clone(), clock.clone(), barrier.clone(), admitted.clone());
+            std::thread::spawn(move || {
+                for round in 0..ROUNDS {
+                    barrier.wait();
+                    // Every thread drives the breaker open, ...
+                    for _ in 0..3 {
+                        b.record(inflight(), Outcome::Failure(FailureReason::Status), &*clock);
+                    }
+                    barrier.wait();
+                    if i == 0 {
+                        clock.advance(SECOND);
+                    }
+                    barrier.wait();
+                    // ... and all race to move it to half-open at once.
+                    if b.admit(&*clock).is_some() {
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                    barrier.wait();
+                    if round % 2 == 0 {
+                        b.record(inflight(), Outcome::Success, &*clock);
+                        b.record(inflight(), Outcome::Success, &*clock);
+                    }
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    let snap = b.snapshot();
+    let observed = recorder.moves();
+    assert_eq!(snap.transitions_total() as usize, observed.len(), "no lost or doubled events");
+    assert_eq!(snap.transitions[1][2] as usize, ROUNDS, "one open→half-open per timeout");
+    assert_eq!(admitted.load(Ordering::Relaxed), ROUNDS * THREADS);
+    // The observed sequence is a valid walk of the state machine.
+    for pair in observed.windows(2) {
+        assert_eq!(pair[0].1, pair[1].0, "events arrive in state order");
+    }
+}
+
+#[test]
+fn concurrent_outcomes_lose_no_counts() {
+    let clock = Arc::new(ManualClock::new());
+    let b = Arc::new(Breaker::new("w", settings(u32::MAX, 3, 60), None));
+    let handles: Vec<_> = (0..4)
+        .map(|i| {
+            let (b, clock) = (b.clone(), clock.clone());
+            std::thread::spawn(move || {
+                for n in 0..10_000 {
+                    let t = b.admit(&*clock).unwrap();
+                    let o = if (n + i) % 3 == 0 {
+                        Outcome::Failure(FailureReason::Status)
+                    } else {
+                        Outcome::Success
+                    };
+                    b.record(t, o, &*clock);
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    let snap = b.snapshot();
+    assert_eq!(snap.successes + snap.failures_total(), 40_000);
+}
+
+// ---- property test against a reference model ----
+
+#[derive(Debug, Clone)]
+enum Op {
+    Success,
+    Failure,
+    Pushback,
+    Advance(u64),
+    Promote,
+    Poll,
+    Check,
+    Override(u32, u32, u64),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => Just(Op::Success),
+        4 => Just(Op::Failure),
+        1 => Just(Op::Pushback),
+        3 => (0u64..8_000).prop_map(Op::Advance),
+        1 => Just(Op::Promote),
+        1 => Just(Op::Poll),
+        2 => Just(Op::Check),
+        1 => (1u32..5, 1u32..4, 1u64..6).prop_map(|(f, s, t)| Op::Override(f, s, t)),
+    ]
+}
+
+/// The document's rules written as plainly as possible.
+#[derive(Debug)]
+struct Model {
+    state: State,
+    cf: u32,
+    cs: u32,
+    opened_at: u64,
+    failure_threshold: u32,
+    success_threshold: u32,
+    timeout_ms: u64,
+    transitions: [[u64; 3]; 3],
+    readmissions: u64,
+    successes: u64,
+    failures: u64,
+}
+
+impl Model {
+    fn go(&mut self, to: State, now_ms: u64) {
+        self.transitions[self.state as usize][to as usize] += 1;
+        match to {
+            State::Closed | State::HalfOpen => (self.cf, self.cs) = (0, 0),
+            State::Open => (self.cs, self.opened_at) = (0, now_ms),
+        }
+        self.state = to;
+    }
+
+    fn check(&mut self, now_ms: u64) {
+        if self.state == State::Open && now_ms >= self.opened_at + self.timeout_ms {
+            self.go(State::HalfOpen, now_ms);
+        }
+    }
+
+    fn apply(&mut self, op: &Op, now_ms: u64) {
+        match *op {
+            Op::Success => {
+                self.successes += 1;
+                self.cf = 0;
+                self.cs += 1;
+                if self.state == State::HalfOpen && self.cs >= self.success_threshold {
+                    self.go(State::Closed, now_ms);
+                }
+            }
+            Op::Failure => {
+                self.failures += 1;
+                self.cs = 0;
+                self.cf += 1;
+                match self.state {
+                    State::Closed if self.cf >= self.failure_threshold => {
+                        self.go(State::Open, now_ms)
+                    }
+                    State::HalfOpen => self.go(State::Open, now_ms),
+                    _ => {}
+                }
+            }
+            Op::Promote => match self.state {
+                State::Open => {
+                    self.readmissions += 1;
+                    self.go(State::HalfOpen, now_ms);
+                }
+                State::Closed => self.cf = 0,
+                State::HalfOpen => {}
+            },
+            Op::Poll | Op::Check => self.check(now_ms),
+            Op::Override(f, s, t) => {
+                (self.failure_threshold, self.success_threshold, self.timeout_ms) = (f, s, t * 1000)
+            }
+            Op::Pushback | Op::Advance(_) => {}
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+    #[test]
+    fn breaker_matches_reference_model(ops in proptest::collection::vec(op(), 1..200)) {
+        let clock = ManualClock::new();
+        let b = Breaker::new("w", settings(3, 2, 2), None);
+        let mut m = Model {
+            state: State::Closed, cf: 0, cs: 0, opened_at: 0,
+            failure_threshold: 3, success_threshold: 2, timeout_ms: 2000,
+            transitions: [[0; 3]; 3], readmissions: 0, successes: 0, failures: 0,
+        };
+        let mut now_ms = 0;
+        for op in &ops {
+            match *op {
+                Op::Success => b.record(inflight(), Outcome::Success, &clock),
+                Op::Failure => b.record(inflight(), Outcome::Failure(FailureReason::Status), &clock),
+                Op::Pushback => b.record(inflight(), Outcome::Ignored, &clock),
+                Op::Advance(ms) => {
+                    now_ms += ms;
+                    clock.advance(Duration::from_millis(ms));
+                }
+                Op::Promote => b.promote(&clock),
+                Op::Poll => { b.poll(&clock); }
+                Op::Check => {
+                    let available = b.is_available(&clock);
+                    m.apply(op, now_ms);
+                    prop_assert_eq!(available, m.state != State::Open);
+                    continue;
+                }
+                Op::Override(f, s, t) => b.set_settings(settings(f, s, t)),
+            }
+            m.apply(op, now_ms);
+            let snap = b.snapshot();
+            prop_assert_eq!(snap.state, m.state);
+            prop_assert_eq!(snap.consecutive_failures, m.cf);
+            prop_assert_eq!(snap.consecutive_successes, m.cs);
+            prop_assert_eq!(snap.transitions, m.transitions);
+            prop_assert_eq!(snap.health_readmissions, m.readmissions);
+            prop_assert_eq!(snap.successes, m.successes);
+            prop_assert_eq!(snap.failures_total(), m.failures);
+        }
+    }
+}
