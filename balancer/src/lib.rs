@@ -4,5 +4,7 @@
 //! every outcome, runs one circuit breaker per worker and pushes each worker's
 //! routable bit into eBPF maps, where an XDP program steers L4 connections.
 
+pub mod breaker;
+pub mod clock;
 pub mod dataplane;
 pub mod mock_worker;
