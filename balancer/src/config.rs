@@ -1,0 +1,530 @@
+//! The gateway's command line and config file.
+//!
+//! Owns flag names, defaults and validation. Names and defaults follow the
+//! reference gateway (`smg launch`) so operators can reuse their flags. Every
+//! flag can also come from a TOML file (`--config PATH`, keys are flag names
+//! with `_` or `-`), and flags on the command line win. Bad values fail at
+//! start with the flag and the value named.
+
+use std::ffi::OsString;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::{Args, CommandFactory, Parser};
+
+use crate::admission::AdmissionConfig;
+use crate::breaker::{Settings, WindowSettings};
+use crate::health::HealthThresholds;
+use crate::selection::Policy;
+use crate::worker::{BreakerDefaults, WorkerSpec};
+
+fn positive_f64(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 1.0 => Ok(v),
+        _ => Err(format!("{s} is not a number >= 1.0")),
+    }
+}
+
+fn fraction(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        _ => Err(format!("{s} is not a number between 0 and 1")),
+    }
+}
+
+fn endpoint_path(s: &str) -> Result<String, String> {
+    if s.starts_with('/') {
+        Ok(s.to_owned())
+    } else {
+        Err(format!("{s:?} must start with '/'"))
+    }
+}
+
+/// How the consecutive failure count is kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum FailureMode {
+    /// Consecutive failed requests (the gateway document; the default).
+    Consecutive,
+    /// Failed requests within `--cb-window-duration-secs`, once at least
+    /// `--cb-window-min-calls` requests were seen in the window.
+    Window,
+}
+
+/// `balancer launch`: run the gateway.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "balancer launch", args_override_self = true)]
+pub struct LaunchArgs {
+    /// TOML file with any of these flags as keys (`cb_failure_threshold = 5`)
+    /// and `[[workers]]` tables (url, model, labels, resilience). Flags given
+    /// on the command line win.
+    #[arg(long, value_name = "PATH")]
+    pub config: Option<PathBuf>,
+
+    /// Address the HTTP gateway listens on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    /// Port of the HTTP gateway.
+    #[arg(long, default_value_t = 30000)]
+    pub port: u16,
+    /// Worker base URLs (http://host:port).
+    #[arg(long, num_args = 1.., value_name = "URL")]
+    pub worker_urls: Vec<String>,
+    /// Start N built-in demo workers on loopback and route to them
+    /// (what `cargo xtask run` does).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub demo_workers: u16,
+    /// Load-balancing policy: round_robin, random, power_of_two, least_load,
+    /// consistent_hash.
+    #[arg(long, default_value = "power_of_two")]
+    pub policy: Policy,
+    /// Header whose value is the routing key of `consistent_hash`.
+    #[arg(long, default_value = "x-session-id")]
+    pub routing_key_header: String,
+
+    /// Address of the Prometheus metrics listener.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub prometheus_host: IpAddr,
+    #[arg(long, default_value_t = 29000)]
+    pub prometheus_port: u16,
+    /// Prefix of every metric name (`smg` makes the reference gateway's
+    /// dashboards and alerts work unchanged).
+    #[arg(long, default_value = "balancer")]
+    pub metrics_prefix: String,
+
+    /// Address of the admin API (never served on the public port).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub admin_host: IpAddr,
+    #[arg(long, default_value_t = 29100)]
+    pub admin_port: u16,
+    /// Require `Authorization: Bearer <TOKEN>` on the admin API.
+    #[arg(long, env = "BALANCER_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+
+    /// Per-attempt timeout to the first response byte, in seconds.
+    #[arg(long, default_value_t = 1800, value_parser = clap::value_parser!(u64).range(1..))]
+    pub request_timeout_secs: u64,
+    /// Timeout for opening a connection to a worker, in seconds.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    pub connect_timeout_secs: u64,
+    /// A streamed response that sends nothing for this long is cut (an SSE
+    /// error event ends it) and counted as a breaker failure.
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
+    pub stream_idle_timeout_secs: u64,
+    /// Request bodies up to this size are kept for replay on retries; larger
+    /// ones get a single attempt.
+    #[arg(long, default_value_t = 8 << 20)]
+    pub max_replay_body_bytes: usize,
+    /// In-flight requests get this long to finish after SIGTERM.
+    #[arg(long, default_value_t = 180)]
+    pub shutdown_grace_period_secs: u64,
+
+    /// Log level (error, warn, info, debug, trace) or a tracing filter.
+    #[arg(long, default_value = "info")]
+    pub log_level: String,
+    /// Log as JSON lines.
+    #[arg(long)]
+    pub log_json: bool,
+
+    /// Attempts per request, the first included.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    pub retry_max_retries: u32,
+    #[arg(long, default_value_t = 50)]
+    pub retry_initial_backoff_ms: u64,
+    #[arg(long, default_value_t = 30000)]
+    pub retry_max_backoff_ms: u64,
+    #[arg(long, default_value_t = 1.5, value_parser = positive_f64)]
+    pub retry_backoff_multiplier: f64,
+    #[arg(long, default_value_t = 0.2, value_parser = fraction)]
+    pub retry_jitter_factor: f64,
+    /// One attempt per request.
+    #[arg(long)]
+    pub disable_retries: bool,
+
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub health_check_interval_secs: u64,
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    pub health_check_timeout_secs: u64,
+    #[arg(long, default_value = "/health", value_parser = endpoint_path)]
+    pub health_check_endpoint: String,
+    /// Consecutive failed probes that demote a worker to NotReady.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    pub health_failure_threshold: u32,
+    /// Consecutive passing probes that promote it back to Ready.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    pub health_success_threshold: u32,
+    #[arg(long)]
+    pub disable_health_check: bool,
+
+    /// Requests running at once; the rest queue (off when absent).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_concurrent_requests: Option<u64>,
+    #[arg(long, default_value_t = 100)]
+    pub queue_size: usize,
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub queue_timeout_secs: u64,
+
+    #[command(flatten)]
+    pub breaker: BreakerArgs,
+
+    /// Worker specs from the config file's `[[workers]]` tables.
+    #[arg(skip)]
+    pub worker_specs: Vec<WorkerSpec>,
+}
+
+/// The `--cb-*` flags.
+#[derive(Debug, Clone, Args)]
+pub struct BreakerArgs {
+    /// Failed requests that open a worker's circuit.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    pub cb_failure_threshold: u32,
+    /// Consecutive half-open successes that close it.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    pub cb_success_threshold: u32,
+    /// Seconds an open circuit waits before a half-open trial.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub cb_timeout_duration_secs: u64,
+    /// Window of `--cb-failure-mode window`; validated (> 0) and otherwise
+    /// unused in the default consecutive mode, as in the reference gateway.
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
+    pub cb_window_duration_secs: u64,
+    /// `consecutive` (default) or `window`.
+    #[arg(long, value_enum, default_value_t = FailureMode::Consecutive)]
+    pub cb_failure_mode: FailureMode,
+    /// In window mode, fewer requests than this in the window never open the circuit.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    pub cb_window_min_calls: u32,
+    /// At most N requests in flight to a half-open worker (0: no limit, as in
+    /// the reference gateway).
+    #[arg(long, default_value_t = 0)]
+    pub cb_half_open_max_inflight: u32,
+    /// Breakers never open (unless a worker sets its own cb_failure_threshold);
+    /// outcomes are still counted.
+    #[arg(long)]
+    pub disable_circuit_breaker: bool,
+}
+
+impl BreakerArgs {
+    pub fn defaults(&self) -> BreakerDefaults {
+        BreakerDefaults {
+            settings: Settings {
+                failure_threshold: self.cb_failure_threshold,
+                success_threshold: self.cb_success_threshold,
+                open_timeout: Duration::from_secs(self.cb_timeout_duration_secs),
+                half_open_max_inflight: self.cb_half_open_max_inflight,
+                window: (self.cb_failure_mode == FailureMode::Window).then(|| WindowSettings {
+                    duration: Duration::from_secs(self.cb_window_duration_secs),
+                    min_calls: self.cb_window_min_calls,
+                }),
+            },
+            disabled: self.disable_circuit_breaker,
+        }
+    }
+}
+
+/// Retry schedule, from the `--retry-*` flags.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RetryPolicy {
+    pub max_attempts: u32,
+    pub initial_backoff: Duration,
+    pub max_backoff: Duration,
+    pub multiplier: f64,
+    pub jitter: f64,
+}
+
+impl RetryPolicy {
+    /// The wait before attempt `attempt + 1` (attempt counts from 1), with
+    /// jitter; a worker's `Retry-After` wins when it is longer, capped at the
+    /// maximum backoff.
+    pub fn backoff(&self, attempt: u32, retry_after: Option<Duration>) -> Duration {
+        let exp = self.multiplier.powi(attempt.saturating_sub(1) as i32);
+        let base = (self.initial_backoff.as_secs_f64() * exp).min(self.max_backoff.as_secs_f64());
+        let spread = if self.jitter > 0.0 {
+            rand::Rng::random_range(&mut rand::rng(), -self.jitter..=self.jitter)
+        } else {
+            0.0
+        };
+        let wait = Duration::from_secs_f64((base * (1.0 + spread)).max(0.0));
+        match retry_after {
+            Some(ra) if ra > wait => ra.min(self.max_backoff),
+            _ => wait,
+        }
+    }
+}
+
+impl LaunchArgs {
+    /// Parses `balancer launch` arguments, merging `--config` underneath.
+    pub fn parse_with_config(args: Vec<OsString>) -> anyhow::Result<Self> {
+        let config_path = find_config_flag(&args);
+        let mut merged = vec![OsString::from("balancer launch")];
+        let mut specs = Vec::new();
+        if let Some(path) = &config_path {
+            let (flags, workers) = config_file_args(path)?;
+            merged.extend(flags);
+            specs = workers;
+        }
+        merged.extend(args);
+        let mut parsed = match LaunchArgs::try_parse_from(merged) {
+            Ok(p) => p,
+            Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelp => e.exit(),
+            Err(e) => bail!("{e}"),
+        };
+        parsed.worker_specs = specs;
+        parsed.validate()?;
+        Ok(parsed)
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        if self.retry_initial_backoff_ms > self.retry_max_backoff_ms {
+            bail!(
+                "--retry-initial-backoff-ms {} is larger than --retry-max-backoff-ms {}",
+                self.retry_initial_backoff_ms,
+                self.retry_max_backoff_ms
+            );
+        }
+        if self.metrics_prefix.is_empty()
+            || !self
+                .metrics_prefix
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_')
+            || self.metrics_prefix.starts_with(|c: char| c.is_ascii_digit())
+        {
+            bail!(
+                "invalid value '{}' for '--metrics-prefix': use letters, digits and '_'",
+                self.metrics_prefix
+            );
+        }
+        for url in &self.worker_urls {
+            crate::worker::WorkerAddress::parse(url)
+                .with_context(|| format!("invalid value '{url}' for '--worker-urls'"))?;
+        }
+        for spec in &self.worker_specs {
+            spec.validate()
+                .with_context(|| format!("config file: worker {:?}", spec.url))?;
+        }
+        Ok(())
+    }
+
+    pub fn listen_addr(&self) -> SocketAddr {
+        SocketAddr::new(self.host, self.port)
+    }
+
+    pub fn metrics_addr(&self) -> SocketAddr {
+        SocketAddr::new(self.prometheus_host, self.prometheus_port)
+    }
+
+    pub fn admin_addr(&self) -> SocketAddr {
+        SocketAddr::new(self.admin_host, self.admin_port)
+    }
+
+    pub fn retry_policy(&self) -> RetryPolicy {
+        RetryPolicy {
+            max_attempts: if self.disable_retries {
+                1
+            } else {
+                self.retry_max_retries
+            },
+            initial_backoff: Duration::from_millis(self.retry_initial_backoff_ms),
+            max_backoff: Duration::from_millis(self.retry_max_backoff_ms),
+            multiplier: self.retry_backoff_multiplier,
+            jitter: self.retry_jitter_factor,
+        }
+    }
+
+    pub fn health_thresholds(&self) -> HealthThresholds {
+        HealthThresholds {
+            failure: self.health_failure_threshold,
+            success: self.health_success_threshold,
+        }
+    }
+
+    pub fn admission(&self) -> Option<AdmissionConfig> {
+        self.max_concurrent_requests.map(|max| AdmissionConfig {
+            max_concurrent: max as usize,
+            queue_size: self.queue_size,
+            queue_timeout: Duration::from_secs(self.queue_timeout_secs),
+        })
+    }
+
+    /// Every worker to start with: `--worker-urls` then the config file's tables.
+    pub fn initial_workers(&self) -> Vec<WorkerSpec> {
+        let mut specs: Vec<WorkerSpec> = self
+            .worker_urls
+            .iter()
+            .map(|u| WorkerSpec::from_url(u))
+            .collect();
+        specs.extend(self.worker_specs.iter().cloned());
+        specs
+    }
+}
+
+fn find_config_flag(args: &[OsString]) -> Option<PathBuf> {
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let a = a.to_string_lossy();
+        if a == "--config" {
+            return it.next().map(PathBuf::from);
+        }
+        if let Some(p) = a.strip_prefix("--config=") {
+            return Some(PathBuf::from(p));
+        }
+    }
+    None
+}
+
+/// Turns a TOML config file into flags placed before the command line's own
+/// (so the command line wins), plus its `[[workers]]` specs.
+fn config_file_args(path: &Path) -> anyhow::Result<(Vec<OsString>, Vec<WorkerSpec>)> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read config file {}", path.display()))?;
+    let mut table: toml::Table = text
+        .parse()
+        .with_context(|| format!("config file {} is not valid TOML", path.display()))?;
+    let workers = match table.remove("workers") {
+        Some(v) => v
+            .try_into::<Vec<WorkerSpec>>()
+            .with_context(|| format!("config file {}: invalid [[workers]]", path.display()))?,
+        None => Vec::new(),
+    };
+    let command = LaunchArgs::command();
+    let mut flags = Vec::new();
+    for (key, value) in table {
+        let flag = key.replace('_', "-");
+        let known = command
+            .get_arguments()
+            .any(|a| a.get_long() == Some(flag.as_str()));
+        if !known || flag == "config" {
+            bail!("config file {}: unknown key '{key}'", path.display());
+        }
+        let scalar = |v: &toml::Value| -> anyhow::Result<String> {
+            Ok(match v {
+                toml::Value::String(s) => s.clone(),
+                toml::Value::Integer(i) => i.to_string(),
+                toml::Value::Float(f) => f.to_string(),
+                other => bail!(
+                    "config file {}: key '{key}' has an unsupported value {other}",
+                    path.display()
+                ),
+            })
+        };
+        match &value {
+            toml::Value::Boolean(true) => flags.push(format!("--{flag}").into()),
+            toml::Value::Boolean(false) => {}
+            toml::Value::Array(items) => {
+                flags.push(format!("--{flag}").into());
+                for item in items {
+                    flags.push(scalar(item)?.into());
+                }
+            }
+            v => {
+                flags.push(format!("--{flag}").into());
+                flags.push(scalar(v)?.into());
+            }
+        }
+    }
+    Ok((flags, workers))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> anyhow::Result<LaunchArgs> {
+        LaunchArgs::parse_with_config(args.iter().map(OsString::from).collect())
+    }
+
+    #[test]
+    fn defaults_match_the_reference_gateway() {
+        let a = parse(&[]).unwrap();
+        assert_eq!((a.port, a.prometheus_port), (30000, 29000));
+        let d = a.breaker.defaults();
+        assert_eq!(d.settings, Settings::default());
+        assert!(!d.disabled);
+        assert_eq!(a.retry_policy().max_attempts, 5);
+        assert_eq!(a.request_timeout_secs, 1800);
+        assert_eq!(a.policy, Policy::PowerOfTwo);
+        assert!(a.admission().is_none());
+    }
+
+    #[test]
+    fn bad_values_name_the_flag_and_the_value() {
+        for (flag, value) in [
+            ("--cb-failure-threshold", "0"),
+            ("--cb-success-threshold", "0"),
+            ("--cb-timeout-duration-secs", "0"),
+            ("--cb-window-duration-secs", "0"),
+            ("--retry-jitter-factor", "2"),
+            ("--policy", "fastest"),
+            ("--worker-urls", "ftp://x"),
+        ] {
+            let err = parse(&[flag, value]).unwrap_err();
+            let msg = format!("{err:#}");
+            assert!(msg.contains(flag) && msg.contains(value), "{flag} {value}: {msg}");
+        }
+    }
+
+    #[test]
+    fn config_file_fills_in_and_flags_win() {
+        let dir = std::env::temp_dir().join(format!("balancer-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("c.toml");
+        std::fs::write(
+            &path,
+            r#"
+cb_failure_threshold = 4
+cb-timeout-duration-secs = 7
+worker_urls = ["http://127.0.0.1:9001"]
+disable_retries = true
+
+[[workers]]
+url = "http://127.0.0.1:9002"
+model = "m"
+resilience = { capacity_status_codes = [429, 503], cb_failure_threshold = 2 }
+"#,
+        )
+        .unwrap();
+        let p = path.to_str().unwrap();
+        let a = parse(&["--config", p, "--cb-failure-threshold", "6"]).unwrap();
+        assert_eq!(a.breaker.cb_failure_threshold, 6, "the flag wins");
+        assert_eq!(a.breaker.cb_timeout_duration_secs, 7);
+        assert!(a.disable_retries);
+        let specs = a.initial_workers();
+        assert_eq!(specs.len(), 2);
+        assert_eq!(specs[1].resilience.cb_failure_threshold, Some(2));
+
+        std::fs::write(&path, "cb_failure_treshold = 4\n").unwrap();
+        let err = parse(&["--config", p]).unwrap_err().to_string();
+        assert!(err.contains("cb_failure_treshold"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn disable_circuit_breaker_keeps_per_worker_threshold() {
+        let a = parse(&["--disable-circuit-breaker"]).unwrap();
+        let d = a.breaker.defaults();
+        let (s, _) = d.resolve(&Default::default());
+        assert_eq!(s.failure_threshold, u32::MAX);
+        let own = crate::worker::Resilience {
+            cb_failure_threshold: Some(3),
+            ..Default::default()
+        };
+        assert_eq!(d.resolve(&own).0.failure_threshold, 3);
+    }
+
+    #[test]
+    fn backoff_grows_caps_and_honours_retry_after() {
+        let p = RetryPolicy {
+            max_attempts: 5,
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_millis(1000),
+            multiplier: 2.0,
+            jitter: 0.0,
+        };
+        assert_eq!(p.backoff(1, None), Duration::from_millis(100));
+        assert_eq!(p.backoff(3, None), Duration::from_millis(400));
+        assert_eq!(p.backoff(10, None), Duration::from_millis(1000));
+        assert_eq!(p.backoff(1, Some(Duration::from_millis(500))), Duration::from_millis(500));
+        assert_eq!(p.backoff(1, Some(Duration::from_secs(60))), Duration::from_millis(1000));
+    }
+}

@@ -1,0 +1,107 @@
+//! The answers the gateway produces itself, in the OpenAI error shape.
+//!
+//! Owns the stable `code` strings and their statuses. These responses never
+//! come from a worker, so nothing here may record on a breaker.
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+
+/// A gateway-made error, with its stable `code`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum ErrorCode {
+    /// Every eligible worker is open, NotReady, draining or absent.
+    NoAvailableWorkers,
+    AdmissionQueueFull,
+    AdmissionQueueTimeout,
+    /// The last attempt got no response in time.
+    UpstreamTimeout,
+    /// The last attempt could not connect, or the connection broke.
+    UpstreamUnreachable,
+    InvalidRequest,
+    NotFound,
+    Unauthorized,
+}
+
+impl ErrorCode {
+    pub const ALL: [ErrorCode; 8] = [
+        ErrorCode::NoAvailableWorkers,
+        ErrorCode::AdmissionQueueFull,
+        ErrorCode::AdmissionQueueTimeout,
+        ErrorCode::UpstreamTimeout,
+        ErrorCode::UpstreamUnreachable,
+        ErrorCode::InvalidRequest,
+        ErrorCode::NotFound,
+        ErrorCode::Unauthorized,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::NoAvailableWorkers => "no_available_workers",
+            ErrorCode::AdmissionQueueFull => "admission_queue_full",
+            ErrorCode::AdmissionQueueTimeout => "admission_queue_timeout",
+            ErrorCode::UpstreamTimeout => "upstream_timeout",
+            ErrorCode::UpstreamUnreachable => "upstream_unreachable",
+            ErrorCode::InvalidRequest => "invalid_request",
+            ErrorCode::NotFound => "not_found",
+            ErrorCode::Unauthorized => "unauthorized",
+        }
+    }
+
+    pub fn status(self) -> StatusCode {
+        match self {
+            ErrorCode::NoAvailableWorkers | ErrorCode::AdmissionQueueTimeout => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            ErrorCode::AdmissionQueueFull => StatusCode::TOO_MANY_REQUESTS,
+            ErrorCode::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
+            ErrorCode::UpstreamUnreachable => StatusCode::BAD_GATEWAY,
+            ErrorCode::InvalidRequest => StatusCode::BAD_REQUEST,
+            ErrorCode::NotFound => StatusCode::NOT_FOUND,
+            ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
+        }
+    }
+
+    /// The OpenAI `type` field.
+    fn kind(self) -> &'static str {
+        match self {
+            ErrorCode::InvalidRequest | ErrorCode::NotFound => "invalid_request_error",
+            ErrorCode::Unauthorized => "authentication_error",
+            ErrorCode::AdmissionQueueFull => "rate_limit_error",
+            _ => "service_unavailable",
+        }
+    }
+}
+
+/// `{"error":{"message","type","code"}}` as bytes.
+pub fn error_body(code: ErrorCode, message: &str) -> Bytes {
+    let body = serde_json::json!({
+        "error": { "message": message, "type": code.kind(), "code": code.as_str() }
+    });
+    Bytes::from(body.to_string())
+}
+
+/// A complete error response; `retry_after` adds the header sheds carry.
+pub fn error_response<B: From<Bytes>>(
+    code: ErrorCode,
+    message: &str,
+    retry_after: Option<u64>,
+) -> Response<B> {
+    let mut response = Response::new(B::from(error_body(code, message)));
+    *response.status_mut() = code.status();
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if let Some(secs) = retry_after {
+        headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+    response
+}
+
+/// An SSE event that ends a broken stream, so a client can tell a cut stream
+/// from a complete one (which would end with `data: [DONE]`).
+pub fn sse_error_event(code: &str, message: &str) -> Bytes {
+    let data = serde_json::json!({
+        "error": { "message": message, "type": "upstream_error", "code": code }
+    });
+    Bytes::from(format!("event: error\ndata: {data}\n\n"))
+}

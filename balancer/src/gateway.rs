@@ -1,0 +1,268 @@
+//! Putting the agent together: listeners, workers and their background tasks.
+//!
+//! Owns start-up (binding every listener before serving, so a taken port
+//! fails at start with the address named), the per-worker prober tasks, the
+//! built-in demo workers of `--demo-workers`, and an orderly shutdown. The
+//! request path itself lives in [`crate::proxy`].
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, Response, header};
+use http_body_util::{BodyExt, Empty, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use crate::admin::Admin;
+use crate::admission::Admission;
+use crate::clock::MonotonicClock;
+use crate::config::LaunchArgs;
+use crate::health::probe;
+use crate::metrics::GatewayStats;
+use crate::mock_worker::{MockWorker, MockWorkerConfig};
+use crate::proxy::{Proxy, ProxyConfig};
+use crate::selection::{Policy, Selector};
+use crate::server::serve;
+use crate::worker::{Registry, RegistryConfig, Worker, WorkerSpec};
+
+type ProbeClient = Client<HttpConnector, Empty<Bytes>>;
+
+/// A running agent.
+pub struct Running {
+    pub addr: SocketAddr,
+    pub metrics_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    pub registry: Arc<Registry>,
+    pub proxy: Arc<Proxy>,
+    pub demo_workers: Vec<MockWorker>,
+    shutdown: watch::Sender<bool>,
+    listeners: JoinSet<()>,
+}
+
+/// How each worker's background task probes it.
+#[derive(Clone)]
+struct Prober {
+    registry: Arc<Registry>,
+    client: ProbeClient,
+    endpoint: String,
+    interval: Duration,
+    timeout: Duration,
+    enabled: bool,
+}
+
+impl Prober {
+    fn spawn(&self, worker: &Arc<Worker>) {
+        let (this, weak) = (self.clone(), Arc::downgrade(worker));
+        let task = tokio::spawn(async move {
+            loop {
+                let Some(worker) = weak.upgrade() else { return };
+                if worker.models().is_empty() {
+                    if let Some(models) = this.fetch_models(&worker).await {
+                        this.registry.learn_models(&worker, models);
+                    }
+                }
+                if this.enabled {
+                    let uri = format!("{}{}", worker.url, this.endpoint)
+                        .parse()
+                        .expect("a validated worker URL plus an absolute path");
+                    let passed = probe(&this.client, &uri, this.timeout).await;
+                    this.registry.observe_health(&worker, passed);
+                } else if !worker.models().is_empty() {
+                    return;
+                }
+                drop(worker);
+                tokio::time::sleep(this.interval).await;
+            }
+        });
+        worker.add_task(task.abort_handle());
+    }
+
+    /// The model ids a worker reports on `/v1/models`.
+    async fn fetch_models(&self, worker: &Worker) -> Option<Vec<String>> {
+        #[derive(serde::Deserialize)]
+        struct Models {
+            data: Vec<Model>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Model {
+            id: String,
+        }
+        let uri = format!("{}/v1/models", worker.url).parse().ok()?;
+        let fetch = async {
+            let response = self.client.get(uri).await.ok()?;
+            if !response.status().is_success() {
+                return None;
+            }
+            let body = response.into_body().collect().await.ok()?.to_bytes();
+            let models: Models = serde_json::from_slice(&body).ok()?;
+            Some(models.data.into_iter().map(|m| m.id).collect::<Vec<_>>())
+        };
+        tokio::time::timeout(self.timeout, fetch)
+            .await
+            .ok()
+            .flatten()
+            .filter(|m| !m.is_empty())
+    }
+}
+
+async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen for {what} on {addr}"))
+}
+
+/// Starts the agent: every listener bound, every worker added and probed.
+pub async fn start(args: LaunchArgs) -> anyhow::Result<Running> {
+    let clock = Arc::new(MonotonicClock::new());
+    let registry = Registry::new(
+        RegistryConfig {
+            breaker: args.breaker.defaults(),
+            health: args.health_thresholds(),
+            hash_rings: args.policy == Policy::ConsistentHash,
+        },
+        clock,
+    );
+    let stats = Arc::new(GatewayStats::new(&args.metrics_prefix)?);
+
+    let mut demo_workers = Vec::new();
+    let mut specs = args.initial_workers();
+    for i in 0..args.demo_workers {
+        let w = MockWorker::spawn(
+            SocketAddr::from(([127, 0, 0, 1], 0)),
+            MockWorkerConfig::named(format!("demo-{i}")),
+        )
+        .await
+        .context("cannot start a demo worker")?;
+        specs.push(WorkerSpec::from_url(&w.url()));
+        demo_workers.push(w);
+    }
+
+    let prober = Prober {
+        registry: registry.clone(),
+        client: Client::builder(TokioExecutor::new()).build(HttpConnector::new()),
+        endpoint: args.health_check_endpoint.clone(),
+        interval: Duration::from_secs(args.health_check_interval_secs),
+        timeout: Duration::from_secs(args.health_check_timeout_secs),
+        enabled: !args.disable_health_check,
+    };
+    for spec in &specs {
+        let worker = registry
+            .add(spec)
+            .with_context(|| format!("cannot add worker {}", spec.url))?;
+        prober.spawn(&worker);
+    }
+
+    let routing_key_header = HeaderName::try_from(args.routing_key_header.as_str())
+        .with_context(|| {
+            format!(
+                "invalid value '{}' for '--routing-key-header'",
+                args.routing_key_header
+            )
+        })?;
+    let proxy = Arc::new(Proxy::new(
+        registry.clone(),
+        Selector::new(args.policy),
+        ProxyConfig {
+            retry: args.retry_policy(),
+            request_timeout: Duration::from_secs(args.request_timeout_secs),
+            connect_timeout: Duration::from_secs(args.connect_timeout_secs),
+            stream_idle_timeout: Duration::from_secs(args.stream_idle_timeout_secs),
+            max_replay_body: args.max_replay_body_bytes,
+            routing_key_header,
+        },
+        args.admission().map(Admission::new),
+        stats,
+    ));
+
+    let main = bind(args.listen_addr(), "HTTP").await?;
+    let metrics = bind(args.metrics_addr(), "metrics").await?;
+    let admin = bind(args.admin_addr(), "the admin API").await?;
+    let (addr, metrics_addr, admin_addr) =
+        (main.local_addr()?, metrics.local_addr()?, admin.local_addr()?);
+
+    let grace = Duration::from_secs(args.shutdown_grace_period_secs);
+    let (shutdown, stop) = watch::channel(false);
+    let mut listeners = JoinSet::new();
+
+    let p = proxy.clone();
+    listeners.spawn(serve(main, move |req| p.clone().handle(req), stop.clone(), grace));
+
+    let (reg, p) = (registry.clone(), proxy.clone());
+    listeners.spawn(serve(
+        metrics,
+        move |_req| {
+            let text = p.stats().render(&reg, p.admission());
+            let mut r = Response::new(
+                Full::new(Bytes::from(text))
+                    .map_err(|never| match never {})
+                    .boxed_unsync(),
+            );
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; version=0.0.4"),
+            );
+            std::future::ready(r)
+        },
+        stop.clone(),
+        Duration::from_secs(1),
+    ));
+
+    let admin_api = Arc::new(Admin {
+        registry: registry.clone(),
+        token: args.admin_token.clone(),
+        on_added: Box::new(move |w| prober.spawn(w)),
+        drain_timeout: grace,
+    });
+    listeners.spawn(serve(
+        admin,
+        move |req| admin_api.clone().handle(req),
+        stop,
+        Duration::from_secs(1),
+    ));
+
+    tracing::info!(%addr, %metrics_addr, %admin_addr, workers = specs.len(), policy = args.policy.as_str(), "balancer listening");
+    Ok(Running {
+        addr,
+        metrics_addr,
+        admin_addr,
+        registry,
+        proxy,
+        demo_workers,
+        shutdown,
+        listeners,
+    })
+}
+
+impl Running {
+    /// Stops accepting, lets in-flight requests finish within the grace
+    /// period, then stops the workers' tasks and the demo workers.
+    pub async fn shutdown(mut self) {
+        let _ = self.shutdown.send(true);
+        while self.listeners.join_next().await.is_some() {}
+        for w in self.registry.fleet().workers.clone() {
+            self.registry.remove(&w);
+        }
+        for w in self.demo_workers {
+            w.shutdown().await;
+        }
+    }
+
+    /// Runs until SIGINT or SIGTERM, then shuts down.
+    pub async fn run_until_signal(self) -> anyhow::Result<()> {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("shutting down: finishing in-flight requests");
+        self.shutdown().await;
+        Ok(())
+    }
+}

@@ -1,0 +1,168 @@
+//! Worker health: the Ready / NotReady state machine and its prober.
+//!
+//! [`HealthTracker`] is pure: it turns probe results into demotions and
+//! promotions with the failure and success thresholds. [`probe`] is the
+//! I/O around it: one `GET <endpoint>` with a timeout; the gateway runs one
+//! probing task per worker. A promotion (a real NotReady → Ready move) is what puts an open
+//! breaker on trial; this module reports it and never touches the breaker
+//! itself.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+
+/// A worker's health status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    Ready,
+    NotReady,
+}
+
+impl Health {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Health::Ready => "ready",
+            Health::NotReady => "not_ready",
+        }
+    }
+}
+
+/// What one probe result changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HealthChange {
+    /// Ready → NotReady after `failure_threshold` consecutive failed probes.
+    Demoted,
+    /// NotReady → Ready after `success_threshold` consecutive passing probes.
+    Promoted,
+}
+
+/// Consecutive-probe thresholds, from `--health-failure-threshold` and
+/// `--health-success-threshold`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HealthThresholds {
+    pub failure: u32,
+    pub success: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct HealthTracker {
+    status: Health,
+    failures: u32,
+    successes: u32,
+    thresholds: HealthThresholds,
+}
+
+impl HealthTracker {
+    pub fn new(initial: Health, thresholds: HealthThresholds) -> Self {
+        Self {
+            status: initial,
+            failures: 0,
+            successes: 0,
+            thresholds,
+        }
+    }
+
+    pub fn status(&self) -> Health {
+        self.status
+    }
+
+    /// Feeds one probe result. Passing probes on a worker that is already
+    /// Ready change nothing: only a real NotReady → Ready move is a promotion.
+    pub fn observe(&mut self, passed: bool) -> Option<HealthChange> {
+        if passed {
+            self.failures = 0;
+            self.successes = self.successes.saturating_add(1);
+            if self.status == Health::NotReady && self.successes >= self.thresholds.success {
+                self.status = Health::Ready;
+                self.successes = 0;
+                return Some(HealthChange::Promoted);
+            }
+        } else {
+            self.successes = 0;
+            self.failures = self.failures.saturating_add(1);
+            if self.status == Health::Ready && self.failures >= self.thresholds.failure {
+                self.status = Health::NotReady;
+                self.failures = 0;
+                return Some(HealthChange::Demoted);
+            }
+        }
+        None
+    }
+
+    /// An operator or another path put the worker back to Ready. Returns the
+    /// promotion when it was NotReady, nothing when it already was Ready.
+    pub fn force_ready(&mut self) -> Option<HealthChange> {
+        let was = self.status;
+        self.status = Health::Ready;
+        (self.failures, self.successes) = (0, 0);
+        (was == Health::NotReady).then_some(HealthChange::Promoted)
+    }
+}
+
+/// One probe: `GET uri` must answer 2xx within `timeout`, body included.
+pub async fn probe(client: &Client<HttpConnector, Empty<Bytes>>, uri: &http::Uri, timeout: Duration) -> bool {
+    let attempt = async {
+        let response = client.get(uri.clone()).await.ok()?;
+        let ok = response.status().is_success();
+        response.into_body().collect().await.ok()?;
+        Some(ok)
+    };
+    matches!(tokio::time::timeout(timeout, attempt).await, Ok(Some(true)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T: HealthThresholds = HealthThresholds { failure: 3, success: 2 };
+
+    #[test]
+    fn demotes_after_failure_threshold_consecutive_failures() {
+        let mut h = HealthTracker::new(Health::Ready, T);
+        assert_eq!(h.observe(false), None);
+        assert_eq!(h.observe(true), None, "a pass breaks the run");
+        assert_eq!(h.observe(false), None);
+        assert_eq!(h.observe(false), None);
+        assert_eq!(h.observe(false), Some(HealthChange::Demoted));
+        assert_eq!(h.status(), Health::NotReady);
+        assert_eq!(h.observe(false), None, "already NotReady");
+    }
+
+    #[test]
+    fn promotes_after_success_threshold_consecutive_passes() {
+        let mut h = HealthTracker::new(Health::NotReady, T);
+        assert_eq!(h.observe(true), None);
+        assert_eq!(h.observe(false), None);
+        assert_eq!(h.observe(true), None);
+        assert_eq!(h.observe(true), Some(HealthChange::Promoted));
+        assert_eq!(h.status(), Health::Ready);
+    }
+
+    #[test]
+    fn passing_probes_on_a_ready_worker_are_not_a_promotion() {
+        let mut h = HealthTracker::new(Health::Ready, T);
+        for _ in 0..10 {
+            assert_eq!(h.observe(true), None);
+        }
+    }
+
+    #[test]
+    fn each_outage_yields_exactly_one_promotion() {
+        let mut h = HealthTracker::new(Health::Ready, T);
+        let changes: Vec<_> = [false, false, false, true, true, true, true]
+            .into_iter()
+            .filter_map(|p| h.observe(p))
+            .collect();
+        assert_eq!(changes, vec![HealthChange::Demoted, HealthChange::Promoted]);
+    }
+
+    #[test]
+    fn force_ready_promotes_only_from_not_ready() {
+        let mut h = HealthTracker::new(Health::NotReady, T);
+        assert_eq!(h.force_ready(), Some(HealthChange::Promoted));
+        assert_eq!(h.force_ready(), None);
+    }
+}

@@ -1,0 +1,503 @@
+//! The request path: admission, worker selection, attempts and retries.
+//!
+//! Owns one request's life from arrival to the response headers: it reads
+//! (and, within a limit, keeps) the body, finds the model, admits, selects a
+//! worker per attempt, classifies each attempt's outcome for that worker's
+//! breaker (one charge per worker per request), retries with backoff, and
+//! hands the chosen response to [`crate::relay`] for the body. It may read the
+//! registry and record on breakers; it never changes the fleet.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, Response, StatusCode, Uri};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Frame, Incoming};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use crate::admission::{Admission, Permit, Shed};
+use crate::breaker::{FailureReason, Outcome, RequestCharges};
+use crate::clock::{Clock, MonotonicClock};
+use crate::config::RetryPolicy;
+use crate::error::{ErrorCode, error_response};
+use crate::metrics::GatewayStats;
+use crate::relay::{BoxError, Completion, RelayBody};
+use crate::selection::{Selector, hash_key};
+use crate::worker::{Registry, Worker};
+
+/// The body type of every response the gateway sends.
+pub type ResponseBody = UnsyncBoxBody<Bytes, BoxError>;
+/// The body type of every request the gateway sends to a worker.
+pub type UpstreamBody = UnsyncBoxBody<Bytes, BoxError>;
+
+/// Statuses after which an attempt is retried. Deliberately not the
+/// per-worker failure list: the document says `retryable_status_codes` does
+/// not change which responses the gateway retries.
+const RETRY_STATUSES: [u16; 6] = [408, 429, 500, 502, 503, 504];
+
+/// Headers that describe one hop, not the message.
+const HOP_BY_HOP: [HeaderName; 7] = [
+    header::CONNECTION,
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    pub retry: RetryPolicy,
+    pub request_timeout: Duration,
+    pub connect_timeout: Duration,
+    pub stream_idle_timeout: Duration,
+    pub max_replay_body: usize,
+    pub routing_key_header: HeaderName,
+}
+
+pub struct Proxy {
+    registry: Arc<Registry>,
+    selector: Selector,
+    client: Client<HttpConnector, UpstreamBody>,
+    config: ProxyConfig,
+    admission: Option<Admission>,
+    stats: Arc<GatewayStats>,
+    clock: Arc<MonotonicClock>,
+}
+
+/// The request body as the attempts see it.
+enum RequestBody {
+    /// Small enough to keep: every attempt sends a copy.
+    Replayable(Bytes),
+    /// Too large to keep: the prefix read so far and the rest, for one attempt.
+    Streaming(Vec<Bytes>, Incoming),
+}
+
+fn boxed<B>(body: B) -> UnsyncBoxBody<Bytes, BoxError>
+where
+    B: hyper::body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    body.map_err(Into::into).boxed_unsync()
+}
+
+fn json_response(status: StatusCode, body: serde_json::Value) -> Response<ResponseBody> {
+    let mut r = Response::new(boxed(Full::new(Bytes::from(body.to_string()))));
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
+}
+
+/// How an attempt ended, when it did not produce a response to relay.
+enum AttemptError {
+    Timeout,
+    Unreachable(String),
+}
+
+impl Proxy {
+    pub fn new(
+        registry: Arc<Registry>,
+        selector: Selector,
+        config: ProxyConfig,
+        admission: Option<Admission>,
+        stats: Arc<GatewayStats>,
+    ) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(config.connect_timeout));
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            // A request is never resent behind the retry loop's back.
+            .retry_canceled_requests(false)
+            .pool_idle_timeout(Duration::from_secs(90))
+            .build(connector);
+        let clock = registry.clock().clone();
+        Self {
+            registry,
+            selector,
+            client,
+            config,
+            admission,
+            stats,
+            clock,
+        }
+    }
+
+    pub fn admission(&self) -> Option<&Admission> {
+        self.admission.as_ref()
+    }
+
+    pub fn stats(&self) -> &Arc<GatewayStats> {
+        &self.stats
+    }
+
+    pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<ResponseBody> {
+        let started = Instant::now();
+        if req.method() == Method::GET {
+            match req.uri().path() {
+                "/health" | "/liveness" => {
+                    return json_response(StatusCode::OK, serde_json::json!({"status": "ok"}));
+                }
+                "/readiness" => return self.readiness(),
+                _ => {}
+            }
+        }
+        let permit = match &self.admission {
+            None => None,
+            Some(a) => match a.admit().await {
+                Ok(p) => Some(p),
+                Err(shed) => {
+                    let (code, msg) = match shed {
+                        Shed::QueueFull => (ErrorCode::AdmissionQueueFull, "the admission queue is full"),
+                        Shed::QueueTimeout => (
+                            ErrorCode::AdmissionQueueTimeout,
+                            "the request waited too long for admission",
+                        ),
+                    };
+                    return self.gateway_error(code, msg, Some(a.retry_after_secs()));
+                }
+            },
+        };
+        let (parts, body) = req.into_parts();
+        let body = match read_body(body, self.config.max_replay_body).await {
+            Ok(b) => b,
+            Err(e) => {
+                return self.gateway_error(
+                    ErrorCode::InvalidRequest,
+                    &format!("could not read the request body: {e}"),
+                    None,
+                );
+            }
+        };
+        let model = match &body {
+            RequestBody::Replayable(bytes) => match request_model(&parts.headers, bytes) {
+                Ok(m) => m,
+                Err(msg) => return self.gateway_error(ErrorCode::InvalidRequest, &msg, None),
+            },
+            RequestBody::Streaming(..) => None,
+        };
+        let key = parts
+            .headers
+            .get(&self.config.routing_key_header)
+            .map(|v| hash_key(v.as_bytes()));
+        let headers = forward_headers(&parts.headers);
+        let path = parts
+            .uri
+            .path_and_query()
+            .map_or("/", |p| p.as_str())
+            .to_owned();
+        let request = Outgoing {
+            method: parts.method,
+            path,
+            headers,
+            model,
+            key,
+        };
+        self.attempts(request, body, permit, started).await
+    }
+
+    /// The retry loop.
+    async fn attempts(
+        &self,
+        req: Outgoing,
+        body: RequestBody,
+        permit: Option<Permit>,
+        started: Instant,
+    ) -> Response<ResponseBody> {
+        let mut charges = RequestCharges::default();
+        let mut tried: Vec<u64> = Vec::new();
+        let (max_attempts, mut body) = match body {
+            RequestBody::Replayable(b) => (self.config.retry.max_attempts, Some(RequestBody::Replayable(b))),
+            streaming => (1, Some(streaming)),
+        };
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let last = attempt >= max_attempts;
+            let Some((worker, ticket)) = self.select(&req, &tried) else {
+                return self.no_available_workers(req.model.as_deref());
+            };
+            tried.push(worker.breaker.id());
+            let guard = worker.start_request();
+            let upstream_body = match body.take() {
+                Some(RequestBody::Replayable(b)) => {
+                    body = Some(RequestBody::Replayable(b.clone()));
+                    boxed(Full::new(b))
+                }
+                Some(RequestBody::Streaming(prefix, rest)) => chain(prefix, rest),
+                None => unreachable!("a streaming body gets exactly one attempt"),
+            };
+            let result = self.send(&worker, &req, upstream_body).await;
+            let classifier = worker.classifier();
+            let (failure, retry_after) = match result {
+                Ok(response) => {
+                    let status = response.status().as_u16();
+                    let outcome = classifier.classify(status);
+                    let retryable = RETRY_STATUSES.contains(&status);
+                    if retryable && !last {
+                        let retry_after = retry_after(response.headers());
+                        charges.record(&worker.breaker, ticket, outcome, &*self.clock);
+                        drop(response);
+                        self.stats.retry();
+                        tokio::time::sleep(self.config.retry.backoff(attempt, retry_after)).await;
+                        continue;
+                    }
+                    if retryable {
+                        self.stats.retries_exhausted();
+                    }
+                    self.stats.ttfb.observe(started.elapsed().as_secs_f64());
+                    self.stats.upstream_response(status);
+                    let pending = if outcome == Outcome::Success {
+                        Some((ticket, charges))
+                    } else {
+                        charges.record(&worker.breaker, ticket, outcome, &*self.clock);
+                        None
+                    };
+                    let completion = Completion {
+                        guard,
+                        pending,
+                        permit,
+                        started,
+                        stats: self.stats.clone(),
+                        clock: self.clock.clone(),
+                    };
+                    return self.relay(response, completion);
+                }
+                Err(e) => (e, None::<Duration>),
+            };
+            let reason = match failure {
+                AttemptError::Timeout => FailureReason::Timeout,
+                AttemptError::Unreachable(_) => FailureReason::Connect,
+            };
+            charges.record(&worker.breaker, ticket, Outcome::Failure(reason), &*self.clock);
+            drop(guard);
+            if !last {
+                self.stats.retry();
+                tokio::time::sleep(self.config.retry.backoff(attempt, retry_after)).await;
+                continue;
+            }
+            self.stats.retries_exhausted();
+            return match failure {
+                AttemptError::Timeout => self.gateway_error(
+                    ErrorCode::UpstreamTimeout,
+                    "the worker did not answer within the request timeout",
+                    None,
+                ),
+                AttemptError::Unreachable(e) => self.gateway_error(
+                    ErrorCode::UpstreamUnreachable,
+                    &format!("the worker could not be reached: {e}"),
+                    None,
+                ),
+            };
+        }
+    }
+
+    /// Picks an eligible worker and reserves its breaker admission. A lost
+    /// race for a limited half-open slot just moves on to another worker.
+    fn select(&self, req: &Outgoing, tried: &[u64]) -> Option<(Arc<Worker>, crate::breaker::Ticket)> {
+        let fleet = self.registry.fleet();
+        let (candidates, ring) = fleet.candidates(req.model.as_deref());
+        let mut skip = tried.to_vec();
+        for _ in 0..4 {
+            let worker = self
+                .selector
+                .select(candidates, ring, req.key, &skip, &*self.clock)?;
+            if let Some(ticket) = worker.breaker.admit(&*self.clock) {
+                return Some((worker, ticket));
+            }
+            skip.push(worker.breaker.id());
+        }
+        None
+    }
+
+    async fn send(
+        &self,
+        worker: &Worker,
+        req: &Outgoing,
+        body: UpstreamBody,
+    ) -> Result<Response<Incoming>, AttemptError> {
+        let uri = Uri::builder()
+            .scheme("http")
+            .authority(worker.address.authority.clone())
+            .path_and_query(req.path.as_str())
+            .build()
+            .map_err(|e| AttemptError::Unreachable(e.to_string()))?;
+        let mut upstream = Request::new(body);
+        *upstream.method_mut() = req.method.clone();
+        *upstream.uri_mut() = uri;
+        *upstream.headers_mut() = req.headers.clone();
+        match tokio::time::timeout(self.config.request_timeout, self.client.request(upstream)).await {
+            Ok(Ok(response)) => Ok(response),
+            Ok(Err(e)) => Err(AttemptError::Unreachable(error_chain(&e))),
+            Err(_) => Err(AttemptError::Timeout),
+        }
+    }
+
+    fn relay(&self, response: Response<Incoming>, completion: Completion) -> Response<ResponseBody> {
+        let (mut parts, body) = response.into_parts();
+        for h in HOP_BY_HOP {
+            parts.headers.remove(h);
+        }
+        parts.headers.remove(HeaderName::from_static("keep-alive"));
+        let sse = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|ct| ct.starts_with("text/event-stream"));
+        if sse {
+            // The relay may append an error event to a cut stream.
+            parts.headers.remove(header::CONTENT_LENGTH);
+        }
+        let relay = RelayBody::new(body, sse, self.config.stream_idle_timeout, completion);
+        Response::from_parts(parts, boxed(relay))
+    }
+
+    fn gateway_error(&self, code: ErrorCode, message: &str, retry_after: Option<u64>) -> Response<ResponseBody> {
+        self.stats.gateway_response(code);
+        error_response::<Full<Bytes>>(code, message, retry_after).map(boxed)
+    }
+
+    /// 503 `no_available_workers`, with `Retry-After` set to when the first
+    /// open circuit among the model's workers goes on trial.
+    fn no_available_workers(&self, model: Option<&str>) -> Response<ResponseBody> {
+        let fleet = self.registry.fleet();
+        let (candidates, _) = fleet.candidates(model);
+        let now = self.clock.now();
+        let soonest = candidates
+            .iter()
+            .filter_map(|w| w.breaker.snapshot().open_until)
+            .min()
+            .map(|at| Duration::from_nanos(at.saturating_sub(now)).as_secs_f64().ceil() as u64);
+        let message = match model {
+            Some(m) => format!("no available workers for model {m:?}"),
+            None => "no available workers".to_owned(),
+        };
+        self.gateway_error(ErrorCode::NoAvailableWorkers, &message, Some(soonest.unwrap_or(1).max(1)))
+    }
+
+    fn readiness(&self) -> Response<ResponseBody> {
+        let fleet = self.registry.fleet();
+        let healthy = fleet.workers.iter().filter(|w| w.is_routable()).count();
+        let total = fleet.workers.len();
+        let (status, word) = if healthy > 0 {
+            (StatusCode::OK, "ready")
+        } else {
+            (StatusCode::SERVICE_UNAVAILABLE, "not_ready")
+        };
+        json_response(
+            status,
+            serde_json::json!({"status": word, "healthy_workers": healthy, "total_workers": total}),
+        )
+    }
+}
+
+/// What every attempt of one request sends.
+struct Outgoing {
+    method: Method,
+    path: String,
+    headers: HeaderMap,
+    model: Option<String>,
+    key: Option<u64>,
+}
+
+fn forward_headers(incoming: &HeaderMap) -> HeaderMap {
+    let mut headers = incoming.clone();
+    for h in HOP_BY_HOP {
+        headers.remove(h);
+    }
+    headers.remove(HeaderName::from_static("keep-alive"));
+    // The worker's authority comes from the URI; hyper sets Host from it.
+    headers.remove(header::HOST);
+    headers
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut msg = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        source = s.source();
+    }
+    msg
+}
+
+fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    let secs: f64 = headers.get(header::RETRY_AFTER)?.to_str().ok()?.trim().parse().ok()?;
+    (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs))
+}
+
+async fn read_body(mut body: Incoming, limit: usize) -> Result<RequestBody, hyper::Error> {
+    let mut buf = BytesMut::new();
+    let mut parts = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame?.into_data() else { continue };
+        if buf.len() + data.len() > limit {
+            parts.push(buf.freeze());
+            parts.push(data);
+            return Ok(RequestBody::Streaming(parts, body));
+        }
+        buf.extend_from_slice(&data);
+    }
+    Ok(RequestBody::Replayable(buf.freeze()))
+}
+
+/// The prefix already read, then the rest of the client's body.
+fn chain(prefix: Vec<Bytes>, rest: Incoming) -> UpstreamBody {
+    boxed(Chained {
+        prefix: prefix.into(),
+        rest,
+    })
+}
+
+struct Chained {
+    prefix: std::collections::VecDeque<Bytes>,
+    rest: Incoming,
+}
+
+impl hyper::body::Body for Chained {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match self.prefix.pop_front() {
+            Some(chunk) => std::task::Poll::Ready(Some(Ok(Frame::data(chunk)))),
+            None => std::pin::Pin::new(&mut self.rest).poll_frame(cx),
+        }
+    }
+}
+
+/// The `model` of a JSON body. A body that claims to be JSON and is not gets
+/// a 400 here rather than a worker's error, and records nothing.
+fn request_model(headers: &HeaderMap, body: &Bytes) -> Result<Option<String>, String> {
+    #[derive(serde::Deserialize)]
+    struct ModelOnly {
+        #[serde(default)]
+        model: Option<serde_json::Value>,
+    }
+    let declared_json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.contains("json"));
+    let looks_json = body.first() == Some(&b'{');
+    if body.is_empty() || !(declared_json || looks_json) {
+        return Ok(None);
+    }
+    match serde_json::from_slice::<ModelOnly>(body) {
+        Ok(ModelOnly {
+            model: Some(serde_json::Value::String(m)),
+        }) => Ok(Some(m)),
+        Ok(_) => Ok(None),
+        Err(e) if declared_json => Err(format!("the request body is not valid JSON: {e}")),
+        Err(_) => Ok(None),
+    }
+}

@@ -1,0 +1,166 @@
+//! Relaying a worker's response body to the client.
+//!
+//! Owns what happens between the response headers and the last byte: frames
+//! pass through as they arrive (never buffered whole), an idle gap longer than
+//! the stream idle timeout cuts the stream, and when the body ends, breaks or
+//! is dropped by a departing client, the attempt's outcome is recorded on the
+//! worker's breaker and the admission permit and in-flight count are released.
+//! A cut SSE stream ends with an SSE `error` event and never with
+//! `data: [DONE]`.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use tokio::time::{Instant, Sleep};
+
+use crate::admission::Permit;
+use crate::breaker::{FailureReason, Outcome, RequestCharges, Ticket};
+use crate::clock::MonotonicClock;
+use crate::error::sse_error_event;
+use crate::metrics::GatewayStats;
+use crate::worker::InflightGuard;
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Everything that must happen exactly once when a response ends.
+pub struct Completion {
+    pub guard: InflightGuard,
+    /// `None` once the outcome was recorded at header time (a failure or
+    /// pushback status); `Some` while the body decides it.
+    pub pending: Option<(Ticket, RequestCharges)>,
+    pub permit: Option<Permit>,
+    pub started: std::time::Instant,
+    pub stats: Arc<GatewayStats>,
+    pub clock: Arc<MonotonicClock>,
+}
+
+impl Completion {
+    fn finish(self, outcome: Outcome) {
+        let worker = self.guard.worker();
+        if let Some((ticket, mut charges)) = self.pending {
+            charges.record(&worker.breaker, ticket, outcome, &*self.clock);
+        }
+        self.stats
+            .request_duration
+            .observe(self.started.elapsed().as_secs_f64());
+        // `guard` and `permit` drop here: in-flight count and admission slot
+        // are released after the last byte.
+    }
+}
+
+pub struct RelayBody {
+    inner: Incoming,
+    idle: Pin<Box<Sleep>>,
+    idle_timeout: Duration,
+    sse: bool,
+    done: bool,
+    completion: Option<Completion>,
+}
+
+impl RelayBody {
+    pub fn new(inner: Incoming, sse: bool, idle_timeout: Duration, completion: Completion) -> Self {
+        Self {
+            inner,
+            idle: Box::pin(tokio::time::sleep(idle_timeout)),
+            idle_timeout,
+            sse,
+            done: false,
+            completion: Some(completion),
+        }
+    }
+
+    fn complete(&mut self, outcome: Outcome) {
+        if let Some(c) = self.completion.take() {
+            c.finish(outcome);
+        }
+    }
+
+    /// Ends a stream that broke: an SSE error event for event streams, an
+    /// error (which aborts the chunked body) for anything else.
+    fn cut(
+        &mut self,
+        reason: FailureReason,
+        code: &str,
+        message: &str,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.complete(Outcome::Failure(reason));
+        tracing::warn!(code, message, "upstream stream cut");
+        self.done = true;
+        if self.sse {
+            Poll::Ready(Some(Ok(Frame::data(sse_error_event(code, message)))))
+        } else {
+            Poll::Ready(Some(Err(message.to_owned().into())))
+        }
+    }
+}
+
+impl Body for RelayBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        if this.done {
+            return Poll::Ready(None);
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if this.inner.is_end_stream() {
+                    // A sized body is over with its last frame, and hyper
+                    // will not poll again to see the end.
+                    this.complete(Outcome::Success);
+                    this.done = true;
+                } else {
+                    let deadline = Instant::now() + this.idle_timeout;
+                    this.idle.as_mut().reset(deadline);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => this.cut(
+                FailureReason::Connect,
+                "upstream_stream_broken",
+                &format!("the worker's response broke off: {e}"),
+            ),
+            Poll::Ready(None) => {
+                this.complete(Outcome::Success);
+                this.done = true;
+                Poll::Ready(None)
+            }
+            Poll::Pending => match this.idle.as_mut().poll(cx) {
+                Poll::Ready(()) => this.cut(
+                    FailureReason::Stall,
+                    "upstream_stream_stalled",
+                    "the worker sent nothing within the stream idle timeout",
+                ),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        // An SSE stream may grow by the error event; promise nothing for it.
+        if self.sse {
+            SizeHint::default()
+        } else {
+            self.inner.size_hint()
+        }
+    }
+}
+
+impl Drop for RelayBody {
+    fn drop(&mut self) {
+        // The client went away before the end: not the worker's doing.
+        self.complete(Outcome::Ignored);
+    }
+}

@@ -1,0 +1,618 @@
+//! The worker registry: which workers exist, and each one's live state.
+//!
+//! Owns worker specs (URL, models, labels, the `resilience` overrides), the
+//! per-worker breaker, health tracker, draining flag and in-flight count, and
+//! an immutable [`Fleet`] snapshot that the request path reads without a lock
+//! (`arc_swap`). Mutations (add, remove, override) build a new snapshot under a
+//! registry mutex that the request path never takes. It does no I/O: probing,
+//! proxying and the breaker timer live in the gateway.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use serde::{Deserialize, Serialize};
+use tokio::sync::broadcast;
+
+use crate::breaker::{
+    Breaker, Classifier, DEFAULT_CAPACITY_CODES, DEFAULT_FAILURE_CODES, Settings, Transition,
+    TransitionObserver,
+};
+use crate::clock::{Clock, MonotonicClock};
+use crate::health::{Health, HealthChange, HealthThresholds, HealthTracker};
+use crate::selection::Ring;
+
+/// The per-worker `resilience` block of the gateway document. Every field is
+/// optional; a status list that is set replaces the default.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Resilience {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity_status_codes: Option<Vec<u16>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retryable_status_codes: Option<Vec<u16>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cb_failure_threshold: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cb_success_threshold: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cb_timeout_secs: Option<u64>,
+}
+
+/// A spec that cannot be applied; names the field and the value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid {field}: {message}")]
+pub struct SpecError {
+    pub field: String,
+    pub message: String,
+}
+
+impl SpecError {
+    fn new(field: &str, message: impl Into<String>) -> Self {
+        Self {
+            field: field.to_owned(),
+            message: message.into(),
+        }
+    }
+}
+
+impl Resilience {
+    pub fn validate(&self) -> Result<(), SpecError> {
+        for (field, codes) in [
+            ("resilience.capacity_status_codes", &self.capacity_status_codes),
+            ("resilience.retryable_status_codes", &self.retryable_status_codes),
+        ] {
+            if let Some(bad) = codes.iter().flatten().find(|c| !(100..=599).contains(*c)) {
+                return Err(SpecError::new(field, format!("{bad} is not an HTTP status (100-599)")));
+            }
+        }
+        for (field, value) in [
+            ("resilience.cb_failure_threshold", self.cb_failure_threshold.map(u64::from)),
+            ("resilience.cb_success_threshold", self.cb_success_threshold.map(u64::from)),
+            ("resilience.cb_timeout_secs", self.cb_timeout_secs),
+        ] {
+            if value == Some(0) {
+                return Err(SpecError::new(field, "must be at least 1"));
+            }
+        }
+        Ok(())
+    }
+
+    /// `patch` over `self`: fields the patch sets win.
+    pub fn merged(&self, patch: &Resilience) -> Resilience {
+        Resilience {
+            capacity_status_codes: patch
+                .capacity_status_codes
+                .clone()
+                .or_else(|| self.capacity_status_codes.clone()),
+            retryable_status_codes: patch
+                .retryable_status_codes
+                .clone()
+                .or_else(|| self.retryable_status_codes.clone()),
+            cb_failure_threshold: patch.cb_failure_threshold.or(self.cb_failure_threshold),
+            cb_success_threshold: patch.cb_success_threshold.or(self.cb_success_threshold),
+            cb_timeout_secs: patch.cb_timeout_secs.or(self.cb_timeout_secs),
+        }
+    }
+}
+
+/// What the flags say about every breaker, before per-worker overrides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BreakerDefaults {
+    pub settings: Settings,
+    /// `--disable-circuit-breaker`: the failure threshold is raised to its
+    /// maximum unless a worker sets its own.
+    pub disabled: bool,
+}
+
+impl BreakerDefaults {
+    pub fn resolve(&self, r: &Resilience) -> (Settings, Classifier) {
+        let base = self.settings;
+        let default_failure = if self.disabled {
+            u32::MAX
+        } else {
+            base.failure_threshold
+        };
+        let settings = Settings {
+            failure_threshold: r.cb_failure_threshold.unwrap_or(default_failure),
+            success_threshold: r.cb_success_threshold.unwrap_or(base.success_threshold),
+            open_timeout: r
+                .cb_timeout_secs
+                .map_or(base.open_timeout, Duration::from_secs),
+            ..base
+        };
+        let classifier = Classifier::new(
+            r.capacity_status_codes
+                .as_deref()
+                .unwrap_or(DEFAULT_CAPACITY_CODES),
+            r.retryable_status_codes
+                .as_deref()
+                .unwrap_or(DEFAULT_FAILURE_CODES),
+        );
+        (settings, classifier)
+    }
+}
+
+/// A worker as an operator describes it (`--worker-urls`, config file, or
+/// `POST /workers`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerSpec {
+    pub url: String,
+    /// The model it serves; learned from its `/v1/models` when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default)]
+    pub resilience: Resilience,
+}
+
+impl WorkerSpec {
+    pub fn from_url(url: &str) -> Self {
+        Self {
+            url: url.to_owned(),
+            ..Self::default()
+        }
+    }
+
+    /// Checks the spec and splits its URL into the parts the proxy needs.
+    pub fn validate(&self) -> Result<WorkerAddress, SpecError> {
+        self.resilience.validate()?;
+        WorkerAddress::parse(&self.url)
+    }
+}
+
+/// Where a worker is: its normalised base URL and, when it resolves, its
+/// socket address (the XDP dataplane steers to it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerAddress {
+    pub base: String,
+    pub authority: http::uri::Authority,
+    pub socket: Option<SocketAddr>,
+}
+
+impl WorkerAddress {
+    pub fn parse(url: &str) -> Result<Self, SpecError> {
+        let bad = |m: &str| SpecError::new("url", format!("{url:?}: {m}"));
+        let uri: http::Uri = url.parse().map_err(|_| bad("not a URL"))?;
+        if uri.scheme_str() != Some("http") {
+            return Err(bad("only http:// workers are supported"));
+        }
+        let authority = uri.authority().cloned().ok_or_else(|| bad("no host"))?;
+        if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+            return Err(bad("a worker URL is scheme://host:port, without a path"));
+        }
+        let port = authority.port_u16().unwrap_or(80);
+        let socket = (authority.host().trim_matches(['[', ']']), port)
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut addrs| addrs.next());
+        Ok(Self {
+            base: format!("http://{authority}"),
+            authority,
+            socket,
+        })
+    }
+}
+
+/// Something the dataplane and other subscribers react to.
+#[derive(Debug, Clone)]
+pub enum WorkerEvent {
+    Added(Arc<Worker>),
+    /// Stopped taking new traffic; in-flight requests continue.
+    Draining(Arc<Worker>),
+    Removed(Arc<Worker>),
+    Breaker(Arc<Worker>, Transition),
+    Health(Arc<Worker>, HealthChange),
+}
+
+/// One worker and its live state.
+pub struct Worker {
+    pub id: String,
+    pub url: Arc<str>,
+    pub address: WorkerAddress,
+    pub labels: BTreeMap<String, String>,
+    pub breaker: Breaker,
+    models: ArcSwap<Vec<String>>,
+    classifier: ArcSwap<Classifier>,
+    resilience: Mutex<Resilience>,
+    ready: AtomicBool,
+    health: Mutex<HealthTracker>,
+    draining: AtomicBool,
+    inflight: AtomicU32,
+    selected: AtomicU64,
+    /// Background tasks (prober, breaker timer) that must stop with the worker.
+    tasks: Mutex<Vec<tokio::task::AbortHandle>>,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("id", &self.id)
+            .field("url", &self.url)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Worker {
+    /// Selectable for a new request: Ready, not draining, and its breaker
+    /// allows it. This is the document's "both gates" table.
+    #[inline]
+    pub fn is_eligible(&self, clock: &dyn Clock) -> bool {
+        self.ready.load(Ordering::Acquire)
+            && !self.draining.load(Ordering::Acquire)
+            && self.breaker.is_available(clock)
+    }
+
+    /// Whether the XDP dataplane may steer new connections here.
+    pub fn is_routable(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+            && !self.draining.load(Ordering::Acquire)
+            && self.breaker.state() != crate::breaker::State::Open
+    }
+
+    #[inline]
+    pub fn serves(&self, model: &str) -> bool {
+        self.models.load().iter().any(|m| m == model)
+    }
+
+    pub fn models(&self) -> Arc<Vec<String>> {
+        self.models.load_full()
+    }
+
+    #[inline]
+    pub fn classifier(&self) -> Classifier {
+        **self.classifier.load()
+    }
+
+    pub fn resilience(&self) -> Resilience {
+        self.resilience.lock().unwrap().clone()
+    }
+
+    pub fn health(&self) -> Health {
+        self.health.lock().unwrap().status()
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
+    #[inline]
+    pub fn inflight(&self) -> u32 {
+        self.inflight.load(Ordering::Relaxed)
+    }
+
+    pub fn selected_total(&self) -> u64 {
+        self.selected.load(Ordering::Relaxed)
+    }
+
+    /// Counts a request against this worker until the guard drops.
+    #[inline]
+    pub fn start_request(self: &Arc<Self>) -> InflightGuard {
+        self.inflight.fetch_add(1, Ordering::Relaxed);
+        self.selected.fetch_add(1, Ordering::Relaxed);
+        InflightGuard(self.clone())
+    }
+
+    pub fn add_task(&self, task: tokio::task::AbortHandle) {
+        let mut tasks = self.tasks.lock().unwrap();
+        tasks.retain(|t| !t.is_finished());
+        tasks.push(task);
+    }
+}
+
+/// Decrements a worker's in-flight count when the request ends, however it ends.
+#[derive(Debug)]
+pub struct InflightGuard(Arc<Worker>);
+
+impl InflightGuard {
+    pub fn worker(&self) -> &Arc<Worker> {
+        &self.0
+    }
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.0.inflight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// An immutable view of the fleet, swapped whole on every change.
+#[derive(Debug, Default)]
+pub struct Fleet {
+    pub workers: Vec<Arc<Worker>>,
+    by_model: HashMap<String, Vec<Arc<Worker>>>,
+    rings: HashMap<String, Ring>,
+    ring_all: Option<Ring>,
+}
+
+impl Fleet {
+    /// The workers a request for `model` may go to, with the hash ring over
+    /// them when consistent hashing is on. A model no worker declares goes to
+    /// the whole fleet: a worker whose models are not known yet (or a client
+    /// that names a model alias) should not turn into a 404.
+    pub fn candidates(&self, model: Option<&str>) -> (&[Arc<Worker>], Option<&Ring>) {
+        match model.and_then(|m| self.by_model.get_key_value(m)) {
+            Some((m, workers)) => (workers, self.rings.get(m)),
+            None => (&self.workers, self.ring_all.as_ref()),
+        }
+    }
+
+    pub fn get(&self, id_or_url: &str) -> Option<&Arc<Worker>> {
+        self.workers
+            .iter()
+            .find(|w| w.id == id_or_url || *w.url == *id_or_url)
+    }
+
+    fn build(workers: Vec<Arc<Worker>>, with_rings: bool) -> Self {
+        let mut by_model: HashMap<String, Vec<Arc<Worker>>> = HashMap::new();
+        for w in &workers {
+            for m in w.models().iter() {
+                by_model.entry(m.clone()).or_default().push(w.clone());
+            }
+        }
+        let (rings, ring_all) = if with_rings {
+            let rings = by_model
+                .iter()
+                .map(|(m, ws)| (m.clone(), Ring::build(ws)))
+                .collect();
+            (rings, Some(Ring::build(&workers)))
+        } else {
+            (HashMap::new(), None)
+        };
+        Self {
+            workers,
+            by_model,
+            rings,
+            ring_all,
+        }
+    }
+}
+
+/// Registry-wide settings fixed at start.
+#[derive(Debug, Clone, Copy)]
+pub struct RegistryConfig {
+    pub breaker: BreakerDefaults,
+    pub health: HealthThresholds,
+    /// Build consistent-hash rings on every fleet change.
+    pub hash_rings: bool,
+}
+
+/// Why a registry call could not be applied. Nothing changed.
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    #[error(transparent)]
+    Invalid(#[from] SpecError),
+    #[error("a worker with url {0} already exists")]
+    Duplicate(String),
+    #[error("no worker {0}")]
+    NotFound(String),
+}
+
+pub struct Registry {
+    fleet: ArcSwap<Fleet>,
+    /// Serialises mutations; never taken on the request path.
+    write: Mutex<()>,
+    config: RegistryConfig,
+    clock: Arc<MonotonicClock>,
+    next_id: AtomicU64,
+    removed: Mutex<Vec<Arc<str>>>,
+    events: broadcast::Sender<WorkerEvent>,
+}
+
+impl Registry {
+    pub fn new(config: RegistryConfig, clock: Arc<MonotonicClock>) -> Arc<Self> {
+        Arc::new(Self {
+            fleet: ArcSwap::from_pointee(Fleet::default()),
+            write: Mutex::new(()),
+            config,
+            clock,
+            next_id: AtomicU64::new(1),
+            removed: Mutex::new(Vec::new()),
+            events: broadcast::channel(1024).0,
+        })
+    }
+
+    #[inline]
+    pub fn fleet(&self) -> arc_swap::Guard<Arc<Fleet>> {
+        self.fleet.load()
+    }
+
+    pub fn clock(&self) -> &Arc<MonotonicClock> {
+        &self.clock
+    }
+
+    /// Transitions, health changes and fleet changes, as they happen.
+    pub fn subscribe(&self) -> broadcast::Receiver<WorkerEvent> {
+        self.events.subscribe()
+    }
+
+    /// URLs of removed workers, whose breaker gauge reads -1.
+    pub fn removed_urls(&self) -> Vec<Arc<str>> {
+        self.removed.lock().unwrap().clone()
+    }
+
+    pub fn add(self: &Arc<Self>, spec: &WorkerSpec) -> Result<Arc<Worker>, RegistryError> {
+        let address = spec.validate()?;
+        let _write = self.write.lock().unwrap();
+        let fleet = self.fleet.load_full();
+        if fleet.workers.iter().any(|w| *w.url == *address.base) {
+            return Err(RegistryError::Duplicate(address.base));
+        }
+        let (settings, classifier) = self.config.breaker.resolve(&spec.resilience);
+        let id = format!("w{}", self.next_id.fetch_add(1, Ordering::Relaxed));
+        let url: Arc<str> = address.base.clone().into();
+        let worker = Arc::new_cyclic(|me: &Weak<Worker>| {
+            let observer = Arc::new(BreakerEvents {
+                worker: me.clone(),
+                events: self.events.clone(),
+                clock: self.clock.clone(),
+            });
+            Worker {
+                id,
+                url: url.clone(),
+                address,
+                labels: spec.labels.clone(),
+                breaker: Breaker::new(url.clone(), settings, Some(observer)),
+                models: ArcSwap::from_pointee(spec.model.iter().cloned().collect()),
+                classifier: ArcSwap::from_pointee(classifier),
+                resilience: Mutex::new(spec.resilience.clone()),
+                ready: AtomicBool::new(true),
+                health: Mutex::new(HealthTracker::new(Health::Ready, self.config.health)),
+                draining: AtomicBool::new(false),
+                inflight: AtomicU32::new(0),
+                selected: AtomicU64::new(0),
+                tasks: Mutex::new(Vec::new()),
+            }
+        });
+        self.removed.lock().unwrap().retain(|u| **u != *url);
+        let mut workers = fleet.workers.clone();
+        workers.push(worker.clone());
+        self.publish(workers);
+        tracing::info!(worker = %worker.url, id = %worker.id, "worker added");
+        let _ = self.events.send(WorkerEvent::Added(worker.clone()));
+        Ok(worker)
+    }
+
+    /// Applies a `resilience` patch. Invalid patches change nothing.
+    pub fn patch_resilience(&self, id: &str, patch: &Resilience) -> Result<Arc<Worker>, RegistryError> {
+        patch.validate()?;
+        let _write = self.write.lock().unwrap();
+        let worker = self
+            .fleet()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
+        let mut current = worker.resilience.lock().unwrap();
+        let merged = current.merged(patch);
+        let (settings, classifier) = self.config.breaker.resolve(&merged);
+        worker.breaker.set_settings(settings);
+        worker.classifier.store(Arc::new(classifier));
+        *current = merged;
+        drop(current);
+        tracing::info!(worker = %worker.url, "resilience overrides updated");
+        Ok(worker)
+    }
+
+    /// Records the models a worker reported, when its spec named none.
+    pub fn learn_models(&self, worker: &Worker, models: Vec<String>) {
+        let _write = self.write.lock().unwrap();
+        if *worker.models.load_full() == models {
+            return;
+        }
+        worker.models.store(Arc::new(models));
+        let workers = self.fleet.load().workers.clone();
+        self.publish(workers);
+    }
+
+    /// Stops new traffic to a worker. Returns it so the caller can wait for
+    /// its in-flight requests before [`Registry::remove`].
+    pub fn drain(&self, id: &str) -> Result<Arc<Worker>, RegistryError> {
+        let worker = self
+            .fleet()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
+        if !worker.draining.swap(true, Ordering::AcqRel) {
+            tracing::info!(worker = %worker.url, "worker draining");
+            let _ = self.events.send(WorkerEvent::Draining(worker.clone()));
+        }
+        Ok(worker)
+    }
+
+    pub fn remove(&self, worker: &Arc<Worker>) {
+        let _write = self.write.lock().unwrap();
+        let fleet = self.fleet.load_full();
+        let workers: Vec<_> = fleet
+            .workers
+            .iter()
+            .filter(|w| !Arc::ptr_eq(w, worker))
+            .cloned()
+            .collect();
+        if workers.len() == fleet.workers.len() {
+            return;
+        }
+        for task in worker.tasks.lock().unwrap().drain(..) {
+            task.abort();
+        }
+        self.publish(workers);
+        self.removed.lock().unwrap().push(worker.url.clone());
+        tracing::info!(worker = %worker.url, "worker removed");
+        let _ = self.events.send(WorkerEvent::Removed(worker.clone()));
+    }
+
+    /// Feeds a probe result to the worker's health tracker; a promotion puts
+    /// its open breaker on trial.
+    pub fn observe_health(&self, worker: &Arc<Worker>, passed: bool) -> Option<HealthChange> {
+        let change = worker.health.lock().unwrap().observe(passed);
+        self.apply_health(worker, change);
+        change
+    }
+
+    /// Puts a worker back to Ready by another path than probes (an operator,
+    /// or health checks being disabled).
+    pub fn force_ready(&self, worker: &Arc<Worker>) -> Option<HealthChange> {
+        let change = worker.health.lock().unwrap().force_ready();
+        self.apply_health(worker, change);
+        change
+    }
+
+    fn apply_health(&self, worker: &Arc<Worker>, change: Option<HealthChange>) {
+        let Some(change) = change else { return };
+        match change {
+            HealthChange::Demoted => {
+                worker.ready.store(false, Ordering::Release);
+                tracing::warn!(worker = %worker.url, "worker demoted to not_ready");
+            }
+            HealthChange::Promoted => {
+                worker.ready.store(true, Ordering::Release);
+                tracing::info!(worker = %worker.url, "worker promoted to ready");
+                worker.breaker.promote(&*self.clock);
+            }
+        }
+        let _ = self.events.send(WorkerEvent::Health(worker.clone(), change));
+    }
+
+    fn publish(&self, workers: Vec<Arc<Worker>>) {
+        self.fleet
+            .store(Arc::new(Fleet::build(workers, self.config.hash_rings)));
+    }
+}
+
+/// The breaker observer of one worker: forwards transitions to subscribers and
+/// arms the open-timeout timer, so a worker that takes no requests (idle, or
+/// reached only through XDP) still leaves the open state on time.
+struct BreakerEvents {
+    worker: Weak<Worker>,
+    events: broadcast::Sender<WorkerEvent>,
+    clock: Arc<MonotonicClock>,
+}
+
+impl TransitionObserver for BreakerEvents {
+    fn on_transition(&self, t: &Transition) {
+        let Some(worker) = self.worker.upgrade() else {
+            return;
+        };
+        if t.to == crate::breaker::State::Open {
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let (weak, clock) = (self.worker.clone(), self.clock.clone());
+                let task = runtime.spawn(open_timer(weak, clock));
+                worker.add_task(task.abort_handle());
+            }
+        }
+        let _ = self.events.send(WorkerEvent::Breaker(worker, *t));
+    }
+}
+
+async fn open_timer(worker: Weak<Worker>, clock: Arc<MonotonicClock>) {
+    loop {
+        let Some(deadline) = worker.upgrade().and_then(|w| w.breaker.poll(&*clock)) else {
+            return;
+        };
+        tokio::time::sleep_until(clock.instant_at(deadline).into()).await;
+    }
+}
