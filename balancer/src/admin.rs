@@ -17,7 +17,6 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::breaker::FailureReason;
-use crate::clock::Clock;
 use crate::error::{ErrorCode, error_response};
 use crate::proxy::ResponseBody;
 use crate::worker::{Registry, RegistryError, Resilience, Worker, WorkerSpec};
@@ -69,7 +68,10 @@ impl Admin {
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.strip_prefix("Bearer "));
             if presented != Some(token.as_str()) {
-                return error(ErrorCode::Unauthorized, "missing or wrong admin bearer token");
+                return error(
+                    ErrorCode::Unauthorized,
+                    "missing or wrong admin bearer token",
+                );
             }
         }
         let path = req.uri().path().trim_end_matches('/').to_owned();

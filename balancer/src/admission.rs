@@ -86,8 +86,11 @@ impl Admission {
             return Err(Shed::QueueFull);
         }
         let _slot = Waiting(&self.waiting);
-        match tokio::time::timeout(self.config.queue_timeout, self.permits.clone().acquire_owned())
-            .await
+        match tokio::time::timeout(
+            self.config.queue_timeout,
+            self.permits.clone().acquire_owned(),
+        )
+        .await
         {
             Ok(Ok(p)) => Ok(Permit(p)),
             // The semaphore is never closed; treat it like a timeout anyway.

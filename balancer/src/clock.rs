@@ -14,6 +14,12 @@ pub type Nanos = u64;
 /// A monotonic time source.
 pub trait Clock: Send + Sync + std::fmt::Debug {
     fn now(&self) -> Nanos;
+
+    /// The real instant at which this clock reads `at`, for arming a timer;
+    /// `None` for clocks that only move when told to.
+    fn deadline(&self, _at: Nanos) -> Option<Instant> {
+        None
+    }
 }
 
 /// The real monotonic clock, counted from the moment it was created.
@@ -28,12 +34,6 @@ impl MonotonicClock {
             origin: Instant::now(),
         }
     }
-
-    /// The `Instant` that corresponds to `at` on this clock, for handing a
-    /// deadline to a timer.
-    pub fn instant_at(&self, at: Nanos) -> Instant {
-        self.origin + Duration::from_nanos(at)
-    }
 }
 
 impl Default for MonotonicClock {
@@ -46,6 +46,10 @@ impl Clock for MonotonicClock {
     #[inline]
     fn now(&self) -> Nanos {
         self.origin.elapsed().as_nanos() as Nanos
+    }
+
+    fn deadline(&self, at: Nanos) -> Option<Instant> {
+        Some(self.origin + Duration::from_nanos(at))
     }
 }
 

@@ -288,7 +288,9 @@ impl LaunchArgs {
                 .metrics_prefix
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || c == '_')
-            || self.metrics_prefix.starts_with(|c: char| c.is_ascii_digit())
+            || self
+                .metrics_prefix
+                .starts_with(|c: char| c.is_ascii_digit())
         {
             bail!(
                 "invalid value '{}' for '--metrics-prefix': use letters, digits and '_'",
@@ -460,7 +462,10 @@ mod tests {
         ] {
             let err = parse(&[flag, value]).unwrap_err();
             let msg = format!("{err:#}");
-            assert!(msg.contains(flag) && msg.contains(value), "{flag} {value}: {msg}");
+            assert!(
+                msg.contains(flag) && msg.contains(value),
+                "{flag} {value}: {msg}"
+            );
         }
     }
 
@@ -524,7 +529,13 @@ resilience = { capacity_status_codes = [429, 503], cb_failure_threshold = 2 }
         assert_eq!(p.backoff(1, None), Duration::from_millis(100));
         assert_eq!(p.backoff(3, None), Duration::from_millis(400));
         assert_eq!(p.backoff(10, None), Duration::from_millis(1000));
-        assert_eq!(p.backoff(1, Some(Duration::from_millis(500))), Duration::from_millis(500));
-        assert_eq!(p.backoff(1, Some(Duration::from_secs(60))), Duration::from_millis(1000));
+        assert_eq!(
+            p.backoff(1, Some(Duration::from_millis(500))),
+            Duration::from_millis(500)
+        );
+        assert_eq!(
+            p.backoff(1, Some(Duration::from_secs(60))),
+            Duration::from_millis(1000)
+        );
     }
 }

@@ -90,7 +90,10 @@ pub fn error_response<B: From<Bytes>>(
     let mut response = Response::new(B::from(error_body(code, message)));
     *response.status_mut() = code.status();
     let headers = response.headers_mut();
-    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     if let Some(secs) = retry_after {
         headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
     }

@@ -22,7 +22,7 @@ use tokio::task::JoinSet;
 
 use crate::admin::Admin;
 use crate::admission::Admission;
-use crate::clock::MonotonicClock;
+use crate::clock::{Clock, MonotonicClock};
 use crate::config::LaunchArgs;
 use crate::health::probe;
 use crate::metrics::GatewayStats;
@@ -120,7 +120,12 @@ async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<TcpListener> {
 
 /// Starts the agent: every listener bound, every worker added and probed.
 pub async fn start(args: LaunchArgs) -> anyhow::Result<Running> {
-    let clock = Arc::new(MonotonicClock::new());
+    start_with_clock(args, Arc::new(MonotonicClock::new())).await
+}
+
+/// [`start`] with the clock the breakers run on; tests pass a `ManualClock`
+/// to drive open timeouts without sleeping.
+pub async fn start_with_clock(args: LaunchArgs, clock: Arc<dyn Clock>) -> anyhow::Result<Running> {
     let registry = Registry::new(
         RegistryConfig {
             breaker: args.breaker.defaults(),
@@ -159,8 +164,8 @@ pub async fn start(args: LaunchArgs) -> anyhow::Result<Running> {
         prober.spawn(&worker);
     }
 
-    let routing_key_header = HeaderName::try_from(args.routing_key_header.as_str())
-        .with_context(|| {
+    let routing_key_header =
+        HeaderName::try_from(args.routing_key_header.as_str()).with_context(|| {
             format!(
                 "invalid value '{}' for '--routing-key-header'",
                 args.routing_key_header
@@ -184,15 +189,23 @@ pub async fn start(args: LaunchArgs) -> anyhow::Result<Running> {
     let main = bind(args.listen_addr(), "HTTP").await?;
     let metrics = bind(args.metrics_addr(), "metrics").await?;
     let admin = bind(args.admin_addr(), "the admin API").await?;
-    let (addr, metrics_addr, admin_addr) =
-        (main.local_addr()?, metrics.local_addr()?, admin.local_addr()?);
+    let (addr, metrics_addr, admin_addr) = (
+        main.local_addr()?,
+        metrics.local_addr()?,
+        admin.local_addr()?,
+    );
 
     let grace = Duration::from_secs(args.shutdown_grace_period_secs);
     let (shutdown, stop) = watch::channel(false);
     let mut listeners = JoinSet::new();
 
     let p = proxy.clone();
-    listeners.spawn(serve(main, move |req| p.clone().handle(req), stop.clone(), grace));
+    listeners.spawn(serve(
+        main,
+        move |req| p.clone().handle(req),
+        stop.clone(),
+        grace,
+    ));
 
     let (reg, p) = (registry.clone(), proxy.clone());
     listeners.spawn(serve(

@@ -103,7 +103,11 @@ impl HealthTracker {
 }
 
 /// One probe: `GET uri` must answer 2xx within `timeout`, body included.
-pub async fn probe(client: &Client<HttpConnector, Empty<Bytes>>, uri: &http::Uri, timeout: Duration) -> bool {
+pub async fn probe(
+    client: &Client<HttpConnector, Empty<Bytes>>,
+    uri: &http::Uri,
+    timeout: Duration,
+) -> bool {
     let attempt = async {
         let response = client.get(uri.clone()).await.ok()?;
         let ok = response.status().is_success();
@@ -117,7 +121,10 @@ pub async fn probe(client: &Client<HttpConnector, Empty<Bytes>>, uri: &http::Uri
 mod tests {
     use super::*;
 
-    const T: HealthThresholds = HealthThresholds { failure: 3, success: 2 };
+    const T: HealthThresholds = HealthThresholds {
+        failure: 3,
+        success: 2,
+    };
 
     #[test]
     fn demotes_after_failure_threshold_consecutive_failures() {

@@ -11,7 +11,11 @@ use balancer::config::LaunchArgs;
 use balancer::mock_worker::{self, MockWorkerArgs};
 
 #[derive(Parser)]
-#[command(name = "balancer", version, about = "An eBPF/XDP-assisted L4/L7 load balancer for GPU inference workers")]
+#[command(
+    name = "balancer",
+    version,
+    about = "An eBPF/XDP-assisted L4/L7 load balancer for GPU inference workers"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

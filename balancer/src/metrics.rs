@@ -134,12 +134,20 @@ impl GatewayStats {
             let status = code.status().as_u16().to_string();
             w.sample(
                 "http_responses_total",
-                &[("status", &status), ("source", "gateway"), ("code", code.as_str())],
+                &[
+                    ("status", &status),
+                    ("source", "gateway"),
+                    ("code", code.as_str()),
+                ],
                 self.gateway[code as usize].load(Ordering::Relaxed) as f64,
             );
         }
         w.family("retries_total", "counter", "Attempts after the first.");
-        w.sample("retries_total", &[], self.retries.load(Ordering::Relaxed) as f64);
+        w.sample(
+            "retries_total",
+            &[],
+            self.retries.load(Ordering::Relaxed) as f64,
+        );
         w.family(
             "retries_exhausted_total",
             "counter",
@@ -175,18 +183,30 @@ fn render_workers(w: &mut Writer<'_>, registry: &Registry) {
         "Circuit breaker state: 0 closed, 1 open, 2 half-open; -1 after the worker is removed.",
     );
     for (wk, s) in &snaps {
-        w.sample("worker_cb_state", &[("worker", &wk.url)], s.state.gauge() as f64);
+        w.sample(
+            "worker_cb_state",
+            &[("worker", &wk.url)],
+            s.state.gauge() as f64,
+        );
     }
     for url in registry.removed_urls() {
         w.sample("worker_cb_state", &[("worker", &url)], -1.0);
     }
 
-    w.family("worker_cb_transitions_total", "counter", "Circuit breaker state transitions.");
+    w.family(
+        "worker_cb_transitions_total",
+        "counter",
+        "Circuit breaker state transitions.",
+    );
     for (wk, s) in &snaps {
         for (from, to) in TRANSITIONS {
             w.sample(
                 "worker_cb_transitions_total",
-                &[("worker", &wk.url), ("from", from.as_str()), ("to", to.as_str())],
+                &[
+                    ("worker", &wk.url),
+                    ("from", from.as_str()),
+                    ("to", to.as_str()),
+                ],
                 s.transitions[from as usize][to as usize] as f64,
             );
         }
@@ -210,7 +230,11 @@ fn render_workers(w: &mut Writer<'_>, registry: &Registry) {
         );
     }
 
-    w.family("worker_cb_failures_total", "counter", "Recorded failures by reason.");
+    w.family(
+        "worker_cb_failures_total",
+        "counter",
+        "Recorded failures by reason.",
+    );
     for (wk, s) in &snaps {
         for reason in FailureReason::ALL {
             w.sample(
@@ -222,12 +246,16 @@ fn render_workers(w: &mut Writer<'_>, registry: &Registry) {
     }
 
     let gauges: [(&str, &str, fn(&crate::breaker::Snapshot) -> f64); 2] = [
-        ("worker_cb_consecutive_failures", "Current consecutive-failure count.", |s| {
-            f64::from(s.consecutive_failures)
-        }),
-        ("worker_cb_consecutive_successes", "Current consecutive-success count.", |s| {
-            f64::from(s.consecutive_successes)
-        }),
+        (
+            "worker_cb_consecutive_failures",
+            "Current consecutive-failure count.",
+            |s| f64::from(s.consecutive_failures),
+        ),
+        (
+            "worker_cb_consecutive_successes",
+            "Current consecutive-success count.",
+            |s| f64::from(s.consecutive_successes),
+        ),
     ];
     for (name, help, value) in gauges {
         w.family(name, "gauge", help);
@@ -249,12 +277,24 @@ fn render_workers(w: &mut Writer<'_>, registry: &Registry) {
         );
     }
 
-    w.family("worker_health", "gauge", "1 when the worker is Ready, 0 when NotReady.");
+    w.family(
+        "worker_health",
+        "gauge",
+        "1 when the worker is Ready, 0 when NotReady.",
+    );
     for wk in &fleet.workers {
         let ready = wk.health() == crate::health::Health::Ready;
-        w.sample("worker_health", &[("worker", &wk.url)], f64::from(u8::from(ready)));
+        w.sample(
+            "worker_health",
+            &[("worker", &wk.url)],
+            f64::from(u8::from(ready)),
+        );
     }
-    w.family("worker_draining", "gauge", "1 while the worker drains before removal.");
+    w.family(
+        "worker_draining",
+        "gauge",
+        "1 while the worker drains before removal.",
+    );
     for wk in &fleet.workers {
         w.sample(
             "worker_draining",
@@ -262,27 +302,59 @@ fn render_workers(w: &mut Writer<'_>, registry: &Registry) {
             f64::from(u8::from(wk.is_draining())),
         );
     }
-    w.family("worker_requests_inflight", "gauge", "Attempts in flight to the worker.");
+    w.family(
+        "worker_requests_inflight",
+        "gauge",
+        "Attempts in flight to the worker.",
+    );
     for wk in &fleet.workers {
-        w.sample("worker_requests_inflight", &[("worker", &wk.url)], f64::from(wk.inflight()));
+        w.sample(
+            "worker_requests_inflight",
+            &[("worker", &wk.url)],
+            f64::from(wk.inflight()),
+        );
     }
-    w.family("worker_selected_total", "counter", "Attempts sent to the worker.");
+    w.family(
+        "worker_selected_total",
+        "counter",
+        "Attempts sent to the worker.",
+    );
     for wk in &fleet.workers {
-        w.sample("worker_selected_total", &[("worker", &wk.url)], wk.selected_total() as f64);
+        w.sample(
+            "worker_selected_total",
+            &[("worker", &wk.url)],
+            wk.selected_total() as f64,
+        );
     }
 }
 
 fn render_admission(w: &mut Writer<'_>, a: &Admission) {
     let s = a.stats();
     for (name, help, v) in [
-        ("admission_limit", "--max-concurrent-requests.", s.limit as f64),
-        ("admission_inflight", "Admitted requests in flight.", s.inflight as f64),
-        ("admission_queue_depth", "Requests waiting for admission.", s.queued as f64),
+        (
+            "admission_limit",
+            "--max-concurrent-requests.",
+            s.limit as f64,
+        ),
+        (
+            "admission_inflight",
+            "Admitted requests in flight.",
+            s.inflight as f64,
+        ),
+        (
+            "admission_queue_depth",
+            "Requests waiting for admission.",
+            s.queued as f64,
+        ),
     ] {
         w.family(name, "gauge", help);
         w.sample(name, &[], v);
     }
-    w.family("admission_rejections_total", "counter", "Requests shed by admission control.");
+    w.family(
+        "admission_rejections_total",
+        "counter",
+        "Requests shed by admission control.",
+    );
     w.sample(
         "admission_rejections_total",
         &[("reason", "queue_full")],
@@ -304,7 +376,10 @@ struct Writer<'a> {
 impl Writer<'_> {
     fn family(&mut self, name: &str, kind: &str, help: &str) {
         let p = self.prefix;
-        let _ = writeln!(self.out, "# HELP {p}_{name} {help}\n# TYPE {p}_{name} {kind}");
+        let _ = writeln!(
+            self.out,
+            "# HELP {p}_{name} {help}\n# TYPE {p}_{name} {kind}"
+        );
     }
 
     fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: f64) {

@@ -22,7 +22,7 @@ use hyper_util::rt::TokioExecutor;
 
 use crate::admission::{Admission, Permit, Shed};
 use crate::breaker::{FailureReason, Outcome, RequestCharges};
-use crate::clock::{Clock, MonotonicClock};
+use crate::clock::Clock;
 use crate::config::RetryPolicy;
 use crate::error::{ErrorCode, error_response};
 use crate::metrics::GatewayStats;
@@ -68,7 +68,7 @@ pub struct Proxy {
     config: ProxyConfig,
     admission: Option<Admission>,
     stats: Arc<GatewayStats>,
-    clock: Arc<MonotonicClock>,
+    clock: Arc<dyn Clock>,
 }
 
 /// The request body as the attempts see it.
@@ -90,8 +90,10 @@ where
 fn json_response(status: StatusCode, body: serde_json::Value) -> Response<ResponseBody> {
     let mut r = Response::new(boxed(Full::new(Bytes::from(body.to_string()))));
     *r.status_mut() = status;
-    r.headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     r
 }
 
@@ -154,7 +156,9 @@ impl Proxy {
                 Ok(p) => Some(p),
                 Err(shed) => {
                     let (code, msg) = match shed {
-                        Shed::QueueFull => (ErrorCode::AdmissionQueueFull, "the admission queue is full"),
+                        Shed::QueueFull => {
+                            (ErrorCode::AdmissionQueueFull, "the admission queue is full")
+                        }
                         Shed::QueueTimeout => (
                             ErrorCode::AdmissionQueueTimeout,
                             "the request waited too long for admission",
@@ -213,7 +217,10 @@ impl Proxy {
         let mut charges = RequestCharges::default();
         let mut tried: Vec<u64> = Vec::new();
         let (max_attempts, mut body) = match body {
-            RequestBody::Replayable(b) => (self.config.retry.max_attempts, Some(RequestBody::Replayable(b))),
+            RequestBody::Replayable(b) => (
+                self.config.retry.max_attempts,
+                Some(RequestBody::Replayable(b)),
+            ),
             streaming => (1, Some(streaming)),
         };
         let mut attempt = 0;
@@ -275,7 +282,12 @@ impl Proxy {
                 AttemptError::Timeout => FailureReason::Timeout,
                 AttemptError::Unreachable(_) => FailureReason::Connect,
             };
-            charges.record(&worker.breaker, ticket, Outcome::Failure(reason), &*self.clock);
+            charges.record(
+                &worker.breaker,
+                ticket,
+                Outcome::Failure(reason),
+                &*self.clock,
+            );
             drop(guard);
             if !last {
                 self.stats.retry();
@@ -300,7 +312,11 @@ impl Proxy {
 
     /// Picks an eligible worker and reserves its breaker admission. A lost
     /// race for a limited half-open slot just moves on to another worker.
-    fn select(&self, req: &Outgoing, tried: &[u64]) -> Option<(Arc<Worker>, crate::breaker::Ticket)> {
+    fn select(
+        &self,
+        req: &Outgoing,
+        tried: &[u64],
+    ) -> Option<(Arc<Worker>, crate::breaker::Ticket)> {
         let fleet = self.registry.fleet();
         let (candidates, ring) = fleet.candidates(req.model.as_deref());
         let mut skip = tried.to_vec();
@@ -332,14 +348,19 @@ impl Proxy {
         *upstream.method_mut() = req.method.clone();
         *upstream.uri_mut() = uri;
         *upstream.headers_mut() = req.headers.clone();
-        match tokio::time::timeout(self.config.request_timeout, self.client.request(upstream)).await {
+        match tokio::time::timeout(self.config.request_timeout, self.client.request(upstream)).await
+        {
             Ok(Ok(response)) => Ok(response),
             Ok(Err(e)) => Err(AttemptError::Unreachable(error_chain(&e))),
             Err(_) => Err(AttemptError::Timeout),
         }
     }
 
-    fn relay(&self, response: Response<Incoming>, completion: Completion) -> Response<ResponseBody> {
+    fn relay(
+        &self,
+        response: Response<Incoming>,
+        completion: Completion,
+    ) -> Response<ResponseBody> {
         let (mut parts, body) = response.into_parts();
         for h in HOP_BY_HOP {
             parts.headers.remove(h);
@@ -358,7 +379,12 @@ impl Proxy {
         Response::from_parts(parts, boxed(relay))
     }
 
-    fn gateway_error(&self, code: ErrorCode, message: &str, retry_after: Option<u64>) -> Response<ResponseBody> {
+    fn gateway_error(
+        &self,
+        code: ErrorCode,
+        message: &str,
+        retry_after: Option<u64>,
+    ) -> Response<ResponseBody> {
         self.stats.gateway_response(code);
         error_response::<Full<Bytes>>(code, message, retry_after).map(boxed)
     }
@@ -373,12 +399,20 @@ impl Proxy {
             .iter()
             .filter_map(|w| w.breaker.snapshot().open_until)
             .min()
-            .map(|at| Duration::from_nanos(at.saturating_sub(now)).as_secs_f64().ceil() as u64);
+            .map(|at| {
+                Duration::from_nanos(at.saturating_sub(now))
+                    .as_secs_f64()
+                    .ceil() as u64
+            });
         let message = match model {
             Some(m) => format!("no available workers for model {m:?}"),
             None => "no available workers".to_owned(),
         };
-        self.gateway_error(ErrorCode::NoAvailableWorkers, &message, Some(soonest.unwrap_or(1).max(1)))
+        self.gateway_error(
+            ErrorCode::NoAvailableWorkers,
+            &message,
+            Some(soonest.unwrap_or(1).max(1)),
+        )
     }
 
     fn readiness(&self) -> Response<ResponseBody> {
@@ -429,7 +463,13 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 }
 
 fn retry_after(headers: &HeaderMap) -> Option<Duration> {
-    let secs: f64 = headers.get(header::RETRY_AFTER)?.to_str().ok()?.trim().parse().ok()?;
+    let secs: f64 = headers
+        .get(header::RETRY_AFTER)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
     (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs))
 }
 
@@ -437,7 +477,9 @@ async fn read_body(mut body: Incoming, limit: usize) -> Result<RequestBody, hype
     let mut buf = BytesMut::new();
     let mut parts = Vec::new();
     while let Some(frame) = body.frame().await {
-        let Ok(data) = frame?.into_data() else { continue };
+        let Ok(data) = frame?.into_data() else {
+            continue;
+        };
         if buf.len() + data.len() > limit {
             parts.push(buf.freeze());
             parts.push(data);

@@ -19,7 +19,7 @@ use tokio::time::{Instant, Sleep};
 
 use crate::admission::Permit;
 use crate::breaker::{FailureReason, Outcome, RequestCharges, Ticket};
-use crate::clock::MonotonicClock;
+use crate::clock::Clock;
 use crate::error::sse_error_event;
 use crate::metrics::GatewayStats;
 use crate::worker::InflightGuard;
@@ -35,7 +35,7 @@ pub struct Completion {
     pub permit: Option<Permit>,
     pub started: std::time::Instant,
     pub stats: Arc<GatewayStats>,
-    pub clock: Arc<MonotonicClock>,
+    pub clock: Arc<dyn Clock>,
 }
 
 impl Completion {

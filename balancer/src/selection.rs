@@ -73,8 +73,9 @@ pub struct Ring {
 fn hash_bytes(bytes: &[u8]) -> u64 {
     // A fixed-key hasher: the ring must place a key on the same worker across
     // restarts and across gateway replicas.
-    let mut h = std::hash::BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default()
-        .build_hasher();
+    let mut h =
+        std::hash::BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default()
+            .build_hasher();
     h.write(bytes);
     h.finish()
 }

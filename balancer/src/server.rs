@@ -61,8 +61,14 @@ pub async fn serve<H, F>(
         }
     }
     drop(listener);
-    if tokio::time::timeout(grace, graceful.shutdown()).await.is_err() {
-        tracing::warn!(grace_secs = grace.as_secs(), "connections still open after the grace period");
+    if tokio::time::timeout(grace, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            grace_secs = grace.as_secs(),
+            "connections still open after the grace period"
+        );
     }
 }
 

@@ -21,7 +21,7 @@ use crate::breaker::{
     Breaker, Classifier, DEFAULT_CAPACITY_CODES, DEFAULT_FAILURE_CODES, Settings, Transition,
     TransitionObserver,
 };
-use crate::clock::{Clock, MonotonicClock};
+use crate::clock::Clock;
 use crate::health::{Health, HealthChange, HealthThresholds, HealthTracker};
 use crate::selection::Ring;
 
@@ -62,16 +62,31 @@ impl SpecError {
 impl Resilience {
     pub fn validate(&self) -> Result<(), SpecError> {
         for (field, codes) in [
-            ("resilience.capacity_status_codes", &self.capacity_status_codes),
-            ("resilience.retryable_status_codes", &self.retryable_status_codes),
+            (
+                "resilience.capacity_status_codes",
+                &self.capacity_status_codes,
+            ),
+            (
+                "resilience.retryable_status_codes",
+                &self.retryable_status_codes,
+            ),
         ] {
             if let Some(bad) = codes.iter().flatten().find(|c| !(100..=599).contains(*c)) {
-                return Err(SpecError::new(field, format!("{bad} is not an HTTP status (100-599)")));
+                return Err(SpecError::new(
+                    field,
+                    format!("{bad} is not an HTTP status (100-599)"),
+                ));
             }
         }
         for (field, value) in [
-            ("resilience.cb_failure_threshold", self.cb_failure_threshold.map(u64::from)),
-            ("resilience.cb_success_threshold", self.cb_success_threshold.map(u64::from)),
+            (
+                "resilience.cb_failure_threshold",
+                self.cb_failure_threshold.map(u64::from),
+            ),
+            (
+                "resilience.cb_success_threshold",
+                self.cb_success_threshold.map(u64::from),
+            ),
             ("resilience.cb_timeout_secs", self.cb_timeout_secs),
         ] {
             if value == Some(0) {
@@ -398,14 +413,14 @@ pub struct Registry {
     /// Serialises mutations; never taken on the request path.
     write: Mutex<()>,
     config: RegistryConfig,
-    clock: Arc<MonotonicClock>,
+    clock: Arc<dyn Clock>,
     next_id: AtomicU64,
     removed: Mutex<Vec<Arc<str>>>,
     events: broadcast::Sender<WorkerEvent>,
 }
 
 impl Registry {
-    pub fn new(config: RegistryConfig, clock: Arc<MonotonicClock>) -> Arc<Self> {
+    pub fn new(config: RegistryConfig, clock: Arc<dyn Clock>) -> Arc<Self> {
         Arc::new(Self {
             fleet: ArcSwap::from_pointee(Fleet::default()),
             write: Mutex::new(()),
@@ -422,7 +437,7 @@ impl Registry {
         self.fleet.load()
     }
 
-    pub fn clock(&self) -> &Arc<MonotonicClock> {
+    pub fn clock(&self) -> &Arc<dyn Clock> {
         &self.clock
     }
 
@@ -479,7 +494,11 @@ impl Registry {
     }
 
     /// Applies a `resilience` patch. Invalid patches change nothing.
-    pub fn patch_resilience(&self, id: &str, patch: &Resilience) -> Result<Arc<Worker>, RegistryError> {
+    pub fn patch_resilience(
+        &self,
+        id: &str,
+        patch: &Resilience,
+    ) -> Result<Arc<Worker>, RegistryError> {
         patch.validate()?;
         let _write = self.write.lock().unwrap();
         let worker = self
@@ -574,7 +593,9 @@ impl Registry {
                 worker.breaker.promote(&*self.clock);
             }
         }
-        let _ = self.events.send(WorkerEvent::Health(worker.clone(), change));
+        let _ = self
+            .events
+            .send(WorkerEvent::Health(worker.clone(), change));
     }
 
     fn publish(&self, workers: Vec<Arc<Worker>>) {
@@ -589,7 +610,7 @@ impl Registry {
 struct BreakerEvents {
     worker: Weak<Worker>,
     events: broadcast::Sender<WorkerEvent>,
-    clock: Arc<MonotonicClock>,
+    clock: Arc<dyn Clock>,
 }
 
 impl TransitionObserver for BreakerEvents {
@@ -598,7 +619,10 @@ impl TransitionObserver for BreakerEvents {
             return;
         };
         if t.to == crate::breaker::State::Open {
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            if let (Ok(runtime), Some(_)) = (
+                tokio::runtime::Handle::try_current(),
+                self.clock.deadline(t.at),
+            ) {
                 let (weak, clock) = (self.worker.clone(), self.clock.clone());
                 let task = runtime.spawn(open_timer(weak, clock));
                 worker.add_task(task.abort_handle());
@@ -608,11 +632,15 @@ impl TransitionObserver for BreakerEvents {
     }
 }
 
-async fn open_timer(worker: Weak<Worker>, clock: Arc<MonotonicClock>) {
+async fn open_timer(worker: Weak<Worker>, clock: Arc<dyn Clock>) {
     loop {
-        let Some(deadline) = worker.upgrade().and_then(|w| w.breaker.poll(&*clock)) else {
+        let Some(deadline) = worker
+            .upgrade()
+            .and_then(|w| w.breaker.poll(&*clock))
+            .and_then(|at| clock.deadline(at))
+        else {
             return;
         };
-        tokio::time::sleep_until(clock.instant_at(deadline).into()).await;
+        tokio::time::sleep_until(deadline.into()).await;
     }
 }

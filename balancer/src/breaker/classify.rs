@@ -211,7 +211,11 @@ mod tests {
     fn classification_failure_for_408_500_502_503_504() {
         let c = Classifier::default();
         for s in [408, 500, 502, 503, 504] {
-            assert_eq!(c.classify(s), Outcome::Failure(FailureReason::Status), "status {s}");
+            assert_eq!(
+                c.classify(s),
+                Outcome::Failure(FailureReason::Status),
+                "status {s}"
+            );
         }
     }
 
@@ -244,12 +248,18 @@ mod tests {
         assert_eq!(grpc_to_http(GrpcCode::Unavailable), 503);
         assert_eq!(grpc_to_http(GrpcCode::DeadlineExceeded), 504);
         assert_eq!(grpc_to_http(GrpcCode::InvalidArgument), 400);
-        assert_eq!(c.classify(grpc_to_http(GrpcCode::ResourceExhausted)), Outcome::Ignored);
+        assert_eq!(
+            c.classify(grpc_to_http(GrpcCode::ResourceExhausted)),
+            Outcome::Ignored
+        );
         assert_eq!(
             c.classify(grpc_to_http(GrpcCode::Unavailable)),
             Outcome::Failure(FailureReason::Status)
         );
-        assert_eq!(c.classify(grpc_to_http(GrpcCode::InvalidArgument)), Outcome::Success);
+        assert_eq!(
+            c.classify(grpc_to_http(GrpcCode::InvalidArgument)),
+            Outcome::Success
+        );
     }
 
     #[test]

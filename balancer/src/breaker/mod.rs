@@ -344,11 +344,19 @@ impl Breaker {
             let word = self.word.load(Ordering::Acquire);
             let epoch = epoch_of(word);
             match State::from_bits(word) {
-                State::Closed => return Some(Ticket { epoch, probe: false }),
+                State::Closed => {
+                    return Some(Ticket {
+                        epoch,
+                        probe: false,
+                    });
+                }
                 State::HalfOpen => {
                     let max = self.half_open_max_inflight.load(Ordering::Relaxed);
                     if max == 0 {
-                        return Some(Ticket { epoch, probe: false });
+                        return Some(Ticket {
+                            epoch,
+                            probe: false,
+                        });
                     }
                     if inflight_of(word) >= max {
                         return None;
@@ -407,7 +415,12 @@ impl Breaker {
         let word = self.word.load(Ordering::Acquire);
         match State::from_bits(word) {
             State::Open => {
-                self.transition(word, State::HalfOpen, TransitionReason::Promotion, clock.now());
+                self.transition(
+                    word,
+                    State::HalfOpen,
+                    TransitionReason::Promotion,
+                    clock.now(),
+                );
             }
             State::Closed => {
                 let _guard = self.lock();
@@ -481,7 +494,12 @@ impl Breaker {
         match State::from_bits(word) {
             State::HalfOpen => {
                 if successes >= self.success_threshold.load(Ordering::Relaxed) {
-                    self.transition(word, State::Closed, TransitionReason::TrialSucceeded, clock.now());
+                    self.transition(
+                        word,
+                        State::Closed,
+                        TransitionReason::TrialSucceeded,
+                        clock.now(),
+                    );
                 }
             }
             State::Closed if self.windowed.load(Ordering::Relaxed) => {
@@ -515,7 +533,12 @@ impl Breaker {
                 }
             }
             State::HalfOpen => {
-                self.transition(word, State::Open, TransitionReason::TrialFailed, clock.now());
+                self.transition(
+                    word,
+                    State::Open,
+                    TransitionReason::TrialFailed,
+                    clock.now(),
+                );
             }
             State::Open => {}
         }
@@ -592,7 +615,13 @@ impl RequestCharges {
     /// Records `outcome` on `breaker`, downgrading a repeated failure of this
     /// request on the same breaker to no sample. Allocates only on a request's
     /// first failure.
-    pub fn record(&mut self, breaker: &Breaker, ticket: Ticket, outcome: Outcome, clock: &dyn Clock) {
+    pub fn record(
+        &mut self,
+        breaker: &Breaker,
+        ticket: Ticket,
+        outcome: Outcome,
+        clock: &dyn Clock,
+    ) {
         let outcome = match outcome {
             Outcome::Failure(_) if self.charged.contains(&breaker.id()) => Outcome::Ignored,
             Outcome::Failure(_) => {

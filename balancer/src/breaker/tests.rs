@@ -127,7 +127,11 @@ fn per_request_counting_charges_one_failure_per_request_per_worker() {
     assert_eq!(a.snapshot().consecutive_failures, 2);
     assert_eq!(a.snapshot().failures_total(), 2);
     assert_eq!(b.snapshot().consecutive_failures, 2);
-    assert_eq!(a.state(), State::Closed, "ten failed attempts, two failed requests");
+    assert_eq!(
+        a.state(),
+        State::Closed,
+        "ten failed attempts, two failed requests"
+    );
 }
 
 #[test]
@@ -135,10 +139,22 @@ fn per_request_counting_still_records_successes_after_a_failure() {
     let clock = ManualClock::new();
     let a = Breaker::new("a", settings(3, 1, 60), None);
     let mut charges = RequestCharges::default();
-    charges.record(&a, inflight(), Outcome::Failure(FailureReason::Status), &clock);
+    charges.record(
+        &a,
+        inflight(),
+        Outcome::Failure(FailureReason::Status),
+        &clock,
+    );
     charges.record(&a, inflight(), Outcome::Success, &clock);
     let snap = a.snapshot();
-    assert_eq!((snap.successes, snap.failures_total(), snap.consecutive_failures), (1, 1, 0));
+    assert_eq!(
+        (
+            snap.successes,
+            snap.failures_total(),
+            snap.consecutive_failures
+        ),
+        (1, 1, 0)
+    );
 }
 
 #[test]
@@ -164,11 +180,19 @@ fn open_moves_to_half_open_on_first_check_after_timeout() {
     assert_eq!(
         recorder.moves(),
         vec![
-            (State::Closed, State::Open, TransitionReason::FailureThreshold),
+            (
+                State::Closed,
+                State::Open,
+                TransitionReason::FailureThreshold
+            ),
             (State::Open, State::HalfOpen, TransitionReason::OpenTimeout),
         ]
     );
-    assert_eq!(b.snapshot().health_readmissions, 0, "a timeout is not a readmission");
+    assert_eq!(
+        b.snapshot().health_readmissions,
+        0,
+        "a timeout is not a readmission"
+    );
 }
 
 #[test]
@@ -204,7 +228,10 @@ fn half_open_closes_after_success_threshold_consecutive_successes() {
     succeed(&b, &clock);
     assert_eq!(b.state(), State::Closed);
     let snap = b.snapshot();
-    assert_eq!((snap.consecutive_failures, snap.consecutive_successes), (0, 0));
+    assert_eq!(
+        (snap.consecutive_failures, snap.consecutive_successes),
+        (0, 0)
+    );
 }
 
 #[test]
@@ -217,7 +244,10 @@ fn half_open_any_failure_reopens_for_a_full_timeout() {
     b.record(inflight(), Outcome::Failure(FailureReason::Timeout), &clock);
     assert_eq!(b.state(), State::Open);
     clock.advance(19 * SECOND);
-    assert!(!b.is_available(&clock), "the timeout started over at the failure");
+    assert!(
+        !b.is_available(&clock),
+        "the timeout started over at the failure"
+    );
     clock.advance(SECOND);
     assert!(b.is_available(&clock));
     assert_eq!(b.snapshot().transitions[2][1], 1);
@@ -243,7 +273,11 @@ fn pushback_records_nothing_in_closed_state() {
     fail(&b, &clock);
     let before = b.snapshot();
     b.record(inflight(), Outcome::Ignored, &clock);
-    assert_eq!(b.snapshot(), before, "not a success: the failure run continues");
+    assert_eq!(
+        b.snapshot(),
+        before,
+        "not a success: the failure run continues"
+    );
     fail(&b, &clock);
     assert_eq!(b.state(), State::Open);
 }
@@ -258,7 +292,10 @@ fn promotion_moves_open_to_half_open_at_once_and_counts_a_readmission() {
     b.promote(&clock);
     assert_eq!(b.state(), State::HalfOpen);
     assert_eq!(b.snapshot().health_readmissions, 1);
-    assert_eq!(recorder.moves()[1], (State::Open, State::HalfOpen, TransitionReason::Promotion));
+    assert_eq!(
+        recorder.moves()[1],
+        (State::Open, State::HalfOpen, TransitionReason::Promotion)
+    );
     // The trial is the timeout's trial: success threshold closes it ...
     succeed(&b, &clock);
     succeed(&b, &clock);
@@ -287,7 +324,11 @@ fn promotion_resets_the_failure_count_of_a_closed_circuit() {
     b.promote(&clock);
     assert_eq!(b.snapshot().consecutive_failures, 0);
     fail(&b, &clock);
-    assert_eq!(b.state(), State::Closed, "the outage's failures are forgotten");
+    assert_eq!(
+        b.state(),
+        State::Closed,
+        "the outage's failures are forgotten"
+    );
     assert_eq!(b.snapshot().health_readmissions, 0);
 }
 
@@ -363,7 +404,11 @@ fn half_open_probe_slot_of_an_older_epoch_is_not_returned_twice() {
     clock.advance(SECOND);
     let fresh = b.admit(&clock).unwrap();
     b.record(stale, Outcome::Ignored, &clock);
-    assert_eq!(b.snapshot().half_open_inflight, 1, "the stale ticket freed nothing");
+    assert_eq!(
+        b.snapshot().half_open_inflight,
+        1,
+        "the stale ticket freed nothing"
+    );
     assert_eq!(b.admit(&clock), None);
     b.record(fresh, Outcome::Ignored, &clock);
     assert_eq!(b.snapshot().half_open_inflight, 0);
@@ -491,8 +536,15 @@ fn concurrent_checks_make_exactly_one_open_to_half_open_per_timeout() {
     }
     let snap = b.snapshot();
     let observed = recorder.moves();
-    assert_eq!(snap.transitions_total() as usize, observed.len(), "no lost or doubled events");
-    assert_eq!(snap.transitions[1][2] as usize, ROUNDS, "one open→half-open per timeout");
+    assert_eq!(
+        snap.transitions_total() as usize,
+        observed.len(),
+        "no lost or doubled events"
+    );
+    assert_eq!(
+        snap.transitions[1][2] as usize, ROUNDS,
+        "one open→half-open per timeout"
+    );
     assert_eq!(admitted.load(Ordering::Relaxed), ROUNDS * THREADS);
     // The observed sequence is a valid walk of the state machine.
     for pair in observed.windows(2) {
@@ -618,7 +670,11 @@ impl Model {
             },
             Op::Poll | Op::Check => self.check(now_ms),
             Op::Override(f, s, t) => {
-                (self.failure_threshold, self.success_threshold, self.timeout_ms) = (f, s, t * 1000)
+                (
+                    self.failure_threshold,
+                    self.success_threshold,
+                    self.timeout_ms,
+                ) = (f, s, t * 1000)
             }
             Op::Pushback | Op::Advance(_) => {}
         }

@@ -67,7 +67,10 @@ impl Window {
         bucket.calls += 1;
         bucket.failures += u32::from(failure);
         let oldest = index.saturating_sub(BUCKETS as u64 - 1);
-        let live = self.buckets.iter().filter(|b| b.index >= oldest && b.index <= index);
+        let live = self
+            .buckets
+            .iter()
+            .filter(|b| b.index >= oldest && b.index <= index);
         let (calls, failures) = live.fold((0, 0), |(c, f), b| (c + b.calls, f + b.failures));
         Tally {
             calls,

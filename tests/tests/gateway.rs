@@ -1,0 +1,865 @@
+//! End-to-end tests of the L7 gateway against demo workers on loopback.
+//!
+//! Each test starts its own gateway (ports picked by the OS) on a
+//! `ManualClock`, so open timeouts move only when a test advances the clock.
+//! Health probes are real I/O and are awaited with short, bounded polls.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use balancer::breaker::{FailureReason, Snapshot, State};
+use balancer::clock::ManualClock;
+use balancer::config::LaunchArgs;
+use balancer::gateway::{Running, start_with_clock};
+use balancer::mock_worker::{Fault, MockWorker, MockWorkerConfig};
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const BOUND: Duration = Duration::from_secs(10);
+
+struct Harness {
+    gw: Running,
+    workers: Vec<MockWorker>,
+    clock: Arc<ManualClock>,
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+struct Reply {
+    status: StatusCode,
+    headers: http::HeaderMap,
+    body: Bytes,
+}
+
+impl Reply {
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+
+    fn code(&self) -> String {
+        self.json()["error"]["code"]
+            .as_str()
+            .unwrap_or("")
+            .to_owned()
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+const CHAT: &str = r#"{"model":"demo-model","messages":[{"role":"user","content":"hi"}]}"#;
+const STREAM: &str = r#"{"model":"demo-model","stream":true,"max_tokens":6,"messages":[{"role":"user","content":"hi"}]}"#;
+
+/// Fast retries, no probes unless a test asks for them.
+const QUIET: &[&str] = &[
+    "--retry-initial-backoff-ms",
+    "1",
+    "--retry-max-backoff-ms",
+    "5",
+    "--disable-health-check",
+];
+
+async fn harness(names: &[&str], args: &[&str]) -> Harness {
+    let mut workers = Vec::new();
+    for name in names {
+        let w = MockWorker::spawn(
+            SocketAddr::from(([127, 0, 0, 1], 0)),
+            MockWorkerConfig::named(*name),
+        )
+        .await
+        .expect("mock worker");
+        workers.push(w);
+    }
+    let mut argv: Vec<String> = ["--port", "0", "--prometheus-port", "0", "--admin-port", "0"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    argv.extend(args.iter().map(|s| s.to_string()));
+    if !workers.is_empty() {
+        argv.push("--worker-urls".into());
+        argv.extend(workers.iter().map(MockWorker::url));
+    }
+    let launch = LaunchArgs::parse_with_config(argv.into_iter().map(Into::into).collect())
+        .expect("valid flags");
+    let clock = Arc::new(ManualClock::new());
+    let gw = start_with_clock(launch, clock.clone())
+        .await
+        .expect("gateway starts");
+    let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let h = Harness {
+        gw,
+        workers,
+        clock,
+        client,
+    };
+    // Models are learned from /v1/models in the background; wait for them so
+    // that model-based selection is what the tests exercise.
+    let fleet_ready = || {
+        h.gw.registry
+            .fleet()
+            .workers
+            .iter()
+            .all(|w| !w.models().is_empty())
+    };
+    eventually("models learned", || std::future::ready(fleet_ready())).await;
+    h
+}
+
+async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + BOUND;
+    while !check().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+impl Harness {
+    async fn call(
+        &self,
+        addr: SocketAddr,
+        method: Method,
+        path: &str,
+        body: &str,
+        headers: &[(&str, &str)],
+    ) -> Reply {
+        let mut req = Request::builder()
+            .method(method)
+            .uri(format!("http://{addr}{path}"))
+            .header("content-type", "application/json");
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let req = req.body(Full::new(Bytes::from(body.to_owned()))).unwrap();
+        let resp = tokio::time::timeout(BOUND, self.client.request(req))
+            .await
+            .expect("bounded")
+            .expect("gateway answers");
+        let (parts, body) = resp.into_parts();
+        let body = tokio::time::timeout(BOUND, body.collect())
+            .await
+            .expect("bounded")
+            .map(|c| c.to_bytes())
+            .unwrap_or_default();
+        Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
+    }
+
+    async fn chat(&self, body: &str) -> Reply {
+        self.call(
+            self.gw.addr,
+            Method::POST,
+            "/v1/chat/completions",
+            body,
+            &[],
+        )
+        .await
+    }
+
+    async fn admin(&self, method: Method, path: &str, body: &str) -> Reply {
+        self.call(self.gw.admin_addr, method, path, body, &[]).await
+    }
+
+    async fn metrics(&self) -> String {
+        self.call(self.gw.metrics_addr, Method::GET, "/metrics", "", &[])
+            .await
+            .text()
+    }
+
+    fn breaker(&self, i: usize) -> Snapshot {
+        let url = self.workers[i].url();
+        self.gw
+            .registry
+            .fleet()
+            .get(&url)
+            .expect("worker registered")
+            .breaker
+            .snapshot()
+    }
+
+    fn served(&self, i: usize) -> u64 {
+        self.workers[i].stats().inference_requests
+    }
+
+    async fn stop(self) {
+        self.gw.shutdown().await;
+        for w in self.workers {
+            w.shutdown().await;
+        }
+    }
+}
+
+fn always(status: u16) -> Fault {
+    Fault {
+        status: Some(status),
+        ..Fault::default()
+    }
+}
+
+#[tokio::test]
+async fn failing_worker_opens_after_threshold_failed_requests_then_recovers() {
+    let h = harness(
+        &["a", "b"],
+        &[
+            &[
+                "--cb-failure-threshold",
+                "3",
+                "--cb-success-threshold",
+                "2",
+                "--cb-timeout-duration-secs",
+                "30",
+                "--policy",
+                "round_robin",
+            ][..],
+            QUIET,
+        ]
+        .concat(),
+    )
+    .await;
+    let base = h.served(0);
+    h.workers[0].set_fault(always(500));
+    for _ in 0..12 {
+        let r = h.chat(CHAT).await;
+        assert_eq!(
+            r.status,
+            StatusCode::OK,
+            "retries hide A's failures: {}",
+            r.text()
+        );
+    }
+    let a = h.breaker(0);
+    assert_eq!(a.state, State::Open);
+    assert_eq!(a.failures_total(), 3, "three failed requests opened it");
+    assert_eq!(
+        h.served(0) - base,
+        3,
+        "A saw exactly the three requests that opened it"
+    );
+
+    // Open: A receives nothing until the timeout.
+    for _ in 0..10 {
+        assert_eq!(h.chat(CHAT).await.status, StatusCode::OK);
+    }
+    assert_eq!(h.served(0) - base, 3);
+
+    // Fixed and past the timeout: half-open, then closed after two successes.
+    h.workers[0].clear_fault();
+    h.clock.advance(Duration::from_secs(30));
+    for _ in 0..6 {
+        assert_eq!(h.chat(CHAT).await.status, StatusCode::OK);
+    }
+    let a = h.breaker(0);
+    assert_eq!(a.state, State::Closed);
+    assert_eq!(a.transitions[0][1], 1);
+    assert_eq!(a.transitions[1][2], 1);
+    assert_eq!(a.transitions[2][0], 1);
+    assert!(h.served(0) - base > 3);
+    let m = h.metrics().await;
+    let url = h.workers[0].url();
+    assert!(
+        m.contains(&format!(
+            "balancer_worker_cb_transitions_total{{worker=\"{url}\",from=\"closed\",to=\"open\"}} 1"
+        )),
+        "{m}"
+    );
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn pushback_429_is_retried_elsewhere_and_leaves_the_breaker_alone() {
+    let h = harness(
+        &["a", "b"],
+        &[
+            &["--cb-failure-threshold", "1", "--policy", "round_robin"][..],
+            QUIET,
+        ]
+        .concat(),
+    )
+    .await;
+    let base = h.served(0);
+    h.workers[0].set_fault(always(429));
+    for _ in 0..10 {
+        assert_eq!(h.chat(CHAT).await.status, StatusCode::OK);
+    }
+    assert!(h.served(0) - base >= 5, "A was tried");
+    let a = h.breaker(0);
+    assert_eq!(a.state, State::Closed);
+    assert_eq!(
+        (a.successes, a.failures_total(), a.transitions_total()),
+        (0, 0, 0)
+    );
+    let m = h.metrics().await;
+    let url = h.workers[0].url();
+    assert!(m.contains(&format!(
+        "balancer_worker_cb_outcomes_total{{worker=\"{url}\",outcome=\"success\"}} 0"
+    )));
+    assert!(m.contains(&format!(
+        "balancer_worker_cb_outcomes_total{{worker=\"{url}\",outcome=\"failure\"}} 0"
+    )));
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn client_errors_are_successes_and_no_response_is_a_failure() {
+    let h = harness(
+        &["a"],
+        &[
+            &["--disable-retries", "--request-timeout-secs", "1"][..],
+            QUIET,
+        ]
+        .concat(),
+    )
+    .await;
+    for status in [400, 404] {
+        h.workers[0].set_fault(always(status));
+        assert_eq!(h.chat(CHAT).await.status.as_u16(), status);
+    }
+    assert_eq!(h.breaker(0).successes, 2);
+
+    h.workers[0].set_fault(Fault {
+        drop: true,
+        ..Fault::default()
+    });
+    let r = h.chat(CHAT).await;
+    assert_eq!(
+        (r.status, r.code().as_str()),
+        (StatusCode::BAD_GATEWAY, "upstream_unreachable")
+    );
+    assert_eq!(h.breaker(0).failures[FailureReason::Connect as usize], 1);
+
+    h.workers[0].set_fault(Fault {
+        latency_ms: Some(3000),
+        ..Fault::default()
+    });
+    let r = h.chat(CHAT).await;
+    assert_eq!(
+        (r.status, r.code().as_str()),
+        (StatusCode::GATEWAY_TIMEOUT, "upstream_timeout")
+    );
+    assert_eq!(h.breaker(0).failures[FailureReason::Timeout as usize], 1);
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn every_breaker_open_means_503_no_available_workers() {
+    let h = harness(
+        &["a", "b"],
+        &[
+            &[
+                "--cb-failure-threshold",
+                "2",
+                "--cb-timeout-duration-secs",
+                "45",
+            ][..],
+            QUIET,
+        ]
+        .concat(),
+    )
+    .await;
+    h.workers[0].set_fault(always(500));
+    h.workers[1].set_fault(always(503));
+    let mut last = None;
+    for _ in 0..4 {
+        let r = h.chat(CHAT).await;
+        if r.code() == "no_available_workers" {
+            last = Some(r);
+            break;
+        }
+    }
+    let r = last.expect("all breakers open within four requests");
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(h.breaker(0).state, State::Open);
+    assert_eq!(h.breaker(1).state, State::Open);
+
+    let before = (h.served(0), h.served(1), h.breaker(0), h.breaker(1));
+    let r = h.chat(CHAT).await;
+    assert_eq!(
+        (r.status, r.code().as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, "no_available_workers")
+    );
+    let retry_after: u64 = r.headers["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((1..=45).contains(&retry_after), "Retry-After {retry_after}");
+    assert_eq!(
+        (h.served(0), h.served(1), h.breaker(0), h.breaker(1)),
+        before,
+        "the shed recorded nothing"
+    );
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn health_gate_and_promotion_readmit_an_open_breaker_at_once() {
+    let h = harness(
+        &["a", "b"],
+        &[
+            "--health-check-interval-secs",
+            "1",
+            "--health-failure-threshold",
+            "1",
+            "--health-success-threshold",
+            "1",
+            "--cb-failure-threshold",
+            "2",
+            "--cb-timeout-duration-secs",
+            "600",
+            "--policy",
+            "round_robin",
+            "--retry-initial-backoff-ms",
+            "1",
+            "--retry-max-backoff-ms",
+            "5",
+        ],
+    )
+    .await;
+    let worker_a =
+        h.gw.registry
+            .fleet()
+            .get(&h.workers[0].url())
+            .unwrap()
+            .clone();
+
+    // Failing health takes A out of routing, whatever its breaker says.
+    h.workers[0].set_fault(Fault {
+        health_status: Some(503),
+        ..Fault::default()
+    });
+    eventually("A demoted", || {
+        std::future::ready(worker_a.health() == balancer::health::Health::NotReady)
+    })
+    .await;
+    let served = h.served(0);
+    for _ in 0..6 {
+        assert_eq!(h.chat(CHAT).await.status, StatusCode::OK);
+    }
+    assert_eq!(h.served(0), served, "a NotReady worker gets no traffic");
+
+    // Back to Ready, then open A's breaker through real failures.
+    h.workers[0].clear_fault();
+    eventually("A promoted", || {
+        std::future::ready(worker_a.health() == balancer::health::Health::Ready)
+    })
+    .await;
+    h.workers[0].set_fault(always(500));
+    for _ in 0..6 {
+        h.chat(CHAT).await;
+    }
+    assert_eq!(h.breaker(0).state, State::Open);
+    assert_eq!(
+        h.breaker(0).health_readmissions,
+        0,
+        "the first promotion found a closed circuit"
+    );
+
+    // An outage and a recovery: the promotion puts the open breaker on trial
+    // without the 600 s timeout (the clock never moves in this test).
+    h.workers[0].set_fault(Fault {
+        status: Some(500),
+        health_status: Some(503),
+        ..Fault::default()
+    });
+    eventually("A demoted again", || {
+        std::future::ready(worker_a.health() == balancer::health::Health::NotReady)
+    })
+    .await;
+    h.workers[0].clear_fault();
+    eventually("A promoted again", || {
+        std::future::ready(worker_a.health() == balancer::health::Health::Ready)
+    })
+    .await;
+    let a = h.breaker(0);
+    assert_eq!(a.state, State::HalfOpen);
+    assert_eq!(a.health_readmissions, 1);
+    let m = h.metrics().await;
+    let url = h.workers[0].url();
+    assert!(
+        m.contains(&format!(
+            "balancer_worker_cb_health_readmissions_total{{worker=\"{url}\"}} 1"
+        )),
+        "{m}"
+    );
+    h.stop().await;
+}
+
+fn strip_volatile(body: &str) -> String {
+    // The mock stamps `created` with the wall clock and numbers its ids.
+    body.split(',')
+        .filter(|part| !part.contains("\"created\"") && !part.contains("\"id\""))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+#[tokio::test]
+async fn streams_are_relayed_as_sent() {
+    let h = harness(&["a"], QUIET).await;
+    let direct = h
+        .call(
+            h.workers[0].addr(),
+            Method::POST,
+            "/v1/chat/completions",
+            STREAM,
+            &[],
+        )
+        .await;
+    let through = h.chat(STREAM).await;
+    assert_eq!(through.status, StatusCode::OK);
+    assert_eq!(
+        through.headers["content-type"],
+        direct.headers["content-type"]
+    );
+    assert_eq!(
+        strip_volatile(&through.text()),
+        strip_volatile(&direct.text())
+    );
+    assert!(through.text().ends_with("data: [DONE]\n\n"));
+    assert_eq!(h.breaker(0).successes, 1);
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn a_stalled_stream_ends_with_an_sse_error_and_counts_as_a_stall() {
+    let h = harness(
+        &["a"],
+        &[
+            &["--stream-idle-timeout-secs", "1", "--disable-retries"][..],
+            QUIET,
+        ]
+        .concat(),
+    )
+    .await;
+    h.workers[0].set_fault(Fault {
+        stall_after_chunks: Some(2),
+        ..Fault::default()
+    });
+    let started = std::time::Instant::now();
+    let r = h.chat(STREAM).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "cut within the idle timeout"
+    );
+    let text = r.text();
+    assert_eq!(text.matches("data: {\"id\"").count(), 2, "{text}");
+    assert!(text.contains("event: error"), "{text}");
+    assert!(text.contains("upstream_stream_stalled"), "{text}");
+    assert!(
+        !text.contains("[DONE]"),
+        "a cut stream never looks complete"
+    );
+    let a = h.breaker(0);
+    assert_eq!(a.failures[FailureReason::Stall as usize], 1);
+    assert_eq!(a.successes, 0);
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn a_client_disconnect_closes_the_upstream_connection() {
+    let h = harness(&["a"], QUIET).await;
+    h.workers[0].set_fault(Fault {
+        token_delay_ms: Some(100),
+        ..Fault::default()
+    });
+    let body = r#"{"model":"demo-model","stream":true,"max_tokens":200,"messages":[]}"#;
+    // The prober's pooled keep-alive connection may still be open.
+    let base = h.workers[0].stats().open_connections;
+    let mut s = tokio::net::TcpStream::connect(h.gw.addr).await.unwrap();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = [0u8; 1024];
+    let n = tokio::time::timeout(BOUND, s.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    eventually("upstream connection open", || {
+        std::future::ready(h.workers[0].stats().open_connections > base)
+    })
+    .await;
+    drop(s);
+    eventually("upstream connection closed", || {
+        std::future::ready(h.workers[0].stats().open_connections == base)
+    })
+    .await;
+    let a = h.breaker(0);
+    assert_eq!(
+        (a.successes, a.failures_total()),
+        (0, 0),
+        "a departed client is nobody's failure"
+    );
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn admission_sheds_the_fourth_concurrent_request_with_429() {
+    let h = harness(
+        &["a"],
+        &[
+            &["--max-concurrent-requests", "2", "--queue-size", "1"][..],
+            QUIET,
+        ]
+        .concat(),
+    )
+    .await;
+    h.workers[0].set_fault(Fault {
+        latency_ms: Some(1500),
+        ..Fault::default()
+    });
+    let h = Arc::new(h);
+    let mut running = Vec::new();
+    for _ in 0..3 {
+        let h = h.clone();
+        running.push(tokio::spawn(async move { h.chat(CHAT).await.status }));
+    }
+    eventually("two admitted, one queued", || {
+        let s = h.gw.proxy.admission().unwrap().stats();
+        std::future::ready(s.inflight == 2 && s.queued == 1)
+    })
+    .await;
+    let r = h.chat(CHAT).await;
+    assert_eq!(
+        (r.status, r.code().as_str()),
+        (StatusCode::TOO_MANY_REQUESTS, "admission_queue_full")
+    );
+    assert!(r.headers.contains_key("retry-after"));
+    for t in running {
+        assert_eq!(t.await.unwrap(), StatusCode::OK);
+    }
+    let a = h.breaker(0);
+    assert_eq!(
+        (a.successes, a.failures_total()),
+        (3, 0),
+        "the shed touched no breaker"
+    );
+    Arc::into_inner(h).unwrap().stop().await;
+}
+
+#[tokio::test]
+async fn malformed_json_gets_400_and_records_nothing() {
+    let h = harness(&["a"], QUIET).await;
+    let base = h.served(0);
+    let r = h.chat("{not json").await;
+    assert_eq!(
+        (r.status, r.code().as_str()),
+        (StatusCode::BAD_REQUEST, "invalid_request")
+    );
+    assert_eq!(h.served(0), base);
+    assert_eq!(h.breaker(0).successes, 0);
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn admin_api_adds_inspects_overrides_and_drains() {
+    let h = harness(&["a", "b"], QUIET).await;
+    // Start with only A registered; B is added through the API.
+    let b_url = h.workers[1].url();
+    let b = h.gw.registry.fleet().get(&b_url).unwrap().clone();
+    h.gw.registry.remove(&b);
+
+    let bad = [
+        r#"{"url":"http://127.0.0.1:1","resilience":{"cb_failure_threshold":0}}"#,
+        r#"{"url":"ftp://nowhere"}"#,
+        r#"{"url":"http://127.0.0.1:1","colour":"red"}"#,
+        r#"{"url":"#,
+    ];
+    for body in bad {
+        let r = h.admin(Method::POST, "/workers", body).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{body}: {}", r.text());
+    }
+    assert_eq!(
+        h.gw.registry.fleet().workers.len(),
+        1,
+        "rejected bodies changed nothing"
+    );
+
+    let spec = format!(
+        r#"{{"url":"{b_url}","model":"demo-model","labels":{{"gpu":"h100"}},"resilience":{{"cb_failure_threshold":1}}}}"#
+    );
+    let r = h.admin(Method::POST, "/workers", &spec).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text());
+    let id = r.json()["id"].as_str().unwrap().to_owned();
+    assert_eq!(r.json()["effective"]["cb_failure_threshold"], 1);
+    let dup = h.admin(Method::POST, "/workers", &spec).await;
+    assert_eq!(dup.status, StatusCode::CONFLICT);
+
+    let list = h.admin(Method::GET, "/workers", "").await.json();
+    assert_eq!(list["workers"].as_array().unwrap().len(), 2);
+
+    let r = h
+        .admin(
+            Method::PATCH,
+            &format!("/workers/{id}"),
+            r#"{"resilience":{"capacity_status_codes":[429,503]}}"#,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    assert_eq!(
+        r.json()["effective"]["capacity_status_codes"],
+        serde_json::json!([429, 503])
+    );
+    assert_eq!(
+        r.json()["effective"]["cb_failure_threshold"],
+        1,
+        "earlier override kept"
+    );
+    let r = h
+        .admin(
+            Method::PATCH,
+            &format!("/workers/{id}"),
+            r#"{"resilience":{"cb_timeout_secs":0}}"#,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert_eq!(r.json()["error"]["param"], "resilience.cb_timeout_secs");
+    let view = h
+        .admin(Method::GET, &format!("/workers/{id}"), "")
+        .await
+        .json();
+    assert_eq!(
+        view["resilience"],
+        serde_json::json!({"capacity_status_codes":[429,503],"cb_failure_threshold":1})
+    );
+
+    // 503 is now pushback for B: it records nothing and does not open.
+    h.workers[1].set_fault(always(503));
+    h.workers[0].set_fault(always(404));
+    for _ in 0..4 {
+        h.chat(CHAT).await;
+    }
+    let view = h
+        .admin(Method::GET, &format!("/workers/{id}"), "")
+        .await
+        .json();
+    assert_eq!(view["breaker"]["state"], "closed");
+    assert_eq!(view["breaker"]["failures"]["status"], 0);
+
+    // Delete drains: a slow request in flight on B finishes first.
+    h.workers[0].set_fault(always(500));
+    h.workers[1].set_fault(Fault {
+        latency_ms: Some(700),
+        ..Fault::default()
+    });
+    let h = Arc::new(h);
+    let slow = {
+        let h = h.clone();
+        tokio::spawn(async move {
+            h.call(h.gw.addr, Method::POST, "/v1/chat/completions", CHAT, &[])
+                .await
+                .status
+        })
+    };
+    let worker_b = h.gw.registry.fleet().get(&id).unwrap().clone();
+    eventually("request in flight on B", || {
+        std::future::ready(worker_b.inflight() == 1)
+    })
+    .await;
+    let r = h.admin(Method::DELETE, &format!("/workers/{id}"), "").await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    assert_eq!(r.json()["abandoned_inflight"], 0);
+    assert_eq!(
+        slow.await.unwrap(),
+        StatusCode::OK,
+        "the in-flight request finished"
+    );
+    assert_eq!(
+        h.admin(Method::GET, &format!("/workers/{id}"), "")
+            .await
+            .status,
+        StatusCode::NOT_FOUND
+    );
+    let m = h.metrics().await;
+    assert!(
+        m.contains(&format!(
+            "balancer_worker_cb_state{{worker=\"{b_url}\"}} -1"
+        )),
+        "{m}"
+    );
+    Arc::into_inner(h).unwrap().stop().await;
+}
+
+#[tokio::test]
+async fn admin_token_is_required_when_set() {
+    let h = harness(&["a"], &[&["--admin-token", "s3cret"][..], QUIET].concat()).await;
+    let r = h.admin(Method::GET, "/workers", "").await;
+    assert_eq!(
+        (r.status, r.code().as_str()),
+        (StatusCode::UNAUTHORIZED, "unauthorized")
+    );
+    let r = h
+        .call(
+            h.gw.admin_addr,
+            Method::GET,
+            "/workers",
+            "",
+            &[("authorization", "Bearer s3cret")],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn metrics_prefix_smg_gives_the_reference_names() {
+    let h = harness(&["a"], &[&["--metrics-prefix", "smg"][..], QUIET].concat()).await;
+    h.chat(CHAT).await;
+    let m = h.metrics().await;
+    let url = h.workers[0].url();
+    for series in [
+        format!("smg_worker_cb_state{{worker=\"{url}\"}} 0"),
+        format!("smg_worker_cb_outcomes_total{{worker=\"{url}\",outcome=\"success\"}} 1"),
+        format!("smg_worker_cb_consecutive_failures{{worker=\"{url}\"}} 0"),
+        format!("smg_worker_cb_consecutive_successes{{worker=\"{url}\"}} 1"),
+        format!("smg_worker_cb_health_readmissions_total{{worker=\"{url}\"}} 0"),
+    ] {
+        assert!(m.contains(&series), "missing {series}\n{m}");
+    }
+    assert!(!m.contains("balancer_"), "every name carries the prefix");
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn readiness_reflects_routable_workers() {
+    let h = harness(
+        &["a"],
+        &[
+            &["--cb-failure-threshold", "1", "--disable-retries"][..],
+            QUIET,
+        ]
+        .concat(),
+    )
+    .await;
+    let ready = h.call(h.gw.addr, Method::GET, "/readiness", "", &[]).await;
+    assert_eq!(ready.status, StatusCode::OK);
+    assert_eq!(
+        ready.json(),
+        serde_json::json!({"status":"ready","healthy_workers":1,"total_workers":1})
+    );
+    h.workers[0].set_fault(always(500));
+    h.chat(CHAT).await;
+    let r = h.call(h.gw.addr, Method::GET, "/readiness", "", &[]).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        h.call(h.gw.addr, Method::GET, "/liveness", "", &[])
+            .await
+            .status,
+        StatusCode::OK
+    );
+    h.stop().await;
+}
