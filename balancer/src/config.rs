@@ -15,7 +15,7 @@ use anyhow::{Context, bail};
 use clap::{Args, CommandFactory, Parser};
 
 use crate::admission::AdmissionConfig;
-use crate::breaker::{Settings, WindowSettings};
+use crate::breaker::{DegradedSettings, Settings, WindowSettings};
 use crate::health::HealthThresholds;
 use crate::selection::Policy;
 use crate::worker::{BreakerDefaults, WorkerSpec};
@@ -31,6 +31,21 @@ fn fraction(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
         _ => Err(format!("{s} is not a number between 0 and 1")),
+    }
+}
+
+fn split_pair(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() && !v.is_empty() => Ok((k.to_owned(), v.to_owned())),
+        _ => Err(format!("{s:?} is not MODEL=VALUE")),
+    }
+}
+
+fn model_budget(s: &str) -> Result<(String, u64), String> {
+    let (model, tokens) = split_pair(s)?;
+    match tokens.parse::<u64>() {
+        Ok(n) if n > 0 => Ok((model, n)),
+        _ => Err(format!("{s:?}: the budget must be a positive number of tokens per minute")),
     }
 }
 
@@ -54,7 +69,7 @@ pub enum FailureMode {
 
 /// `balancer launch`: run the gateway.
 #[derive(Debug, Clone, Parser)]
-#[command(name = "balancer launch", args_override_self = true)]
+#[command(name = "balancer launch")]
 pub struct LaunchArgs {
     /// TOML file with any of these flags as keys (`cb_failure_threshold = 5`)
     /// and `[[workers]]` tables (url, model, labels, resilience). Flags given
@@ -165,6 +180,18 @@ pub struct LaunchArgs {
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     pub queue_timeout_secs: u64,
 
+    /// MODEL=OTHER: when no worker serving MODEL is eligible (or MODEL's
+    /// token budget is spent), the request goes to OTHER's workers with the
+    /// body's `model` rewritten, and the response names the fallback in an
+    /// `x-balancer-fallback` header. Repeatable; chains allowed, cycles refused.
+    #[arg(long, value_name = "MODEL=OTHER", value_parser = split_pair)]
+    pub fallback_model: Vec<(String, String)>,
+    /// MODEL=TOKENS: tokens per rolling minute (from the responses' `usage`).
+    /// Past it, requests for MODEL take its fallback model, or get 429
+    /// `token_budget_exceeded` with Retry-After. Repeatable.
+    #[arg(long, value_name = "MODEL=TOKENS", value_parser = model_budget)]
+    pub token_budget: Vec<(String, u64)>,
+
     #[command(flatten)]
     pub breaker: BreakerArgs,
 
@@ -203,6 +230,24 @@ pub struct BreakerArgs {
     /// outcomes are still counted.
     #[arg(long)]
     pub disable_circuit_breaker: bool,
+    /// A response whose first byte (for a stream: its first chunk after the
+    /// headers) comes later than this counts as a breaker failure with reason
+    /// `slow`, even with a 2xx status. The response still reaches the client.
+    /// Off when absent.
+    #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub cb_slow_ttfb_ms: Option<u64>,
+    /// After a successful half-open trial, keep the worker degraded: it gets
+    /// about this percentage of the traffic it would otherwise get, a failure
+    /// reopens the circuit, and `--cb-degraded-duration-secs` without one
+    /// closes it (state gauge 3). Off when absent.
+    #[arg(long, value_name = "PCT", value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub cb_degraded_traffic_pct: Option<u32>,
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub cb_degraded_duration_secs: u64,
+    /// In half-open, admit at most one request per this many milliseconds,
+    /// so the trial is spread in time rather than a burst (0: no spacing).
+    #[arg(long, default_value_t = 0, value_name = "MS")]
+    pub cb_half_open_probe_interval_ms: u64,
 }
 
 impl BreakerArgs {
@@ -217,8 +262,16 @@ impl BreakerArgs {
                     duration: Duration::from_secs(self.cb_window_duration_secs),
                     min_calls: self.cb_window_min_calls,
                 }),
+                degraded: self.cb_degraded_traffic_pct.map(|pct| DegradedSettings {
+                    traffic_pct: pct,
+                    duration: Duration::from_secs(self.cb_degraded_duration_secs),
+                }),
+                half_open_probe_interval: Duration::from_millis(
+                    self.cb_half_open_probe_interval_ms,
+                ),
             },
             disabled: self.disable_circuit_breaker,
+            slow_ttfb: self.cb_slow_ttfb_ms.map(Duration::from_millis),
         }
     }
 }
@@ -260,7 +313,7 @@ impl LaunchArgs {
         let mut merged = vec![OsString::from("balancer launch")];
         let mut specs = Vec::new();
         if let Some(path) = &config_path {
-            let (flags, workers) = config_file_args(path)?;
+            let (flags, workers) = config_file_args(path, &args)?;
             merged.extend(flags);
             specs = workers;
         }
@@ -296,6 +349,27 @@ impl LaunchArgs {
                 "invalid value '{}' for '--metrics-prefix': use letters, digits and '_'",
                 self.metrics_prefix
             );
+        }
+        let mut fallbacks = std::collections::HashMap::new();
+        for (from, to) in &self.fallback_model {
+            if fallbacks.insert(from.as_str(), to.as_str()).is_some() {
+                bail!("invalid value '{from}={to}' for '--fallback-model': {from} already has a fallback");
+            }
+        }
+        for start in fallbacks.keys() {
+            let mut seen = vec![*start];
+            let mut at = *start;
+            while let Some(next) = fallbacks.get(at) {
+                if seen.contains(next) {
+                    seen.push(next);
+                    bail!(
+                        "invalid value for '--fallback-model': the chain {} is a cycle",
+                        seen.join(" -> ")
+                    );
+                }
+                seen.push(next);
+                at = next;
+            }
         }
         for url in &self.worker_urls {
             crate::worker::WorkerAddress::parse(url)
@@ -375,9 +449,20 @@ fn find_config_flag(args: &[OsString]) -> Option<PathBuf> {
     None
 }
 
-/// Turns a TOML config file into flags placed before the command line's own
-/// (so the command line wins), plus its `[[workers]]` specs.
-fn config_file_args(path: &Path) -> anyhow::Result<(Vec<OsString>, Vec<WorkerSpec>)> {
+/// Turns a TOML config file into flags, plus its `[[workers]]` specs. Keys
+/// the command line also sets are left out, so the command line wins even
+/// for list flags, which would otherwise accumulate.
+fn config_file_args(
+    path: &Path,
+    cli: &[OsString],
+) -> anyhow::Result<(Vec<OsString>, Vec<WorkerSpec>)> {
+    let on_cli = |flag: &str| {
+        cli.iter().any(|a| {
+            let a = a.to_string_lossy();
+            a.strip_prefix("--")
+                .is_some_and(|rest| rest == flag || rest.starts_with(&format!("{flag}=")))
+        })
+    };
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read config file {}", path.display()))?;
     let mut table: toml::Table = text
@@ -399,6 +484,9 @@ fn config_file_args(path: &Path) -> anyhow::Result<(Vec<OsString>, Vec<WorkerSpe
         if !known || flag == "config" {
             bail!("config file {}: unknown key '{key}'", path.display());
         }
+        if on_cli(&flag) {
+            continue;
+        }
         let scalar = |v: &toml::Value| -> anyhow::Result<String> {
             Ok(match v {
                 toml::Value::String(s) => s.clone(),
@@ -413,9 +501,11 @@ fn config_file_args(path: &Path) -> anyhow::Result<(Vec<OsString>, Vec<WorkerSpe
         match &value {
             toml::Value::Boolean(true) => flags.push(format!("--{flag}").into()),
             toml::Value::Boolean(false) => {}
+            // One flag per item: single-value list flags (`--fallback-model`)
+            // take one value per occurrence.
             toml::Value::Array(items) => {
-                flags.push(format!("--{flag}").into());
                 for item in items {
+                    flags.push(format!("--{flag}").into());
                     flags.push(scalar(item)?.into());
                 }
             }
@@ -450,6 +540,18 @@ mod tests {
     }
 
     #[test]
+    fn fallback_chains_are_accepted_and_cycles_refused() {
+        let a = parse(&["--fallback-model", "big=mid", "--fallback-model", "mid=small"]).unwrap();
+        assert_eq!(a.fallback_model.len(), 2);
+        let err = parse(&["--fallback-model", "a=b", "--fallback-model", "b=a"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--fallback-model") && err.contains("cycle"), "{err}");
+        let err = parse(&["--token-budget", "m=lots"]).unwrap_err().to_string();
+        assert!(err.contains("--token-budget") && err.contains("m=lots"), "{err}");
+    }
+
+    #[test]
     fn bad_values_name_the_flag_and_the_value() {
         for (flag, value) in [
             ("--cb-failure-threshold", "0"),
@@ -479,7 +581,7 @@ mod tests {
             r#"
 cb_failure_threshold = 4
 cb-timeout-duration-secs = 7
-worker_urls = ["http://127.0.0.1:9001"]
+worker_urls = ["http://127.0.0.1:9001", "http://127.0.0.1:9003"]
 disable_retries = true
 
 [[workers]]
@@ -492,11 +594,13 @@ resilience = { capacity_status_codes = [429, 503], cb_failure_threshold = 2 }
         let p = path.to_str().unwrap();
         let a = parse(&["--config", p, "--cb-failure-threshold", "6"]).unwrap();
         assert_eq!(a.breaker.cb_failure_threshold, 6, "the flag wins");
+        let b = parse(&["--config", p, "--worker-urls", "http://127.0.0.1:9009"]).unwrap();
+        assert_eq!(b.worker_urls, vec!["http://127.0.0.1:9009"], "a list flag replaces the file's list");
         assert_eq!(a.breaker.cb_timeout_duration_secs, 7);
         assert!(a.disable_retries);
         let specs = a.initial_workers();
-        assert_eq!(specs.len(), 2);
-        assert_eq!(specs[1].resilience.cb_failure_threshold, Some(2));
+        assert_eq!(specs.len(), 3);
+        assert_eq!(specs[2].resilience.cb_failure_threshold, Some(2));
 
         std::fs::write(&path, "cb_failure_treshold = 4\n").unwrap();
         let err = parse(&["--config", p]).unwrap_err().to_string();

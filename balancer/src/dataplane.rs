@@ -1,1 +1,543 @@
-//! Loading, attaching and reading the XDP program (filled in by the dataplane work).
+//! The agent's handle on the XDP program.
+//!
+//! This module owns the kernel side of the balancer's life: finding the
+//! compiled eBPF object, loading it, attaching the `balancer` XDP program to
+//! an interface (and detaching it again, also on drop), reading the maps the
+//! program fills (per-verdict packet counters), forwarding the program's
+//! `aya-log` records into `tracing`, and running the program on crafted
+//! packets through `BPF_PROG_TEST_RUN` for tests and benchmarks.
+//!
+//! It never decides anything about routing. Which workers exist, which are
+//! healthy and where a connection should go is the agent's business; this
+//! module only mirrors what the agent tells it into maps and reports what the
+//! program counted.
+//!
+//! eBPF log records arrive through the `log` crate (that is what `aya-log`
+//! speaks) with target [`EBPF_LOG_TARGET`]; they reach `tracing` through the
+//! `log` bridge that `tracing-subscriber`'s `init()` installs. Each
+//! `aya-log-ebpf` statement costs the program a branch when its level is off,
+//! so the level the kernel side logs at is taken, at load time, from what
+//! `tracing` has enabled for that target.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use aya::maps::{MapError, PerCpuArray};
+use aya::programs::xdp::XdpLinkId;
+use aya::programs::{ProgramError, Xdp};
+use aya::{Ebpf, EbpfError, EbpfLoader, TestRun, TestRunOptions};
+use balancer_common::{PROGRAM_NAME, VERDICTS_MAP, Verdict};
+
+/// Environment variable that points the agent at a specific eBPF object.
+pub const OBJECT_ENV: &str = "BALANCER_EBPF_OBJECT";
+
+/// Where packages install the eBPF object.
+pub const INSTALLED_OBJECT: &str = "/usr/lib/balancer/balancer-ebpf";
+
+/// `tracing` target of the records the XDP program logs (its crate name).
+pub const EBPF_LOG_TARGET: &str = "balancer_ebpf";
+
+/// Errors of the dataplane. Each says what the agent was doing; the kernel's
+/// or aya's reason is the error's source.
+#[derive(Debug, thiserror::Error)]
+pub enum DataplaneError {
+    #[error("eBPF object not found (looked at {}); run `cargo xtask build-ebpf`", display_paths(.searched))]
+    ObjectNotFound { searched: Vec<PathBuf> },
+    #[error("failed to load eBPF object {}", .path.display())]
+    Load {
+        path: PathBuf,
+        // Boxed: aya's error is several times larger than all the others.
+        #[source]
+        source: Box<EbpfError>,
+    },
+    #[error("eBPF object has no XDP program `{PROGRAM_NAME}`")]
+    MissingProgram,
+    #[error("eBPF object has no map `{0}`")]
+    MissingMap(&'static str),
+    #[error("failed to load XDP program `{PROGRAM_NAME}` into the kernel")]
+    Verify(#[source] ProgramError),
+    #[error("XDP program is already attached to {iface}")]
+    AlreadyAttached { iface: String },
+    #[error("failed to attach XDP program to {iface} in {mode:?} mode")]
+    Attach {
+        iface: String,
+        mode: XdpMode,
+        #[source]
+        source: ProgramError,
+    },
+    #[error("failed to detach XDP program from {iface}")]
+    Detach {
+        iface: String,
+        #[source]
+        source: ProgramError,
+    },
+    #[error("failed to read map `{map}`")]
+    Map {
+        map: &'static str,
+        #[source]
+        source: MapError,
+    },
+    #[error("BPF_PROG_TEST_RUN failed")]
+    TestRun(#[source] ProgramError),
+    #[error("failed to start the eBPF log reader")]
+    LogReader(#[source] io::Error),
+}
+
+fn display_paths(paths: &[PathBuf]) -> String {
+    let shown: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+    shown.join(", ")
+}
+
+/// How to attach the XDP program.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum XdpMode {
+    /// Native (driver) mode where the driver supports it, generic mode
+    /// otherwise.
+    #[default]
+    Auto,
+    /// Native mode only: runs in the driver before any socket buffer exists.
+    Driver,
+    /// Generic mode only: runs in the stack after the socket buffer is built;
+    /// works on any interface, at a fraction of native speed.
+    Skb,
+}
+
+/// Packets the program has counted, per [`Verdict`], summed over all CPUs.
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+pub struct VerdictCounts {
+    counts: [u64; Verdict::COUNT],
+}
+
+impl VerdictCounts {
+    pub fn get(&self, verdict: Verdict) -> u64 {
+        self.counts[verdict.index() as usize]
+    }
+
+    /// Every verdict with its count, in index order.
+    pub fn iter(&self) -> impl Iterator<Item = (Verdict, u64)> + '_ {
+        Verdict::ALL.into_iter().zip(self.counts)
+    }
+
+    pub fn total(&self) -> u64 {
+        self.counts.iter().sum()
+    }
+
+    /// What was counted between `earlier` and `self`.
+    pub fn since(&self, earlier: &VerdictCounts) -> VerdictCounts {
+        let mut delta = VerdictCounts::default();
+        for (slot, (now, then)) in delta
+            .counts
+            .iter_mut()
+            .zip(self.counts.iter().zip(earlier.counts))
+        {
+            // Counters only grow while the program stays loaded; saturating
+            // keeps a reload between two snapshots from panicking.
+            *slot = now.saturating_sub(then);
+        }
+        delta
+    }
+}
+
+// By name, so a failing test shows which verdict is off.
+impl std::fmt::Debug for VerdictCounts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map()
+            .entries(self.iter().map(|(verdict, count)| (verdict.name(), count)))
+            .finish()
+    }
+}
+
+/// What an XDP program told the kernel to do with a packet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum XdpAction {
+    Aborted,
+    Drop,
+    Pass,
+    Tx,
+    Redirect,
+    Unknown(u32),
+}
+
+impl From<u32> for XdpAction {
+    fn from(code: u32) -> Self {
+        // Values of `enum xdp_action` in the kernel's UAPI.
+        match code {
+            0 => Self::Aborted,
+            1 => Self::Drop,
+            2 => Self::Pass,
+            3 => Self::Tx,
+            4 => Self::Redirect,
+            other => Self::Unknown(other),
+        }
+    }
+}
+
+/// The outcome of [`Dataplane::test_run`].
+#[derive(Clone, Debug)]
+pub struct XdpTestRun {
+    pub action: XdpAction,
+    /// Average time of one run, as measured by the kernel.
+    pub duration: Duration,
+    /// The packet as the program left it.
+    pub packet: Vec<u8>,
+}
+
+/// Headroom for programs that grow the packet in a test run (encapsulation);
+/// without it the kernel answers ENOSPC.
+const TEST_RUN_GROWTH: usize = 256;
+
+/// Finds the eBPF object to load.
+///
+/// An explicit path wins, then [`OBJECT_ENV`]; either must exist, since
+/// silently loading some other build would hide a mistake. Without them the
+/// workspace's release build and then the installed copy are tried.
+pub fn locate_object(explicit: Option<&Path>) -> Result<PathBuf, DataplaneError> {
+    let chosen = explicit
+        .map(Path::to_path_buf)
+        .or_else(|| std::env::var_os(OBJECT_ENV).map(PathBuf::from));
+    let candidates = match chosen {
+        Some(path) => vec![path],
+        None => vec![workspace_object(), PathBuf::from(INSTALLED_OBJECT)],
+    };
+    candidates
+        .iter()
+        .find(|path| path.is_file())
+        .cloned()
+        .ok_or(DataplaneError::ObjectNotFound {
+            searched: candidates,
+        })
+}
+
+/// Where `cargo xtask build-ebpf` writes the object in this source tree.
+pub fn workspace_object() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the balancer crate lives inside the workspace")
+        .join("target/bpfel-unknown-none/release/balancer-ebpf")
+}
+
+struct Attachment {
+    iface: String,
+    mode: XdpMode,
+    link: XdpLinkId,
+}
+
+/// The loaded XDP program, attached to at most one interface.
+///
+/// Interface names are resolved in the network namespace of the thread that
+/// calls [`Dataplane::attach`]. Dropping the value detaches the program and
+/// unloads it. On kernels without XDP links (before 5.9) aya attaches over
+/// netlink, and detaching then also resolves the interface in the calling
+/// thread's namespace: detach (or drop) from the namespace you attached in.
+pub struct Dataplane {
+    ebpf: Ebpf,
+    attachment: Option<Attachment>,
+    // Declared last so it is dropped last: records the program logs while
+    // being detached still get read.
+    _log_reader: Option<LogReader>,
+}
+
+impl Dataplane {
+    /// Loads the object at `object` and its XDP program into the kernel,
+    /// without attaching it anywhere.
+    pub fn load(object: &Path) -> Result<Self, DataplaneError> {
+        let mut ebpf = EbpfLoader::new()
+            .override_global(aya_log::LEVEL, &ebpf_log_level(), false)
+            .load_file(object)
+            .map_err(|source| DataplaneError::Load {
+                path: object.to_path_buf(),
+                source: Box::new(source),
+            })?;
+
+        // The logger takes the log ring buffer out of `ebpf`; it has to stay
+        // alive until the program is loaded or the map's fd is gone by then.
+        let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
+            Ok(logger) => Some(logger),
+            Err(error) => {
+                tracing::warn!(%error, "the XDP program's log records will not be shown");
+                None
+            }
+        };
+
+        program_mut(&mut ebpf)?
+            .load()
+            .map_err(DataplaneError::Verify)?;
+
+        let log_reader = logger
+            .map(|mut logger| {
+                let ring = logger.as_raw_fd();
+                LogReader::spawn(ring, move || logger.flush())
+            })
+            .transpose()
+            .map_err(DataplaneError::LogReader)?;
+        tracing::info!(object = %object.display(), "loaded XDP program");
+        Ok(Self {
+            ebpf,
+            attachment: None,
+            _log_reader: log_reader,
+        })
+    }
+
+    /// Attaches the program to `iface` and returns the mode it runs in
+    /// (never [`XdpMode::Auto`]).
+    pub fn attach(&mut self, iface: &str, mode: XdpMode) -> Result<XdpMode, DataplaneError> {
+        if let Some(attachment) = &self.attachment {
+            return Err(DataplaneError::AlreadyAttached {
+                iface: attachment.iface.clone(),
+            });
+        }
+        let program = program_mut(&mut self.ebpf)?;
+        let (link, mode) = match mode {
+            XdpMode::Driver | XdpMode::Skb => (attach_in(program, iface, mode)?, mode),
+            XdpMode::Auto => match attach_in(program, iface, XdpMode::Driver) {
+                Ok(link) => (link, XdpMode::Driver),
+                // No mode helps with an interface that is not there.
+                Err(
+                    error @ DataplaneError::Attach {
+                        source: ProgramError::UnknownInterface { .. },
+                        ..
+                    },
+                ) => return Err(error),
+                Err(error) => {
+                    tracing::warn!(
+                        iface,
+                        error = %error_chain(&error),
+                        "native XDP unavailable, falling back to generic (skb) mode"
+                    );
+                    (attach_in(program, iface, XdpMode::Skb)?, XdpMode::Skb)
+                }
+            },
+        };
+        tracing::info!(iface, ?mode, "attached XDP program");
+        self.attachment = Some(Attachment {
+            iface: iface.to_owned(),
+            mode,
+            link,
+        });
+        Ok(mode)
+    }
+
+    /// The interface the program is attached to and its mode, if any.
+    pub fn attached(&self) -> Option<(&str, XdpMode)> {
+        self.attachment.as_ref().map(|a| (a.iface.as_str(), a.mode))
+    }
+
+    /// Detaches the program; doing so when it is not attached is a no-op.
+    pub fn detach(&mut self) -> Result<(), DataplaneError> {
+        let Some(attachment) = self.attachment.take() else {
+            return Ok(());
+        };
+        program_mut(&mut self.ebpf)?
+            .detach(attachment.link)
+            .map_err(|source| DataplaneError::Detach {
+                iface: attachment.iface.clone(),
+                source,
+            })?;
+        tracing::info!(iface = attachment.iface, "detached XDP program");
+        Ok(())
+    }
+
+    /// The per-verdict packet counters, summed over all CPUs.
+    pub fn verdict_counts(&self) -> Result<VerdictCounts, DataplaneError> {
+        let map_error = |source| DataplaneError::Map {
+            map: VERDICTS_MAP,
+            source,
+        };
+        let map = self
+            .ebpf
+            .map(VERDICTS_MAP)
+            .ok_or(DataplaneError::MissingMap(VERDICTS_MAP))?;
+        let array: PerCpuArray<_, u64> = PerCpuArray::try_from(map).map_err(map_error)?;
+        let mut counts = VerdictCounts::default();
+        for verdict in Verdict::ALL {
+            let per_cpu = array.get(&verdict.index(), 0).map_err(map_error)?;
+            counts.counts[verdict.index() as usize] = per_cpu.iter().sum();
+        }
+        Ok(counts)
+    }
+
+    /// Runs the program `repeat` times on `packet` through
+    /// `BPF_PROG_TEST_RUN`, without attaching it.
+    ///
+    /// The kernel does not restore the packet between repeats, so a program
+    /// that rewrites it sees its own output from the second run on. Without
+    /// `ingress_ifindex` the packet appears to arrive on `lo` of the calling
+    /// thread's network namespace; anything that looks up routes needs the
+    /// real interface there.
+    pub fn test_run(
+        &self,
+        packet: &[u8],
+        repeat: u32,
+        ingress_ifindex: Option<u32>,
+    ) -> Result<XdpTestRun, DataplaneError> {
+        let program: &Xdp = self
+            .ebpf
+            .program(PROGRAM_NAME)
+            .and_then(|program| program.try_into().ok())
+            .ok_or(DataplaneError::MissingProgram)?;
+        let context = ingress_ifindex.map(|ifindex| xdp_md(packet.len(), ifindex));
+        let mut out = vec![0; packet.len() + TEST_RUN_GROWTH];
+        let result = program
+            .test_run(TestRunOptions {
+                data_in: Some(packet),
+                data_out: Some(&mut out),
+                ctx_in: context.as_ref().map(|c| c.as_slice()),
+                repeat,
+                ..TestRunOptions::default()
+            })
+            .map_err(DataplaneError::TestRun)?;
+        out.truncate(result.data_size_out as usize);
+        Ok(XdpTestRun {
+            action: result.return_value.into(),
+            duration: result.duration,
+            packet: out,
+        })
+    }
+}
+
+impl Drop for Dataplane {
+    fn drop(&mut self) {
+        if let Err(error) = self.detach() {
+            tracing::warn!(error = %error_chain(&error), "detaching XDP program on drop");
+        }
+    }
+}
+
+fn program_mut(ebpf: &mut Ebpf) -> Result<&mut Xdp, DataplaneError> {
+    ebpf.program_mut(PROGRAM_NAME)
+        .and_then(|program| program.try_into().ok())
+        .ok_or(DataplaneError::MissingProgram)
+}
+
+fn attach_in(program: &mut Xdp, iface: &str, mode: XdpMode) -> Result<XdpLinkId, DataplaneError> {
+    let aya_mode = match mode {
+        XdpMode::Driver => aya::programs::XdpMode::Driver,
+        XdpMode::Skb => aya::programs::XdpMode::Skb,
+        XdpMode::Auto => aya::programs::XdpMode::Default,
+    };
+    program
+        .attach(iface, aya_mode)
+        .map_err(|source| DataplaneError::Attach {
+            iface: iface.to_owned(),
+            mode,
+            source,
+        })
+}
+
+/// `struct xdp_md` for a test run: the packet starts at offset 0 and ends
+/// at its length (the kernel checks both), and arrives on `ifindex`.
+fn xdp_md(len: usize, ifindex: u32) -> [u8; 24] {
+    let len = u32::try_from(len).unwrap_or(u32::MAX);
+    // data, data_end, data_meta, ingress_ifindex, rx_queue_index, egress_ifindex
+    let fields = [0, len, 0, ifindex, 0, 0];
+    let mut md = [0; 24];
+    for (chunk, field) in md.chunks_exact_mut(4).zip(fields) {
+        chunk.copy_from_slice(&field.to_ne_bytes());
+    }
+    md
+}
+
+/// The most verbose `aya_log::Level` that `tracing` shows for the program's
+/// target, as the `AYA_LOG_LEVEL` value (0 turns logging off).
+fn ebpf_log_level() -> u8 {
+    use aya_log::Level;
+    let level = if tracing::enabled!(target: EBPF_LOG_TARGET, tracing::Level::TRACE) {
+        Level::Trace
+    } else if tracing::enabled!(target: EBPF_LOG_TARGET, tracing::Level::DEBUG) {
+        Level::Debug
+    } else if tracing::enabled!(target: EBPF_LOG_TARGET, tracing::Level::INFO) {
+        Level::Info
+    } else if tracing::enabled!(target: EBPF_LOG_TARGET, tracing::Level::WARN) {
+        Level::Warn
+    } else if tracing::enabled!(target: EBPF_LOG_TARGET, tracing::Level::ERROR) {
+        Level::Error
+    } else {
+        return 0;
+    };
+    level as u8
+}
+
+/// An error and its sources on one line, for log fields.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut line = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        line.push_str(": ");
+        line.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    line
+}
+
+/// A thread that drains the program's log ring buffer whenever it has data.
+///
+/// A plain thread rather than a tokio task: the dataplane is also used from
+/// synchronous code (tests, benchmarks) that has no runtime.
+struct LogReader {
+    // Written to on drop to wake the thread up and make it exit.
+    stop: OwnedFd,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl LogReader {
+    /// Calls `drain` whenever `ring` has records, until the reader is
+    /// dropped. `drain` owns the ring buffer, which keeps `ring` open.
+    fn spawn(ring: RawFd, mut drain: impl FnMut() + Send + 'static) -> io::Result<Self> {
+        // SAFETY: eventfd has no memory-safety preconditions; the result is
+        // checked before it is wrapped.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `raw` is a fresh descriptor that nothing else owns.
+        let stop = unsafe { OwnedFd::from_raw_fd(raw) };
+        let stop_fd = stop.as_raw_fd();
+        let thread = std::thread::Builder::new()
+            .name("ebpf-log".into())
+            .spawn(move || {
+                loop {
+                    let mut fds = [ring, stop_fd].map(|fd| libc::pollfd {
+                        fd,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    });
+                    // SAFETY: `fds` is a valid array of two pollfds; `ring`
+                    // lives as long as `drain` and `stop_fd` is closed only
+                    // after this thread has been joined.
+                    let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+                    if ready < 0 {
+                        let error = io::Error::last_os_error();
+                        if error.kind() == io::ErrorKind::Interrupted {
+                            continue;
+                        }
+                        tracing::warn!(%error, "stopped reading the XDP program's log records");
+                        return;
+                    }
+                    drain();
+                    if fds[1].revents != 0 {
+                        return;
+                    }
+                }
+            })?;
+        Ok(Self {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for LogReader {
+    fn drop(&mut self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live buffer to a descriptor we own.
+        let written = unsafe { libc::write(self.stop.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+        if written == one.len() as isize
+            && let Some(thread) = self.thread.take()
+        {
+            let _ = thread.join();
+        }
+    }
+}

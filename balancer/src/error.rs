@@ -21,10 +21,12 @@ pub enum ErrorCode {
     InvalidRequest,
     NotFound,
     Unauthorized,
+    /// The model's `--token-budget` is spent for this minute.
+    TokenBudgetExceeded,
 }
 
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 8] = [
+    pub const ALL: [ErrorCode; 9] = [
         ErrorCode::NoAvailableWorkers,
         ErrorCode::AdmissionQueueFull,
         ErrorCode::AdmissionQueueTimeout,
@@ -33,6 +35,7 @@ impl ErrorCode {
         ErrorCode::InvalidRequest,
         ErrorCode::NotFound,
         ErrorCode::Unauthorized,
+        ErrorCode::TokenBudgetExceeded,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -45,6 +48,7 @@ impl ErrorCode {
             ErrorCode::InvalidRequest => "invalid_request",
             ErrorCode::NotFound => "not_found",
             ErrorCode::Unauthorized => "unauthorized",
+            ErrorCode::TokenBudgetExceeded => "token_budget_exceeded",
         }
     }
 
@@ -53,7 +57,9 @@ impl ErrorCode {
             ErrorCode::NoAvailableWorkers | ErrorCode::AdmissionQueueTimeout => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
-            ErrorCode::AdmissionQueueFull => StatusCode::TOO_MANY_REQUESTS,
+            ErrorCode::AdmissionQueueFull | ErrorCode::TokenBudgetExceeded => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             ErrorCode::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             ErrorCode::UpstreamUnreachable => StatusCode::BAD_GATEWAY,
             ErrorCode::InvalidRequest => StatusCode::BAD_REQUEST,
@@ -67,7 +73,7 @@ impl ErrorCode {
         match self {
             ErrorCode::InvalidRequest | ErrorCode::NotFound => "invalid_request_error",
             ErrorCode::Unauthorized => "authentication_error",
-            ErrorCode::AdmissionQueueFull => "rate_limit_error",
+            ErrorCode::AdmissionQueueFull | ErrorCode::TokenBudgetExceeded => "rate_limit_error",
             _ => "service_unavailable",
         }
     }

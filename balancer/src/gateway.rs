@@ -30,6 +30,7 @@ use crate::mock_worker::{MockWorker, MockWorkerConfig};
 use crate::proxy::{Proxy, ProxyConfig};
 use crate::selection::{Policy, Selector};
 use crate::server::serve;
+use crate::tokens::Tokens;
 use crate::worker::{Registry, RegistryConfig, Worker, WorkerSpec};
 
 type ProbeClient = Client<HttpConnector, Empty<Bytes>>;
@@ -134,7 +135,8 @@ pub async fn start_with_clock(args: LaunchArgs, clock: Arc<dyn Clock>) -> anyhow
         },
         clock,
     );
-    let stats = Arc::new(GatewayStats::new(&args.metrics_prefix)?);
+    let stats = Arc::new(GatewayStats::new(&args.metrics_prefix, &args.fallback_model)?);
+    let tokens = Arc::new(Tokens::new(&args.token_budget));
 
     let mut demo_workers = Vec::new();
     let mut specs = args.initial_workers();
@@ -181,9 +183,11 @@ pub async fn start_with_clock(args: LaunchArgs, clock: Arc<dyn Clock>) -> anyhow
             stream_idle_timeout: Duration::from_secs(args.stream_idle_timeout_secs),
             max_replay_body: args.max_replay_body_bytes,
             routing_key_header,
+            fallbacks: args.fallback_model.iter().cloned().collect(),
         },
         args.admission().map(Admission::new),
         stats,
+        tokens,
     ));
 
     let main = bind(args.listen_addr(), "HTTP").await?;
@@ -211,7 +215,7 @@ pub async fn start_with_clock(args: LaunchArgs, clock: Arc<dyn Clock>) -> anyhow
     listeners.spawn(serve(
         metrics,
         move |_req| {
-            let text = p.stats().render(&reg, p.admission());
+            let text = p.stats().render(&reg, p.admission(), p.tokens());
             let mut r = Response::new(
                 Full::new(Bytes::from(text))
                     .map_err(|never| match never {})

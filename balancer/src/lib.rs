@@ -24,4 +24,5 @@ pub mod proxy;
 pub mod relay;
 pub mod selection;
 pub mod server;
+pub mod tokens;
 pub mod worker;

@@ -16,6 +16,7 @@ use prometheus::{Encoder, Histogram, HistogramOpts, TextEncoder};
 use crate::admission::Admission;
 use crate::breaker::{FailureReason, State};
 use crate::error::ErrorCode;
+use crate::tokens::Tokens;
 use crate::worker::Registry;
 
 /// Gateway-wide counters, bumped on the request path with plain atomics.
@@ -25,6 +26,8 @@ pub struct GatewayStats {
     gateway: [AtomicU64; ErrorCode::ALL.len()],
     retries: AtomicU64,
     retries_exhausted: AtomicU64,
+    /// `--fallback-model` pairs and how often each was taken.
+    fallbacks: Vec<(String, String, AtomicU64)>,
     pub request_duration: Histogram,
     pub ttfb: Histogram,
     histograms: prometheus::Registry,
@@ -36,7 +39,7 @@ const LATENCY_BUCKETS: &[f64] = &[
 ];
 
 impl GatewayStats {
-    pub fn new(prefix: &str) -> anyhow::Result<Self> {
+    pub fn new(prefix: &str, fallbacks: &[(String, String)]) -> anyhow::Result<Self> {
         let histogram = |name: &str, help: &str| {
             Histogram::with_opts(
                 HistogramOpts::new(format!("{prefix}_{name}"), help)
@@ -60,6 +63,10 @@ impl GatewayStats {
             gateway: Default::default(),
             retries: AtomicU64::new(0),
             retries_exhausted: AtomicU64::new(0),
+            fallbacks: fallbacks
+                .iter()
+                .map(|(f, t)| (f.clone(), t.clone(), AtomicU64::new(0)))
+                .collect(),
             request_duration,
             ttfb,
             histograms,
@@ -85,6 +92,12 @@ impl GatewayStats {
         self.retries.fetch_add(1, Ordering::Relaxed);
     }
 
+    pub fn fallback(&self, from: &str, to: &str) {
+        if let Some((_, _, n)) = self.fallbacks.iter().find(|(f, t, _)| f == from && t == to) {
+            n.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     #[inline]
     pub fn retries_exhausted(&self) {
         self.retries_exhausted.fetch_add(1, Ordering::Relaxed);
@@ -92,13 +105,19 @@ impl GatewayStats {
 
     /// The whole exposition: gateway series, per-worker and breaker series,
     /// admission.
-    pub fn render(&self, registry: &Registry, admission: Option<&Admission>) -> String {
+    pub fn render(
+        &self,
+        registry: &Registry,
+        admission: Option<&Admission>,
+        tokens: &Tokens,
+    ) -> String {
         let mut out = String::with_capacity(16 * 1024);
         let mut w = Writer {
             out: &mut out,
             prefix: &self.prefix,
         };
         self.render_gateway(&mut w);
+        self.render_llm(&mut w, tokens);
         render_workers(&mut w, registry);
         if let Some(a) = admission {
             render_admission(&mut w, a);
@@ -111,6 +130,43 @@ impl GatewayStats {
             out.push_str(&String::from_utf8_lossy(&buf));
         }
         out
+    }
+
+    fn render_llm(&self, w: &mut Writer<'_>, tokens: &Tokens) {
+        w.family("fallbacks_total", "counter", "Requests sent to a fallback model.");
+        for (from, to, n) in &self.fallbacks {
+            w.sample(
+                "fallbacks_total",
+                &[("from", from), ("to", to)],
+                n.load(Ordering::Relaxed) as f64,
+            );
+        }
+        let models = tokens.snapshot();
+        let mut names: Vec<_> = models.keys().collect();
+        names.sort();
+        w.family("tokens_total", "counter", "Tokens reported in responses' usage, by kind.");
+        for m in &names {
+            let t = &models[*m];
+            for (kind, v) in [("prompt", &t.prompt), ("completion", &t.completion)] {
+                w.sample(
+                    "tokens_total",
+                    &[("model", m), ("kind", kind)],
+                    v.load(Ordering::Relaxed) as f64,
+                );
+            }
+        }
+        w.family(
+            "token_budget_exceeded_total",
+            "counter",
+            "Requests that found their model's token budget spent.",
+        );
+        for m in names.iter().filter(|m| models[**m].budget_limit().is_some()) {
+            w.sample(
+                "token_budget_exceeded_total",
+                &[("model", m)],
+                models[*m].budget_exceeded.load(Ordering::Relaxed) as f64,
+            );
+        }
     }
 
     fn render_gateway(&self, w: &mut Writer<'_>) {
@@ -161,12 +217,73 @@ impl GatewayStats {
     }
 }
 
+/// A latency histogram on plain atomics, cheap enough to keep one per worker
+/// and observe on the request path.
+#[derive(Debug)]
+pub struct LatencyHistogram {
+    buckets: [AtomicU64; LATENCY_BUCKETS.len()],
+    count: AtomicU64,
+    sum_micros: AtomicU64,
+}
+
+impl Default for LatencyHistogram {
+    fn default() -> Self {
+        Self {
+            buckets: Default::default(),
+            count: AtomicU64::new(0),
+            sum_micros: AtomicU64::new(0),
+        }
+    }
+}
+
+impl LatencyHistogram {
+    #[inline]
+    pub fn observe(&self, d: std::time::Duration) {
+        let secs = d.as_secs_f64();
+        if let Some(i) = LATENCY_BUCKETS.iter().position(|&b| secs <= b) {
+            self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_micros
+            .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    fn render(&self, w: &mut Writer<'_>, name: &str, labels: &[(&str, &str)]) {
+        let bucket = format!("{name}_bucket");
+        let mut cumulative = 0;
+        for (i, bound) in LATENCY_BUCKETS.iter().enumerate() {
+            cumulative += self.buckets[i].load(Ordering::Relaxed);
+            let le = bound.to_string();
+            let mut l = labels.to_vec();
+            l.push(("le", &le));
+            w.sample(&bucket, &l, cumulative as f64);
+        }
+        let count = self.count() as f64;
+        let mut l = labels.to_vec();
+        l.push(("le", "+Inf"));
+        w.sample(&bucket, &l, count);
+        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
+        w.sample(&format!("{name}_sum"), labels, sum);
+        w.sample(&format!("{name}_count"), labels, count);
+    }
+}
+
 /// The breaker transitions that can happen, published at zero.
 const TRANSITIONS: [(State, State); 4] = [
     (State::Closed, State::Open),
     (State::Open, State::HalfOpen),
     (State::HalfOpen, State::Closed),
     (State::HalfOpen, State::Open),
+];
+/// Published too when the degraded state is on.
+const DEGRADED_TRANSITIONS: [(State, State); 3] = [
+    (State::HalfOpen, State::Degraded),
+    (State::Degraded, State::Closed),
+    (State::Degraded, State::Open),
 ];
 
 fn render_workers(w: &mut Writer<'_>, registry: &Registry) {
@@ -180,7 +297,7 @@ fn render_workers(w: &mut Writer<'_>, registry: &Registry) {
     w.family(
         "worker_cb_state",
         "gauge",
-        "Circuit breaker state: 0 closed, 1 open, 2 half-open; -1 after the worker is removed.",
+        "Circuit breaker state: 0 closed, 1 open, 2 half-open, 3 degraded; -1 after the worker is removed.",
     );
     for (wk, s) in &snaps {
         w.sample(
@@ -199,7 +316,12 @@ fn render_workers(w: &mut Writer<'_>, registry: &Registry) {
         "Circuit breaker state transitions.",
     );
     for (wk, s) in &snaps {
-        for (from, to) in TRANSITIONS {
+        let extra: &[(State, State)] = if s.degraded_enabled {
+            &DEGRADED_TRANSITIONS
+        } else {
+            &[]
+        };
+        for &(from, to) in TRANSITIONS.iter().chain(extra) {
             w.sample(
                 "worker_cb_transitions_total",
                 &[
@@ -313,6 +435,14 @@ fn render_workers(w: &mut Writer<'_>, registry: &Registry) {
             &[("worker", &wk.url)],
             f64::from(wk.inflight()),
         );
+    }
+    w.family(
+        "worker_ttfb_seconds",
+        "histogram",
+        "Time to first byte (first chunk of a stream) of attempts that went through.",
+    );
+    for wk in &fleet.workers {
+        wk.ttfb.render(w, "worker_ttfb_seconds", &[("worker", &wk.url)]);
     }
     w.family(
         "worker_selected_total",

@@ -7,6 +7,7 @@
 //! hands the chosen response to [`crate::relay`] for the body. It may read the
 //! registry and record on breakers; it never changes the fleet.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -28,7 +29,11 @@ use crate::error::{ErrorCode, error_response};
 use crate::metrics::GatewayStats;
 use crate::relay::{BoxError, Completion, RelayBody};
 use crate::selection::{Selector, hash_key};
+use crate::tokens::Tokens;
 use crate::worker::{Registry, Worker};
+
+/// Names the fallback a response took: `requested->served`.
+pub const FALLBACK_HEADER: &str = "x-balancer-fallback";
 
 /// The body type of every response the gateway sends.
 pub type ResponseBody = UnsyncBoxBody<Bytes, BoxError>;
@@ -59,6 +64,8 @@ pub struct ProxyConfig {
     pub stream_idle_timeout: Duration,
     pub max_replay_body: usize,
     pub routing_key_header: HeaderName,
+    /// `--fallback-model MODEL=OTHER`, validated free of cycles.
+    pub fallbacks: HashMap<String, String>,
 }
 
 pub struct Proxy {
@@ -68,6 +75,7 @@ pub struct Proxy {
     config: ProxyConfig,
     admission: Option<Admission>,
     stats: Arc<GatewayStats>,
+    tokens: Arc<Tokens>,
     clock: Arc<dyn Clock>,
 }
 
@@ -110,6 +118,7 @@ impl Proxy {
         config: ProxyConfig,
         admission: Option<Admission>,
         stats: Arc<GatewayStats>,
+        tokens: Arc<Tokens>,
     ) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(config.connect_timeout));
@@ -127,8 +136,13 @@ impl Proxy {
             config,
             admission,
             stats,
+            tokens,
             clock,
         }
+    }
+
+    pub fn tokens(&self) -> &Arc<Tokens> {
+        &self.tokens
     }
 
     pub fn admission(&self) -> Option<&Admission> {
@@ -196,20 +210,37 @@ impl Proxy {
             .path_and_query()
             .map_or("/", |p| p.as_str())
             .to_owned();
-        let request = Outgoing {
+        let mut request = Outgoing {
             method: parts.method,
             path,
             headers,
             model,
             key,
+            fallback_from: None,
         };
+        let mut body = Some(body);
+        while let Some(wait) = request
+            .model
+            .as_deref()
+            .and_then(|m| self.tokens.budget_exceeded(m, self.clock.now()))
+        {
+            if !self.take_fallback(&mut request, &mut body) {
+                let model = request.model.as_deref().unwrap_or_default();
+                return self.gateway_error(
+                    ErrorCode::TokenBudgetExceeded,
+                    &format!("the token budget of model {model:?} is spent for this minute"),
+                    Some(wait),
+                );
+            }
+        }
+        let body = body.expect("a request body is only ever swapped for another");
         self.attempts(request, body, permit, started).await
     }
 
     /// The retry loop.
     async fn attempts(
         &self,
-        req: Outgoing,
+        mut req: Outgoing,
         body: RequestBody,
         permit: Option<Permit>,
         started: Instant,
@@ -228,8 +259,14 @@ impl Proxy {
             attempt += 1;
             let last = attempt >= max_attempts;
             let Some((worker, ticket)) = self.select(&req, &tried) else {
+                if self.take_fallback(&mut req, &mut body) {
+                    // Finding no worker was not an attempt.
+                    attempt -= 1;
+                    continue;
+                }
                 return self.no_available_workers(req.model.as_deref());
             };
+            let attempt_started = Instant::now();
             tried.push(worker.breaker.id());
             let guard = worker.start_request();
             let upstream_body = match body.take() {
@@ -242,7 +279,7 @@ impl Proxy {
             };
             let result = self.send(&worker, &req, upstream_body).await;
             let classifier = worker.classifier();
-            let (failure, retry_after) = match result {
+            let failure = match result {
                 Ok(response) => {
                     let status = response.status().as_u16();
                     let outcome = classifier.classify(status);
@@ -271,12 +308,21 @@ impl Proxy {
                         pending,
                         permit,
                         started,
+                        attempt_started,
+                        headers_after: attempt_started.elapsed(),
+                        classifier,
+                        tokens: req.model.clone().map(|m| (self.tokens.clone(), m)),
                         stats: self.stats.clone(),
                         clock: self.clock.clone(),
                     };
-                    return self.relay(response, completion);
+                    let fallback = req
+                        .fallback_from
+                        .as_ref()
+                        .zip(req.model.as_ref())
+                        .map(|(from, to)| format!("{from}->{to}"));
+                    return self.relay(response, completion, fallback);
                 }
-                Err(e) => (e, None::<Duration>),
+                Err(e) => e,
             };
             let reason = match failure {
                 AttemptError::Timeout => FailureReason::Timeout,
@@ -291,7 +337,7 @@ impl Proxy {
             drop(guard);
             if !last {
                 self.stats.retry();
-                tokio::time::sleep(self.config.retry.backoff(attempt, retry_after)).await;
+                tokio::time::sleep(self.config.retry.backoff(attempt, None)).await;
                 continue;
             }
             self.stats.retries_exhausted();
@@ -308,6 +354,30 @@ impl Proxy {
                 ),
             };
         }
+    }
+
+    /// Switches a request to its model's fallback model: the body's `model`
+    /// is rewritten and the response will name the fallback. Only a body kept
+    /// for replay can be rewritten.
+    fn take_fallback(&self, req: &mut Outgoing, body: &mut Option<RequestBody>) -> bool {
+        let Some(from) = req.model.as_deref() else {
+            return false;
+        };
+        let Some(to) = self.config.fallbacks.get(from) else {
+            return false;
+        };
+        let Some(RequestBody::Replayable(bytes)) = body.as_ref() else {
+            return false;
+        };
+        let Some(rewritten) = with_model(bytes, to) else {
+            return false;
+        };
+        tracing::debug!(from, to, "model fallback");
+        self.stats.fallback(from, to);
+        req.fallback_from.get_or_insert_with(|| from.to_owned());
+        req.model = Some(to.clone());
+        *body = Some(RequestBody::Replayable(rewritten));
+        true
     }
 
     /// Picks an eligible worker and reserves its breaker admission. A lost
@@ -360,8 +430,12 @@ impl Proxy {
         &self,
         response: Response<Incoming>,
         completion: Completion,
+        fallback: Option<String>,
     ) -> Response<ResponseBody> {
         let (mut parts, body) = response.into_parts();
+        if let Some(v) = fallback.and_then(|f| HeaderValue::try_from(f).ok()) {
+            parts.headers.insert(FALLBACK_HEADER, v);
+        }
         for h in HOP_BY_HOP {
             parts.headers.remove(h);
         }
@@ -438,6 +512,17 @@ struct Outgoing {
     headers: HeaderMap,
     model: Option<String>,
     key: Option<u64>,
+    /// The model the client asked for, when a fallback replaced it.
+    fallback_from: Option<String>,
+}
+
+/// `body` with its `model` replaced, if it is a JSON object.
+fn with_model(body: &Bytes, model: &str) -> Option<Bytes> {
+    let mut value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    value
+        .as_object_mut()?
+        .insert("model".to_owned(), model.into());
+    serde_json::to_vec(&value).ok().map(Bytes::from)
 }
 
 fn forward_headers(incoming: &HeaderMap) -> HeaderMap {
@@ -448,6 +533,9 @@ fn forward_headers(incoming: &HeaderMap) -> HeaderMap {
     headers.remove(HeaderName::from_static("keep-alive"));
     // The worker's authority comes from the URI; hyper sets Host from it.
     headers.remove(header::HOST);
+    // The body may be rewritten (a fallback's model); hyper sets the length
+    // of the body actually sent.
+    headers.remove(header::CONTENT_LENGTH);
     headers
 }
 

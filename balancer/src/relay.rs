@@ -18,11 +18,15 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 use tokio::time::{Instant, Sleep};
 
 use crate::admission::Permit;
-use crate::breaker::{FailureReason, Outcome, RequestCharges, Ticket};
+use crate::breaker::{Classifier, FailureReason, Outcome, RequestCharges, Ticket};
 use crate::clock::Clock;
 use crate::error::sse_error_event;
 use crate::metrics::GatewayStats;
+use crate::tokens::{Tokens, find_usage};
 use crate::worker::InflightGuard;
+
+/// How much of a body's end is kept to find its `usage` object.
+const USAGE_TAIL: usize = 4096;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -34,13 +38,31 @@ pub struct Completion {
     pub pending: Option<(Ticket, RequestCharges)>,
     pub permit: Option<Permit>,
     pub started: std::time::Instant,
+    /// When the attempt that produced this response was sent.
+    pub attempt_started: std::time::Instant,
+    /// How long after `attempt_started` the response headers came.
+    pub headers_after: Duration,
+    pub classifier: Classifier,
+    /// Where to count the response's tokens, and for which model.
+    pub tokens: Option<(Arc<Tokens>, String)>,
     pub stats: Arc<GatewayStats>,
     pub clock: Arc<dyn Clock>,
 }
 
 impl Completion {
-    fn finish(self, outcome: Outcome) {
+    /// `first_byte`: time to the first body chunk for streams (the first
+    /// token), the headers otherwise.
+    fn finish(self, outcome: Outcome, first_byte: Duration, tail: Option<&[u8]>) {
         let worker = self.guard.worker();
+        let outcome = if outcome == Outcome::Success {
+            worker.ttfb.observe(first_byte);
+            if let (Some((tokens, model)), Some(usage)) = (&self.tokens, tail.and_then(find_usage)) {
+                tokens.record(model, usage, self.clock.now());
+            }
+            self.classifier.with_latency(outcome, first_byte)
+        } else {
+            outcome
+        };
         if let Some((ticket, mut charges)) = self.pending {
             charges.record(&worker.breaker, ticket, outcome, &*self.clock);
         }
@@ -58,6 +80,8 @@ pub struct RelayBody {
     idle_timeout: Duration,
     sse: bool,
     done: bool,
+    first_chunk: Option<Duration>,
+    tail: Option<Vec<u8>>,
     completion: Option<Completion>,
 }
 
@@ -69,13 +93,33 @@ impl RelayBody {
             idle_timeout,
             sse,
             done: false,
+            first_chunk: None,
+            tail: completion.tokens.as_ref().map(|_| Vec::with_capacity(USAGE_TAIL)),
             completion: Some(completion),
         }
     }
 
     fn complete(&mut self, outcome: Outcome) {
         if let Some(c) = self.completion.take() {
-            c.finish(outcome);
+            let first_byte = match self.first_chunk {
+                Some(d) if self.sse => d,
+                _ => c.headers_after,
+            };
+            c.finish(outcome, first_byte, self.tail.as_deref());
+        }
+    }
+
+    fn observe_chunk(&mut self, data: &Bytes) {
+        if self.first_chunk.is_none() {
+            if let Some(c) = &self.completion {
+                self.first_chunk = Some(c.attempt_started.elapsed());
+            }
+        }
+        if let Some(tail) = &mut self.tail {
+            let keep = data.len().min(USAGE_TAIL);
+            let overflow = (tail.len() + keep).saturating_sub(USAGE_TAIL);
+            tail.drain(..overflow);
+            tail.extend_from_slice(&data[data.len() - keep..]);
         }
     }
 
@@ -112,6 +156,9 @@ impl Body for RelayBody {
         }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    this.observe_chunk(data);
+                }
                 if this.inner.is_end_stream() {
                     // A sized body is over with its last frame, and hyper
                     // will not poll again to see the end.

@@ -23,6 +23,7 @@ use crate::breaker::{
 };
 use crate::clock::Clock;
 use crate::health::{Health, HealthChange, HealthThresholds, HealthTracker};
+use crate::metrics::LatencyHistogram;
 use crate::selection::Ring;
 
 /// The per-worker `resilience` block of the gateway document. Every field is
@@ -40,6 +41,9 @@ pub struct Resilience {
     pub cb_success_threshold: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cb_timeout_secs: Option<u64>,
+    /// Overrides `--cb-slow-ttfb-ms` for this worker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cb_slow_ttfb_ms: Option<u64>,
 }
 
 /// A spec that cannot be applied; names the field and the value.
@@ -88,6 +92,7 @@ impl Resilience {
                 self.cb_success_threshold.map(u64::from),
             ),
             ("resilience.cb_timeout_secs", self.cb_timeout_secs),
+            ("resilience.cb_slow_ttfb_ms", self.cb_slow_ttfb_ms),
         ] {
             if value == Some(0) {
                 return Err(SpecError::new(field, "must be at least 1"));
@@ -110,6 +115,7 @@ impl Resilience {
             cb_failure_threshold: patch.cb_failure_threshold.or(self.cb_failure_threshold),
             cb_success_threshold: patch.cb_success_threshold.or(self.cb_success_threshold),
             cb_timeout_secs: patch.cb_timeout_secs.or(self.cb_timeout_secs),
+            cb_slow_ttfb_ms: patch.cb_slow_ttfb_ms.or(self.cb_slow_ttfb_ms),
         }
     }
 }
@@ -121,6 +127,8 @@ pub struct BreakerDefaults {
     /// `--disable-circuit-breaker`: the failure threshold is raised to its
     /// maximum unless a worker sets its own.
     pub disabled: bool,
+    /// `--cb-slow-ttfb-ms`.
+    pub slow_ttfb: Option<Duration>,
 }
 
 impl BreakerDefaults {
@@ -146,7 +154,8 @@ impl BreakerDefaults {
             r.retryable_status_codes
                 .as_deref()
                 .unwrap_or(DEFAULT_FAILURE_CODES),
-        );
+        )
+        .with_slow_ttfb(r.cb_slow_ttfb_ms.map(Duration::from_millis).or(self.slow_ttfb));
         (settings, classifier)
     }
 }
@@ -240,6 +249,8 @@ pub struct Worker {
     draining: AtomicBool,
     inflight: AtomicU32,
     selected: AtomicU64,
+    /// Time to first byte of the attempts that went through.
+    pub ttfb: LatencyHistogram,
     /// Background tasks (prober, breaker timer) that must stop with the worker.
     tasks: Mutex<Vec<tokio::task::AbortHandle>>,
 }
@@ -481,6 +492,7 @@ impl Registry {
                 draining: AtomicBool::new(false),
                 inflight: AtomicU32::new(0),
                 selected: AtomicU64::new(0),
+                ttfb: LatencyHistogram::default(),
                 tasks: Mutex::new(Vec::new()),
             }
         });

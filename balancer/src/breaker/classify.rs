@@ -108,6 +108,7 @@ pub const DEFAULT_FAILURE_CODES: &[u16] = &[408, 429, 500, 502, 503, 504];
 pub struct Classifier {
     capacity: StatusSet,
     failure: StatusSet,
+    slow_ttfb: Option<std::time::Duration>,
 }
 
 impl Default for Classifier {
@@ -121,6 +122,28 @@ impl Classifier {
         Self {
             capacity: StatusSet::from_codes(capacity),
             failure: StatusSet::from_codes(failure),
+            slow_ttfb: None,
+        }
+    }
+
+    /// Sets the latency budget of the first byte (`--cb-slow-ttfb-ms`).
+    pub fn with_slow_ttfb(self, slow_ttfb: Option<std::time::Duration>) -> Self {
+        Self { slow_ttfb, ..self }
+    }
+
+    pub fn slow_ttfb(&self) -> Option<std::time::Duration> {
+        self.slow_ttfb
+    }
+
+    /// A success whose first byte came after the budget is a `slow` failure:
+    /// a worker that answers 200 in 45 s is failing its callers all the same.
+    #[inline]
+    pub fn with_latency(&self, outcome: Outcome, first_byte: std::time::Duration) -> Outcome {
+        match (outcome, self.slow_ttfb) {
+            (Outcome::Success, Some(budget)) if first_byte > budget => {
+                Outcome::Failure(FailureReason::Slow)
+            }
+            _ => outcome,
         }
     }
 

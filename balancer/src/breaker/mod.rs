@@ -1,6 +1,7 @@
 //! The per-worker circuit breaker: a pure state machine.
 //!
-//! Owns the closed / open / half-open states, their counters and the rules of
+//! Owns the closed / open / half-open states (plus the optional degraded
+//! state of the LLM-aware options), their counters and the rules of
 //! the gateway document (per-request failure counting, half-open trials,
 //! readmission on promotion). It takes time from an injected [`Clock`], does no
 //! I/O, and knows nothing about HTTP beyond the [`Outcome`] it is handed: the
@@ -38,10 +39,19 @@ pub enum State {
     Closed = 0,
     Open = 1,
     HalfOpen = 2,
+    /// After a successful trial, with `--cb-degraded-traffic-pct`: takes a
+    /// share of its traffic until `--cb-degraded-duration-secs` pass without
+    /// a failure. Gauge value 3.
+    Degraded = 3,
 }
 
 impl State {
-    pub const ALL: [State; 3] = [State::Closed, State::Open, State::HalfOpen];
+    pub const ALL: [State; 4] = [
+        State::Closed,
+        State::Open,
+        State::HalfOpen,
+        State::Degraded,
+    ];
     const COUNT: usize = Self::ALL.len();
 
     pub fn as_str(self) -> &'static str {
@@ -49,6 +59,7 @@ impl State {
             State::Closed => "closed",
             State::Open => "open",
             State::HalfOpen => "half_open",
+            State::Degraded => "degraded",
         }
     }
 
@@ -61,7 +72,8 @@ impl State {
         match bits & STATE_MASK {
             0 => State::Closed,
             1 => State::Open,
-            _ => State::HalfOpen,
+            2 => State::HalfOpen,
+            _ => State::Degraded,
         }
     }
 }
@@ -85,6 +97,10 @@ pub enum TransitionReason {
     TrialSucceeded,
     /// Half-open → open: a trial request failed.
     TrialFailed,
+    /// Degraded → closed: the degraded period passed without a failure.
+    DegradedElapsed,
+    /// Degraded → open: a request failed while degraded.
+    DegradedFailure,
 }
 
 impl TransitionReason {
@@ -95,6 +111,8 @@ impl TransitionReason {
             TransitionReason::Promotion => "promotion",
             TransitionReason::TrialSucceeded => "trial_succeeded",
             TransitionReason::TrialFailed => "trial_failed",
+            TransitionReason::DegradedElapsed => "degraded_elapsed",
+            TransitionReason::DegradedFailure => "degraded_failure",
         }
     }
 }
@@ -126,6 +144,16 @@ pub struct WindowSettings {
     pub min_calls: u32,
 }
 
+/// The degraded state between a successful trial and closing (an option
+/// beyond the document, off by default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DegradedSettings {
+    /// Share of the traffic it would otherwise get, in percent (1..=100).
+    pub traffic_pct: u32,
+    /// How long it must go without a failure to close.
+    pub duration: Duration,
+}
+
 /// The tunables of one breaker, after flags and per-worker overrides are merged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Settings {
@@ -140,6 +168,11 @@ pub struct Settings {
     pub half_open_max_inflight: u32,
     /// `None`: consecutive failures (the document). `Some`: failures within a window.
     pub window: Option<WindowSettings>,
+    /// `None`: a successful trial closes the circuit (the document).
+    pub degraded: Option<DegradedSettings>,
+    /// Half-open admits at most one request per interval, so the trial is
+    /// spread in time; zero means no spacing (the document).
+    pub half_open_probe_interval: Duration,
 }
 
 impl Default for Settings {
@@ -151,6 +184,8 @@ impl Default for Settings {
             open_timeout: Duration::from_secs(60),
             half_open_max_inflight: 0,
             window: None,
+            degraded: None,
+            half_open_probe_interval: Duration::ZERO,
         }
     }
 }
@@ -180,6 +215,9 @@ pub struct Snapshot {
     pub half_open_inflight: u32,
     /// When the circuit leaves the open state by timeout, if it is open.
     pub open_until: Option<Nanos>,
+    /// Whether the degraded state is configured (its transitions are then
+    /// published).
+    pub degraded_enabled: bool,
 }
 
 impl Snapshot {
@@ -216,12 +254,22 @@ pub struct Breaker {
     consecutive_failures: AtomicU32,
     consecutive_successes: AtomicU32,
     opened_at: AtomicU64,
+    /// When the current degraded period started.
+    degraded_since: AtomicU64,
+    /// The earliest moment the next spaced half-open probe may go.
+    next_probe_at: AtomicU64,
+    /// Checks made while degraded; every check whose index crosses a
+    /// multiple of 100/pct passes, which gives exactly pct% of them.
+    degraded_checks: AtomicU64,
 
     failure_threshold: AtomicU32,
     success_threshold: AtomicU32,
     open_timeout: AtomicU64,
     half_open_max_inflight: AtomicU32,
     windowed: AtomicBool,
+    degraded_pct: AtomicU32,
+    degraded_duration: AtomicU64,
+    probe_interval: AtomicU64,
 
     successes: AtomicU64,
     failures: [AtomicU64; 5],
@@ -257,11 +305,17 @@ impl Breaker {
             consecutive_failures: AtomicU32::new(0),
             consecutive_successes: AtomicU32::new(0),
             opened_at: AtomicU64::new(0),
+            degraded_since: AtomicU64::new(0),
+            next_probe_at: AtomicU64::new(0),
+            degraded_checks: AtomicU64::new(0),
             failure_threshold: AtomicU32::new(0),
             success_threshold: AtomicU32::new(0),
             open_timeout: AtomicU64::new(0),
             half_open_max_inflight: AtomicU32::new(0),
             windowed: AtomicBool::new(false),
+            degraded_pct: AtomicU32::new(0),
+            degraded_duration: AtomicU64::new(0),
+            probe_interval: AtomicU64::new(0),
             successes: AtomicU64::new(0),
             failures: Default::default(),
             transitions: Default::default(),
@@ -289,6 +343,13 @@ impl Breaker {
             .store(nanos(s.open_timeout), Ordering::Relaxed);
         self.half_open_max_inflight
             .store(s.half_open_max_inflight, Ordering::Relaxed);
+        let (pct, duration) = s
+            .degraded
+            .map_or((0, 0), |d| (d.traffic_pct.clamp(1, 100), nanos(d.duration)));
+        self.degraded_pct.store(pct, Ordering::Relaxed);
+        self.degraded_duration.store(duration, Ordering::Relaxed);
+        self.probe_interval
+            .store(nanos(s.half_open_probe_interval), Ordering::Relaxed);
         let same_window = window.as_ref().map(Window::settings) == s.window;
         if !same_window {
             *window = s.window.map(Window::new);
@@ -303,6 +364,16 @@ impl Breaker {
             open_timeout: Duration::from_nanos(self.open_timeout.load(Ordering::Relaxed)),
             half_open_max_inflight: self.half_open_max_inflight.load(Ordering::Relaxed),
             window: self.lock().as_ref().map(Window::settings),
+            degraded: match self.degraded_pct.load(Ordering::Relaxed) {
+                0 => None,
+                pct => Some(DegradedSettings {
+                    traffic_pct: pct,
+                    duration: Duration::from_nanos(self.degraded_duration.load(Ordering::Relaxed)),
+                }),
+            },
+            half_open_probe_interval: Duration::from_nanos(
+                self.probe_interval.load(Ordering::Relaxed),
+            ),
         }
     }
 
@@ -325,11 +396,16 @@ impl Breaker {
                 State::Closed => return true,
                 State::HalfOpen => {
                     let max = self.half_open_max_inflight.load(Ordering::Relaxed);
-                    return max == 0 || inflight_of(word) < max;
+                    return (max == 0 || inflight_of(word) < max) && self.probe_due(clock);
                 }
                 State::Open => {
                     if !self.try_leave_open(word, clock) {
                         return false;
+                    }
+                }
+                State::Degraded => {
+                    if !self.try_leave_degraded(word, clock) {
+                        return self.degraded_share();
                     }
                 }
             }
@@ -342,24 +418,22 @@ impl Breaker {
     pub fn admit(&self, clock: &dyn Clock) -> Option<Ticket> {
         loop {
             let word = self.word.load(Ordering::Acquire);
-            let epoch = epoch_of(word);
+            let ticket = Ticket {
+                epoch: epoch_of(word),
+                probe: false,
+            };
             match State::from_bits(word) {
-                State::Closed => {
-                    return Some(Ticket {
-                        epoch,
-                        probe: false,
-                    });
-                }
+                State::Closed => return Some(ticket),
                 State::HalfOpen => {
                     let max = self.half_open_max_inflight.load(Ordering::Relaxed);
-                    if max == 0 {
-                        return Some(Ticket {
-                            epoch,
-                            probe: false,
-                        });
-                    }
-                    if inflight_of(word) >= max {
+                    if max != 0 && inflight_of(word) >= max {
                         return None;
+                    }
+                    if !self.take_probe_slot(clock) {
+                        return None;
+                    }
+                    if max == 0 {
+                        return Some(ticket);
                     }
                     if self
                         .word
@@ -371,12 +445,22 @@ impl Breaker {
                         )
                         .is_ok()
                     {
-                        return Some(Ticket { epoch, probe: true });
+                        return Some(Ticket {
+                            probe: true,
+                            ..ticket
+                        });
                     }
                 }
                 State::Open => {
                     if !self.try_leave_open(word, clock) {
                         return None;
+                    }
+                }
+                // The traffic share was applied when selection checked
+                // `is_available`; applying it again here would square it.
+                State::Degraded => {
+                    if !self.try_leave_degraded(word, clock) {
+                        return Some(ticket);
                     }
                 }
             }
@@ -401,10 +485,11 @@ impl Breaker {
     /// requests to (an L4-only or idle one) does not stay isolated forever.
     pub fn poll(&self, clock: &dyn Clock) -> Option<Nanos> {
         let word = self.word.load(Ordering::Acquire);
-        if State::from_bits(word) != State::Open || self.try_leave_open(word, clock) {
-            return None;
+        match State::from_bits(word) {
+            State::Open if !self.try_leave_open(word, clock) => Some(self.open_until()),
+            State::Degraded if !self.try_leave_degraded(word, clock) => Some(self.degraded_until()),
+            _ => None,
         }
-        Some(self.open_until())
     }
 
     /// The worker was promoted back to Ready. An open circuit goes on trial at
@@ -428,7 +513,7 @@ impl Breaker {
                     self.consecutive_failures.store(0, Ordering::Release);
                 }
             }
-            State::HalfOpen => {}
+            State::HalfOpen | State::Degraded => {}
         }
     }
 
@@ -447,6 +532,7 @@ impl Breaker {
             health_readmissions: self.readmissions.load(Ordering::Relaxed),
             half_open_inflight: inflight_of(word),
             open_until: (state == State::Open).then(|| self.open_until()),
+            degraded_enabled: self.degraded_pct.load(Ordering::Relaxed) != 0,
         }
     }
 
@@ -459,6 +545,48 @@ impl Breaker {
         self.opened_at
             .load(Ordering::Acquire)
             .saturating_add(self.open_timeout.load(Ordering::Relaxed))
+    }
+
+    fn degraded_until(&self) -> Nanos {
+        self.degraded_since
+            .load(Ordering::Acquire)
+            .saturating_add(self.degraded_duration.load(Ordering::Relaxed))
+    }
+
+    /// Like [`Breaker::try_leave_open`], for the end of a degraded period.
+    fn try_leave_degraded(&self, word: u64, clock: &dyn Clock) -> bool {
+        let now = clock.now();
+        if now < self.degraded_until() {
+            return false;
+        }
+        self.transition(word, State::Closed, TransitionReason::DegradedElapsed, now);
+        true
+    }
+
+    fn degraded_share(&self) -> bool {
+        let pct = u64::from(self.degraded_pct.load(Ordering::Relaxed));
+        let n = self.degraded_checks.fetch_add(1, Ordering::Relaxed);
+        (n + 1) * pct / 100 > n * pct / 100
+    }
+
+    /// Whether a spaced half-open probe may go now (always, without spacing).
+    fn probe_due(&self, clock: &dyn Clock) -> bool {
+        self.probe_interval.load(Ordering::Relaxed) == 0
+            || clock.now() >= self.next_probe_at.load(Ordering::Acquire)
+    }
+
+    /// Claims the next spaced probe; exactly one caller wins each interval.
+    fn take_probe_slot(&self, clock: &dyn Clock) -> bool {
+        let interval = self.probe_interval.load(Ordering::Relaxed);
+        if interval == 0 {
+            return true;
+        }
+        let now = clock.now();
+        self.next_probe_at
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |next| {
+                (now >= next).then(|| now.saturating_add(interval))
+            })
+            .is_ok()
     }
 
     /// Returns true when the circuit left the open state (by this call or a
@@ -494,12 +622,12 @@ impl Breaker {
         match State::from_bits(word) {
             State::HalfOpen => {
                 if successes >= self.success_threshold.load(Ordering::Relaxed) {
-                    self.transition(
-                        word,
-                        State::Closed,
-                        TransitionReason::TrialSucceeded,
-                        clock.now(),
-                    );
+                    let to = if self.degraded_pct.load(Ordering::Relaxed) == 0 {
+                        State::Closed
+                    } else {
+                        State::Degraded
+                    };
+                    self.transition(word, to, TransitionReason::TrialSucceeded, clock.now());
                 }
             }
             State::Closed if self.windowed.load(Ordering::Relaxed) => {
@@ -508,7 +636,7 @@ impl Breaker {
                     w.record(now, false);
                 }
             }
-            State::Closed | State::Open => {}
+            State::Closed | State::Open | State::Degraded => {}
         }
     }
 
@@ -533,12 +661,10 @@ impl Breaker {
                 }
             }
             State::HalfOpen => {
-                self.transition(
-                    word,
-                    State::Open,
-                    TransitionReason::TrialFailed,
-                    clock.now(),
-                );
+                self.transition(word, State::Open, TransitionReason::TrialFailed, clock.now());
+            }
+            State::Degraded => {
+                self.transition(word, State::Open, TransitionReason::DegradedFailure, clock.now());
             }
             State::Open => {}
         }
@@ -565,12 +691,16 @@ impl Breaker {
         // Counter resets of the reference gateway: a new state starts its own
         // run, except that opening keeps the failure run that caused it.
         match to {
-            State::Closed | State::HalfOpen => {
+            State::Closed | State::HalfOpen | State::Degraded => {
                 self.consecutive_failures.store(0, Ordering::Release);
                 self.consecutive_successes.store(0, Ordering::Release);
                 if let Some(w) = window.as_mut() {
                     w.clear();
                 }
+                // A fresh trial may probe at once; a degraded period starts
+                // its own clock.
+                self.next_probe_at.store(now, Ordering::Release);
+                self.degraded_since.store(now, Ordering::Release);
             }
             State::Open => {
                 self.consecutive_successes.store(0, Ordering::Release);

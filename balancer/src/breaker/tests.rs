@@ -579,6 +579,103 @@ fn concurrent_outcomes_lose_no_counts() {
     assert_eq!(snap.successes + snap.failures_total(), 40_000);
 }
 
+fn degraded(pct: u32, secs: u64) -> Settings {
+    Settings {
+        degraded: Some(DegradedSettings {
+            traffic_pct: pct,
+            duration: Duration::from_secs(secs),
+        }),
+        ..settings(1, 2, 5)
+    }
+}
+
+fn to_degraded(b: &Breaker, clock: &ManualClock) {
+    fail(b, clock);
+    clock.advance(5 * SECOND);
+    assert!(b.is_available(clock));
+    succeed(b, clock);
+    succeed(b, clock);
+    assert_eq!(b.state(), State::Degraded);
+}
+
+#[test]
+fn degraded_follows_a_successful_trial_and_closes_after_its_period() {
+    let recorder = Arc::new(Recorder::default());
+    let clock = ManualClock::new();
+    let b = Breaker::new("w", degraded(25, 30), Some(recorder.clone()));
+    to_degraded(&b, &clock);
+    assert_eq!(State::Degraded.gauge(), 3);
+    clock.advance(29 * SECOND);
+    assert_eq!(b.poll(&clock), Some(nanos(35 * SECOND)), "degraded reports its end");
+    clock.advance(SECOND);
+    assert_eq!(b.poll(&clock), None);
+    assert_eq!(b.state(), State::Closed);
+    assert_eq!(
+        recorder.moves()[2..],
+        [
+            (State::HalfOpen, State::Degraded, TransitionReason::TrialSucceeded),
+            (State::Degraded, State::Closed, TransitionReason::DegradedElapsed),
+        ]
+    );
+    assert!(b.snapshot().degraded_enabled);
+}
+
+#[test]
+fn degraded_failure_reopens_the_circuit() {
+    let clock = ManualClock::new();
+    let b = Breaker::new("w", degraded(50, 30), None);
+    to_degraded(&b, &clock);
+    fail(&b, &clock);
+    assert_eq!(b.state(), State::Open);
+    assert_eq!(b.snapshot().transitions[State::Degraded as usize][State::Open as usize], 1);
+}
+
+#[test]
+fn degraded_admits_its_share_of_checks() {
+    for pct in [10, 25, 50, 90] {
+        let clock = ManualClock::new();
+        let b = Breaker::new("w", degraded(pct, 3600), None);
+        to_degraded(&b, &clock);
+        let admitted = (0..1000).filter(|_| b.is_available(&clock)).count();
+        assert_eq!(admitted, pct as usize * 10, "{pct}%");
+        // Admission itself does not apply the share a second time.
+        assert!((0..10).all(|_| b.admit(&clock).is_some()));
+    }
+}
+
+#[test]
+fn half_open_probe_interval_spreads_the_trial_in_time() {
+    let clock = ManualClock::new();
+    let s = Settings {
+        half_open_probe_interval: Duration::from_millis(500),
+        ..settings(1, 3, 5)
+    };
+    let b = Breaker::new("w", s, None);
+    fail(&b, &clock);
+    clock.advance(5 * SECOND);
+    assert!(b.admit(&clock).is_some(), "the first probe goes at once");
+    assert!(!b.is_available(&clock));
+    assert_eq!(b.admit(&clock), None);
+    clock.advance(Duration::from_millis(499));
+    assert_eq!(b.admit(&clock), None);
+    clock.advance(Duration::from_millis(1));
+    assert!(b.admit(&clock).is_some());
+    assert_eq!(b.admit(&clock), None);
+}
+
+#[test]
+fn slow_successes_are_failures_with_reason_slow() {
+    let c = Classifier::default().with_slow_ttfb(Some(Duration::from_millis(1000)));
+    assert_eq!(c.with_latency(Outcome::Success, Duration::from_millis(999)), Outcome::Success);
+    assert_eq!(
+        c.with_latency(Outcome::Success, Duration::from_millis(1001)),
+        Outcome::Failure(FailureReason::Slow)
+    );
+    assert_eq!(c.with_latency(Outcome::Ignored, SECOND * 9), Outcome::Ignored);
+    let off = Classifier::default();
+    assert_eq!(off.with_latency(Outcome::Success, SECOND * 60), Outcome::Success);
+}
+
 // ---- property test against a reference model ----
 
 #[derive(Debug, Clone)]
@@ -616,7 +713,7 @@ struct Model {
     failure_threshold: u32,
     success_threshold: u32,
     timeout_ms: u64,
-    transitions: [[u64; 3]; 3],
+    transitions: [[u64; 4]; 4],
     readmissions: u64,
     successes: u64,
     failures: u64,
@@ -626,7 +723,7 @@ impl Model {
     fn go(&mut self, to: State, now_ms: u64) {
         self.transitions[self.state as usize][to as usize] += 1;
         match to {
-            State::Closed | State::HalfOpen => (self.cf, self.cs) = (0, 0),
+            State::Closed | State::HalfOpen | State::Degraded => (self.cf, self.cs) = (0, 0),
             State::Open => (self.cs, self.opened_at) = (0, now_ms),
         }
         self.state = to;
@@ -666,7 +763,7 @@ impl Model {
                     self.go(State::HalfOpen, now_ms);
                 }
                 State::Closed => self.cf = 0,
-                State::HalfOpen => {}
+                State::HalfOpen | State::Degraded => {}
             },
             Op::Poll | Op::Check => self.check(now_ms),
             Op::Override(f, s, t) => {
@@ -690,7 +787,7 @@ proptest! {
         let mut m = Model {
             state: State::Closed, cf: 0, cs: 0, opened_at: 0,
             failure_threshold: 3, success_threshold: 2, timeout_ms: 2000,
-            transitions: [[0; 3]; 3], readmissions: 0, successes: 0, failures: 0,
+            transitions: [[0; 4]; 4], readmissions: 0, successes: 0, failures: 0,
         };
         let mut now_ms = 0;
         for op in &ops {

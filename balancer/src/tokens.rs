@@ -1,0 +1,217 @@
+//! Token accounting and per-model token budgets.
+//!
+//! Owns the tokens counted from the `usage` object of responses (the final
+//! chunk of a stream, when the worker sends one) and the rolling one-minute
+//! budgets of `--token-budget MODEL=TOKENS_PER_MINUTE`. The request path looks
+//! a model up without a lock; the only lock is per budgeted model, taken once
+//! per request to read or add to its minute.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use arc_swap::ArcSwap;
+
+use crate::clock::Nanos;
+
+const SLOTS: usize = 60;
+const SECOND: Nanos = 1_000_000_000;
+
+/// Tokens reported by one response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt: u64,
+    pub completion: u64,
+}
+
+impl Usage {
+    pub fn total(&self) -> u64 {
+        self.prompt + self.completion
+    }
+}
+
+/// Finds the last `usage` object in the tail of a response body (a JSON
+/// completion or an SSE stream) and reads its two counts. Tolerant by design:
+/// a body without usage yields `None` and is simply not counted.
+pub fn find_usage(tail: &[u8]) -> Option<Usage> {
+    let text = std::str::from_utf8(tail)
+        .ok()
+        .or_else(|| std::str::from_utf8(&tail[tail.len().saturating_sub(1024)..]).ok())?;
+    let at = text.rfind("\"usage\"")?;
+    let object = &text[at..];
+    let number = |key: &str| -> Option<u64> {
+        let start = object.find(key)? + key.len();
+        let rest = object[start..].trim_start().strip_prefix(':')?.trim_start();
+        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        digits.parse().ok()
+    };
+    Some(Usage {
+        prompt: number("\"prompt_tokens\"").unwrap_or(0),
+        completion: number("\"completion_tokens\"")?,
+    })
+}
+
+/// A rolling one-minute budget: 60 one-second slots.
+#[derive(Debug)]
+struct Budget {
+    limit: u64,
+    slots: Mutex<[(u64, u64); SLOTS]>,
+}
+
+impl Budget {
+    fn used(slots: &[(u64, u64); SLOTS], second: u64) -> u64 {
+        slots
+            .iter()
+            .filter(|(s, _)| *s + SLOTS as u64 > second && *s <= second)
+            .map(|(_, t)| t)
+            .sum()
+    }
+
+    /// `Some(seconds until enough tokens leave the window)` when spent.
+    fn exceeded(&self, now: Nanos) -> Option<u64> {
+        let second = now / SECOND + 1;
+        let slots = self.slots.lock().unwrap();
+        let mut used = Self::used(&slots, second);
+        if used < self.limit {
+            return None;
+        }
+        let mut live: Vec<_> = slots
+            .iter()
+            .filter(|(s, t)| *t > 0 && *s + SLOTS as u64 > second && *s <= second)
+            .copied()
+            .collect();
+        live.sort_unstable();
+        for (s, t) in live {
+            used -= t;
+            if used < self.limit {
+                return Some(s + SLOTS as u64 - second);
+            }
+        }
+        Some(SLOTS as u64)
+    }
+
+    fn add(&self, now: Nanos, tokens: u64) {
+        // Second numbers start at 1 so that an empty slot (0) is never live.
+        let second = now / SECOND + 1;
+        let mut slots = self.slots.lock().unwrap();
+        let slot = &mut slots[(second % SLOTS as u64) as usize];
+        if slot.0 != second {
+            *slot = (second, 0);
+        }
+        slot.1 += tokens;
+    }
+}
+
+/// One model's counters.
+#[derive(Debug, Default)]
+pub struct ModelTokens {
+    pub prompt: AtomicU64,
+    pub completion: AtomicU64,
+    pub budget_exceeded: AtomicU64,
+    budget: Option<Budget>,
+}
+
+impl ModelTokens {
+    pub fn budget_limit(&self) -> Option<u64> {
+        self.budget.as_ref().map(|b| b.limit)
+    }
+}
+
+/// Token counts for every model seen, and the budgets of some.
+#[derive(Debug, Default)]
+pub struct Tokens {
+    models: ArcSwap<HashMap<String, Arc<ModelTokens>>>,
+    insert: Mutex<()>,
+}
+
+impl Tokens {
+    pub fn new(budgets: &[(String, u64)]) -> Self {
+        let models = budgets
+            .iter()
+            .map(|(m, limit)| {
+                let tokens = ModelTokens {
+                    budget: Some(Budget {
+                        limit: *limit,
+                        slots: Mutex::new([(0, 0); SLOTS]),
+                    }),
+                    ..ModelTokens::default()
+                };
+                (m.clone(), Arc::new(tokens))
+            })
+            .collect();
+        Self {
+            models: ArcSwap::from_pointee(models),
+            insert: Mutex::new(()),
+        }
+    }
+
+    fn entry(&self, model: &str) -> Arc<ModelTokens> {
+        if let Some(t) = self.models.load().get(model) {
+            return t.clone();
+        }
+        let _guard = self.insert.lock().unwrap();
+        let current = self.models.load_full();
+        if let Some(t) = current.get(model) {
+            return t.clone();
+        }
+        let mut next = (*current).clone();
+        let t = Arc::new(ModelTokens::default());
+        next.insert(model.to_owned(), t.clone());
+        self.models.store(Arc::new(next));
+        t
+    }
+
+    /// Seconds to wait when `model`'s budget is spent for this minute.
+    pub fn budget_exceeded(&self, model: &str, now: Nanos) -> Option<u64> {
+        let models = self.models.load();
+        let t = models.get(model)?;
+        let wait = t.budget.as_ref()?.exceeded(now)?;
+        t.budget_exceeded.fetch_add(1, Ordering::Relaxed);
+        Some(wait.max(1))
+    }
+
+    pub fn record(&self, model: &str, usage: Usage, now: Nanos) {
+        let t = self.entry(model);
+        t.prompt.fetch_add(usage.prompt, Ordering::Relaxed);
+        t.completion.fetch_add(usage.completion, Ordering::Relaxed);
+        if let Some(b) = &t.budget {
+            b.add(now, usage.total());
+        }
+    }
+
+    pub fn snapshot(&self) -> Arc<HashMap<String, Arc<ModelTokens>>> {
+        self.models.load_full()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_is_read_from_the_final_sse_chunk() {
+        let tail = br#"data: {"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":7,"total_tokens":19}}
+
+data: [DONE]
+
+"#;
+        assert_eq!(find_usage(tail), Some(Usage { prompt: 12, completion: 7 }));
+        assert_eq!(find_usage(b"data: [DONE]\n\n"), None);
+    }
+
+    #[test]
+    fn budget_is_enforced_over_a_rolling_minute() {
+        let t = Tokens::new(&[("m".to_owned(), 100)]);
+        let at = |s: u64| s * SECOND;
+        assert_eq!(t.budget_exceeded("m", at(0)), None);
+        t.record("m", Usage { prompt: 30, completion: 30 }, at(0));
+        assert_eq!(t.budget_exceeded("m", at(10)), None);
+        t.record("m", Usage { prompt: 20, completion: 20 }, at(10));
+        // 100 spent: the first 60 leave the window at second 60.
+        assert_eq!(t.budget_exceeded("m", at(20)), Some(40));
+        assert_eq!(t.budget_exceeded("m", at(59)), Some(1));
+        assert_eq!(t.budget_exceeded("m", at(60)), None);
+        assert_eq!(t.budget_exceeded("other", at(60)), None, "no budget, no limit");
+        assert_eq!(t.snapshot()["m"].budget_exceeded.load(Ordering::Relaxed), 2);
+    }
+}
