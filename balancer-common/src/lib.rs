@@ -3,3 +3,79 @@
 //! Everything here is `#[repr(C)]` with explicit-width fields and no implicit
 //! padding, because both sides read the same bytes out of eBPF maps.
 #![no_std]
+
+/// Name of the XDP program inside the eBPF object (the `#[xdp]` function).
+pub const PROGRAM_NAME: &str = "balancer";
+
+/// Name of the per-CPU `u64` array that counts packets per [`Verdict`].
+pub const VERDICTS_MAP: &str = "VERDICTS";
+
+/// Why the XDP program let a packet go the way it did.
+///
+/// The discriminant is the packet's index in the `VERDICTS` map, so values
+/// are append-only: renumbering would make an agent misread counters of an
+/// object built from a different revision. The L4 steering work adds its
+/// outcomes (steered to a backend, no backend, ...) after the current ones.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Verdict {
+    /// Not an IPv4 frame (ARP, IPv6, VLAN-tagged, ...): the kernel's business.
+    PassNotIpv4 = 0,
+    /// A header the program needs runs past the end of the frame.
+    PassTruncated = 1,
+    /// An IPv4 header that cannot be right (bad version, IHL below 5).
+    PassMalformed = 2,
+    /// An IPv4 fragment: only the first one carries ports, so steering by
+    /// five-tuple is impossible and the kernel reassembles.
+    PassFragment = 3,
+    /// IPv4 but not TCP.
+    PassNotTcp = 4,
+    /// A TCP SYN without ACK: the first packet of a new connection, where the
+    /// steering decision will be made.
+    TcpSyn = 5,
+    /// Any other TCP segment, which will follow its connection's decision.
+    TcpOther = 6,
+}
+
+impl Verdict {
+    /// Number of verdicts, which is also the size of the `VERDICTS` map.
+    pub const COUNT: usize = 7;
+
+    /// Every verdict, in index order.
+    pub const ALL: [Self; Self::COUNT] = [
+        Self::PassNotIpv4,
+        Self::PassTruncated,
+        Self::PassMalformed,
+        Self::PassFragment,
+        Self::PassNotTcp,
+        Self::TcpSyn,
+        Self::TcpOther,
+    ];
+
+    /// The verdict's slot in the `VERDICTS` map.
+    pub const fn index(self) -> u32 {
+        self as u32
+    }
+
+    /// A stable snake_case name, used for metric labels and log lines.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::PassNotIpv4 => "pass_not_ipv4",
+            Self::PassTruncated => "pass_truncated",
+            Self::PassMalformed => "pass_malformed",
+            Self::PassFragment => "pass_fragment",
+            Self::PassNotTcp => "pass_not_tcp",
+            Self::TcpSyn => "tcp_syn",
+            Self::TcpOther => "tcp_other",
+        }
+    }
+}
+
+// `ALL` is written out by hand; make sure it stays in index order and complete.
+const _: () = {
+    let mut i = 0;
+    while i < Verdict::COUNT {
+        assert!(Verdict::ALL[i].index() as usize == i);
+        i += 1;
+    }
+};

@@ -1,1 +1,192 @@
-fn main() {}
+//! Developer entry points for the balancer workspace (`cargo xtask ...`).
+
+mod bench;
+mod ebpf;
+mod setup;
+mod shell;
+
+use std::ffi::OsString;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+
+use crate::shell::run;
+
+#[derive(Parser)]
+#[command(
+    name = "cargo xtask",
+    about = "Developer entry points for the balancer workspace"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Check and install what building and testing need: the nightly
+    /// toolchain with rust-src, bpf-linker, and (as root) Debian packages.
+    /// Idempotent.
+    Setup,
+    /// Build the XDP program into
+    /// target/bpfel-unknown-none/release/balancer-ebpf.
+    BuildEbpf {
+        /// Release is the only profile built: unoptimised eBPF code fails
+        /// the kernel verifier. The flag is accepted so the command reads
+        /// like cargo's.
+        #[arg(long)]
+        release: bool,
+    },
+    /// Build everything and start the gateway (`balancer launch`) with
+    /// three demo workers, unless --worker-urls is given.
+    Run {
+        /// Arguments for `balancer launch`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<OsString>,
+    },
+    /// Benchmarks on loopback (release builds).
+    Bench {
+        #[command(subcommand)]
+        which: bench::Which,
+    },
+    /// What CI runs: setup, formatting, eBPF build, clippy, all tests.
+    Test {
+        /// Parallel test threads; the tests wait on I/O far more than they
+        /// compute, but timing-sensitive ones suffer on a crowded CPU.
+        #[arg(long, default_value_t = 4)]
+        test_threads: usize,
+    },
+}
+
+fn main() -> ExitCode {
+    match dispatch(Cli::parse().command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("\nxtask: FAILED: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn dispatch(task: Task) -> Result<()> {
+    match task {
+        Task::Setup => setup::run(setup::Scope::Everything),
+        Task::BuildEbpf { release: _ } => ebpf::build().map(|_| ()),
+        Task::Run { args } => run_gateway(args),
+        Task::Bench { which } => bench::bench(which),
+        Task::Test { test_threads } => test(test_threads),
+    }
+}
+
+/// The workspace root (xtask lives one level below it).
+pub fn workspace_root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives inside the workspace")
+}
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(|dir| workspace_root().join(dir))
+        .unwrap_or_else(|| workspace_root().join("target"))
+}
+
+fn run_gateway(args: Vec<OsString>) -> Result<()> {
+    // The gateway works without the XDP program (L7 only), so toolchain or
+    // eBPF build trouble is reported but does not stop it.
+    let object = match setup::run(setup::Scope::Toolchain).and_then(|()| ebpf::build()) {
+        Ok(object) => Some(object),
+        Err(error) => {
+            eprintln!("xtask: WARNING: no eBPF object ({error:#}); continuing in L7-only mode");
+            None
+        }
+    };
+
+    run(Command::new("cargo")
+        .args(["build", "--package", "balancer", "--bin", "balancer"])
+        .current_dir(workspace_root()))?;
+
+    let binary = target_dir().join("debug/balancer");
+    let mut launch = Command::new(&binary);
+    launch.arg("launch");
+    if !args.iter().any(|arg| is_flag(arg, "--worker-urls")) {
+        launch.args(["--demo-workers", "3"]);
+    }
+    launch.args(&args);
+    let mut shown = shell::display(&launch);
+    if let Some(object) = object {
+        shown = format!("BALANCER_EBPF_OBJECT={} {shown}", object.display());
+        launch.env("BALANCER_EBPF_OBJECT", object);
+    }
+    eprintln!("$ {shown}");
+    // exec, so signals (Ctrl-C) and the exit status are the gateway's own.
+    let error = launch.exec();
+    Err(error).with_context(|| format!("starting {}", binary.display()))
+}
+
+/// `arg` is `flag` or `flag=value`.
+fn is_flag(arg: &OsString, flag: &str) -> bool {
+    arg.to_str().is_some_and(|arg| {
+        arg == flag
+            || arg
+                .strip_prefix(flag)
+                .is_some_and(|rest| rest.starts_with('='))
+    })
+}
+
+fn test(test_threads: usize) -> Result<()> {
+    let steps: [(&str, &dyn Fn() -> Result<()>); 6] = [
+        ("setup", &|| setup::run(setup::Scope::Everything)),
+        ("cargo fmt --check", &|| {
+            run(Command::new("cargo")
+                .args(["fmt", "--all", "--", "--check"])
+                .current_dir(workspace_root()))
+        }),
+        ("build-ebpf", &|| ebpf::build().map(|_| ())),
+        ("clippy (eBPF, nightly)", &ebpf::clippy),
+        ("clippy (workspace)", &|| {
+            run(Command::new("cargo")
+                .args([
+                    "clippy",
+                    "--workspace",
+                    "--all-targets",
+                    "--",
+                    "-D",
+                    "warnings",
+                ])
+                .current_dir(workspace_root()))
+        }),
+        ("cargo test --workspace", &|| {
+            run(Command::new("cargo")
+                .args(["test", "--workspace", "--", "--test-threads"])
+                .arg(test_threads.to_string())
+                .env("BALANCER_EBPF_OBJECT", ebpf::object_path())
+                .current_dir(workspace_root()))
+        }),
+    ];
+    let total = steps.len();
+    for (number, (name, step)) in steps.iter().enumerate() {
+        println!("\n==> [{}/{total}] {name}", number + 1);
+        if let Err(error) = step() {
+            bail!("step [{}/{total}] {name}: {error:#}", number + 1);
+        }
+    }
+    println!("\n==> all {total} steps passed");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_urls_flag_is_recognised_in_both_spellings() {
+        assert!(is_flag(&"--worker-urls".into(), "--worker-urls"));
+        assert!(is_flag(&"--worker-urls=http://a:1".into(), "--worker-urls"));
+        assert!(!is_flag(&"--worker-urls-file".into(), "--worker-urls"));
+        assert!(!is_flag(&"--port".into(), "--worker-urls"));
+    }
+}

@@ -1,0 +1,752 @@
+//! `cargo xtask bench ...`: load measured on loopback.
+//!
+//! `bench l7` drives wrk at four targets in front of the same two demo
+//! workers: one worker directly (the ceiling), this gateway, nginx as a plain
+//! reverse proxy (what any L7 proxy is compared with) and the reference
+//! gateway `smg` from PyPI. nginx and smg are optional: when one cannot be
+//! installed or started, a loud line says so and its row is left out.
+//!
+//! Fairness: the machine has 2 cores and nothing is pinned, so wrk (one
+//! thread), the target and the two workers share both cores, for every
+//! target alike. Each proxy may use both cores (tokio's one thread per core,
+//! nginx `worker_processes 2`, smg's defaults). Every target gets the same
+//! wrk settings and a warm-up, and rounds alternate the targets (each round
+//! starting one further) so that noise from other work on the machine is
+//! spread over all of them; the table shows medians over the rounds.
+//!
+//! Every child is stopped by its PID when the bench ends, however it ends
+//! (see [`Lab`]); Ctrl-C reaches them directly, as they share the terminal's
+//! process group.
+
+use std::fs::{self, File};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use clap::{Args, Subcommand};
+
+use crate::shell::{display, run};
+use crate::{target_dir, workspace_root};
+
+#[derive(Subcommand)]
+pub enum Which {
+    /// HTTP requests per second and latency of a demo worker alone and
+    /// behind this gateway, nginx and the reference gateway (smg).
+    L7(L7),
+}
+
+#[derive(Args)]
+pub struct L7 {
+    /// Measured rounds; each runs every target once.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=20))]
+    rounds: u64,
+    /// Seconds of load per target and round.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=60))]
+    duration_secs: u64,
+    /// Connections wrk keeps busy.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    connections: u64,
+}
+
+pub fn bench(which: Which) -> Result<()> {
+    match which {
+        Which::L7(args) => l7(&args),
+    }
+}
+
+const PATH: &str = "/v1/chat/completions";
+const BODY: &str = r#"{"model":"demo-model","messages":[{"role":"user","content":"hi"}]}"#;
+/// One of the two cores' worth of load generator; the servers get the rest.
+const WRK_THREADS: u64 = 1;
+/// Fills connection pools and caches before anything is counted.
+const WARMUP_SECS: u64 = 1;
+const READY_WITHIN: Duration = Duration::from_secs(30);
+const INSTALL_WITHIN: Duration = Duration::from_secs(240);
+/// How long a child gets to exit on SIGTERM before it is killed.
+const STOP_GRACE: Duration = Duration::from_secs(3);
+/// The row the ratios are relative to.
+const GATEWAY: &str = "balancer";
+
+fn l7(args: &L7) -> Result<()> {
+    let started = Instant::now();
+    let wrk_binary = ensure_tool("wrk", "wrk")?;
+    let nginx = ensure_tool("nginx", "nginx-light")
+        .map_err(|error| unavailable("nginx", &error))
+        .ok();
+    run(Command::new("cargo")
+        .args([
+            "build",
+            "--release",
+            "--package",
+            "balancer",
+            "--bin",
+            "balancer",
+        ])
+        .current_dir(workspace_root()))?;
+    let balancer = target_dir().join("release/balancer");
+    let smg = smg_launcher()
+        .map_err(|error| unavailable("smg", &error))
+        .ok();
+
+    let mut lab = Lab::new()?;
+    let wrk = Wrk::new(wrk_binary, &lab.dir, args.connections)?;
+
+    let workers = [free_addr()?, free_addr()?];
+    for (number, addr) in workers.iter().enumerate() {
+        let name = format!("worker{}", number + 1);
+        lab.start(
+            &name,
+            Command::new(&balancer)
+                .args(["mock-worker", "--model", "demo-model", "--listen"])
+                .arg(addr.to_string()),
+        )?;
+        lab.await_ready(&name, *addr)?;
+    }
+    let urls = workers.map(|addr| format!("http://{addr}"));
+    let mut targets = vec![Target::new("worker (direct)", workers[0])];
+
+    let gateway = free_addr()?;
+    lab.start(
+        GATEWAY,
+        Command::new(&balancer)
+            .arg("launch")
+            .args(["--host", "127.0.0.1", "--port"])
+            .arg(gateway.port().to_string())
+            .arg("--prometheus-port")
+            .arg(free_addr()?.port().to_string())
+            .arg("--admin-port")
+            .arg(free_addr()?.port().to_string())
+            .args([
+                "--policy",
+                "round_robin",
+                "--log-level",
+                "warn",
+                "--worker-urls",
+            ])
+            .args(&urls),
+    )?;
+    lab.await_ready(GATEWAY, gateway)?;
+    targets.push(Target::new(GATEWAY, gateway));
+
+    if let Some(nginx) = nginx {
+        let addr = free_addr()?;
+        let conf = lab.dir.join("nginx.conf");
+        fs::write(&conf, nginx_conf(&lab.dir, addr, &workers))?;
+        lab.start(
+            "nginx",
+            Command::new(nginx)
+                .arg("-p")
+                .arg(&lab.dir)
+                .arg("-e")
+                .arg(lab.dir.join("nginx-error.log"))
+                .arg("-c")
+                .arg(&conf)
+                .args(["-g", "daemon off;"]),
+        )?;
+        optional(&mut lab, &mut targets, "nginx", addr);
+    }
+
+    if let Some(smg) = smg {
+        let addr = free_addr()?;
+        lab.start(
+            "smg",
+            Command::new(smg)
+                .args(["launch", "--host", "127.0.0.1", "--port"])
+                .arg(addr.port().to_string())
+                .args(["--prometheus-host", "127.0.0.1", "--prometheus-port"])
+                .arg(free_addr()?.port().to_string())
+                .args([
+                    "--policy",
+                    "round_robin",
+                    "--log-level",
+                    "warn",
+                    "--worker-urls",
+                ])
+                .args(&urls),
+        )?;
+        optional(&mut lab, &mut targets, "smg", addr);
+    }
+
+    let cores = std::thread::available_parallelism().map_or(0, usize::from);
+    let load = fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let load = load.split_whitespace().next().unwrap_or("?");
+    eprintln!(
+        "\nbench l7: POST {PATH} ({} byte JSON body); per target and round: \
+         wrk -t{WRK_THREADS} -c{} -d{}s --latency; {} rounds after a {WARMUP_SECS}s warm-up",
+        BODY.len(),
+        args.connections,
+        args.duration_secs,
+        args.rounds,
+    );
+    eprintln!(
+        "CPU: {cores} cores shared, unpinned, by wrk, the target and both demo workers; \
+         1-minute load average before the first round: {load} (other work skews results)\n"
+    );
+
+    for target in &targets {
+        wrk.run(target.addr, WARMUP_SECS)
+            .with_context(|| format!("warming up {}", target.name))?;
+    }
+    let count = targets.len();
+    for round in 0..args.rounds {
+        for offset in 0..count {
+            let target = &mut targets[(round as usize + offset) % count];
+            let sample = wrk
+                .run(target.addr, args.duration_secs)
+                .with_context(|| format!("measuring {}", target.name))?;
+            eprintln!(
+                "round {}/{}: {:<16} {:>9.0} req/s  p50 {:>8}  p99 {:>8}  errors {}",
+                round + 1,
+                args.rounds,
+                target.name,
+                sample.rps,
+                show(sample.p50),
+                show(sample.p99),
+                sample.errors,
+            );
+            target.samples.push(sample);
+        }
+    }
+
+    println!("\n{}", table(&targets));
+    eprintln!("bench l7 took {:.0}s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// Adds a target that may fail to start, saying loudly when it does.
+fn optional(lab: &mut Lab, targets: &mut Vec<Target>, name: &'static str, addr: SocketAddr) {
+    match lab.await_ready(name, addr) {
+        Ok(()) => targets.push(Target::new(name, addr)),
+        Err(error) => {
+            unavailable(name, &error);
+            // A half-started server would take CPU from the others.
+            lab.stop(name);
+        }
+    }
+}
+
+fn unavailable(name: &str, error: &anyhow::Error) {
+    eprintln!("\n*** bench: {name} UNAVAILABLE, its row is left out: {error:#} ***\n");
+}
+
+struct Target {
+    name: &'static str,
+    addr: SocketAddr,
+    samples: Vec<Sample>,
+}
+
+impl Target {
+    fn new(name: &'static str, addr: SocketAddr) -> Self {
+        Self {
+            name,
+            addr,
+            samples: Vec::new(),
+        }
+    }
+
+    fn median(&self, field: impl Fn(&Sample) -> f64) -> f64 {
+        median(self.samples.iter().map(field).collect())
+    }
+}
+
+/// What one wrk run measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Sample {
+    rps: f64,
+    p50: Duration,
+    p99: Duration,
+    /// Non-2xx answers and socket errors: a fast wrong answer is no result.
+    errors: u64,
+}
+
+fn table(targets: &[Target]) -> String {
+    let gateway = targets.iter().find(|t| t.name == GATEWAY);
+    let reference = gateway.map(|g| (g.median(|s| s.rps), g.median(|s| s.p99.as_secs_f64())));
+    let mut out = format!(
+        "{:<16} {:>10} {:>9} {:>9} {:>12} {:>12} {:>7}  {}\n",
+        "target", "req/s", "p50", "p99", "req/s ratio", "p99 ratio", "errors", "req/s per round"
+    );
+    for target in targets {
+        let rps = target.median(|s| s.rps);
+        let p50 = target.median(|s| s.p50.as_secs_f64());
+        let p99 = target.median(|s| s.p99.as_secs_f64());
+        let (rps_ratio, p99_ratio) =
+            reference.map_or((f64::NAN, f64::NAN), |(r, l)| (rps / r, p99 / l));
+        let rounds: Vec<String> = target
+            .samples
+            .iter()
+            .map(|s| format!("{:.0}", s.rps))
+            .collect();
+        out.push_str(&format!(
+            "{:<16} {:>10.0} {:>9} {:>9} {:>11.2}x {:>11.2}x {:>7}  {}\n",
+            target.name,
+            rps,
+            show(Duration::from_secs_f64(p50)),
+            show(Duration::from_secs_f64(p99)),
+            rps_ratio,
+            p99_ratio,
+            target.samples.iter().map(|s| s.errors).sum::<u64>(),
+            rounds.join(" "),
+        ));
+    }
+    out.push_str(&format!(
+        "(medians over the rounds; ratios are relative to {GATEWAY}: req/s above 1 is faster, \
+         p99 above 1 is slower)"
+    ));
+    out
+}
+
+/// The middle value; the mean of the two middle ones for an even count.
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let middle = values.len() / 2;
+    match values.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => values[middle],
+        _ => (values[middle - 1] + values[middle]) / 2.0,
+    }
+}
+
+fn show(latency: Duration) -> String {
+    let micros = latency.as_secs_f64() * 1e6;
+    if micros < 1000.0 {
+        format!("{micros:.0}us")
+    } else {
+        format!("{:.2}ms", micros / 1000.0)
+    }
+}
+
+/// The load generator, set up the same for every target.
+struct Wrk {
+    binary: PathBuf,
+    script: PathBuf,
+    report: PathBuf,
+    connections: u64,
+}
+
+impl Wrk {
+    fn new(binary: PathBuf, dir: &Path, connections: u64) -> Result<Self> {
+        let script = dir.join("chat.lua");
+        fs::write(
+            &script,
+            format!(
+                "wrk.method = \"POST\"\n\
+                 wrk.headers[\"Content-Type\"] = \"application/json\"\n\
+                 wrk.body = '{BODY}'\n"
+            ),
+        )?;
+        Ok(Self {
+            binary,
+            script,
+            report: dir.join("wrk.out"),
+            connections,
+        })
+    }
+
+    fn run(&self, addr: SocketAddr, secs: u64) -> Result<Sample> {
+        let mut command = Command::new(&self.binary);
+        command
+            .arg(format!("-t{WRK_THREADS}"))
+            .arg(format!("-c{}", self.connections))
+            .arg(format!("-d{secs}s"))
+            .args(["--latency", "--timeout", "5s", "-s"])
+            .arg(&self.script)
+            .arg(format!("http://{addr}{PATH}"))
+            .stdout(File::create(&self.report)?);
+        bounded(&mut command, Duration::from_secs(secs + 15))?;
+        let text = fs::read_to_string(&self.report)?;
+        parse_wrk(&text).with_context(|| format!("reading wrk's report:\n{text}"))
+    }
+}
+
+fn parse_wrk(report: &str) -> Result<Sample> {
+    let (mut rps, mut p50, mut p99, mut errors) = (None, None, None, 0);
+    for line in report.lines() {
+        match line.split_whitespace().collect::<Vec<_>>().as_slice() {
+            ["Requests/sec:", value] => rps = Some(value.parse::<f64>()?),
+            ["50%", value] => p50 = Some(parse_latency(value)?),
+            ["99%", value] => p99 = Some(parse_latency(value)?),
+            ["Non-2xx", "or", "3xx", "responses:", count] => errors += count.parse::<u64>()?,
+            // "Socket errors: connect 0, read 0, write 0, timeout 0"
+            ["Socket", "errors:", counts @ ..] => {
+                for count in counts.iter().skip(1).step_by(2) {
+                    errors += count.trim_end_matches(',').parse::<u64>()?;
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(Sample {
+        rps: rps.context("no Requests/sec line")?,
+        p50: p50.context("no 50% line (was --latency given?)")?,
+        p99: p99.context("no 99% line (was --latency given?)")?,
+        errors,
+    })
+}
+
+/// wrk's `310.47us`, `1.23ms`, `2.00s`, `1.50m`.
+fn parse_latency(text: &str) -> Result<Duration> {
+    let split = text
+        .find(|c: char| c.is_ascii_alphabetic())
+        .with_context(|| format!("no unit in {text:?}"))?;
+    let (number, unit) = text.split_at(split);
+    let nanos_per_unit = match unit {
+        "us" => 1e3,
+        "ms" => 1e6,
+        "s" => 1e9,
+        "m" => 60e9,
+        "h" => 3600e9,
+        _ => bail!("unknown unit in {text:?}"),
+    };
+    let number: f64 = number
+        .parse()
+        .with_context(|| format!("bad number in {text:?}"))?;
+    // Rounded, as wrk's two decimals are often not exact in binary.
+    Ok(Duration::from_nanos(
+        (number * nanos_per_unit).round() as u64
+    ))
+}
+
+fn nginx_conf(dir: &Path, listen: SocketAddr, workers: &[SocketAddr]) -> String {
+    let servers: String = workers
+        .iter()
+        .map(|addr| format!("        server {addr};\n"))
+        .collect();
+    let dir = dir.display();
+    // Temp paths point into the scratch folder so that nothing outside it is
+    // written; `Connection ""` with HTTP/1.1 is what makes upstream
+    // keepalive work.
+    format!(
+        "worker_processes 2;
+pid {dir}/nginx.pid;
+error_log {dir}/nginx-error.log warn;
+events {{
+    worker_connections 1024;
+}}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/nginx-body;
+    proxy_temp_path {dir}/nginx-proxy;
+    upstream workers {{
+{servers}        keepalive 64;
+    }}
+    server {{
+        listen {listen};
+        location / {{
+            proxy_pass http://workers;
+            proxy_http_version 1.1;
+            proxy_set_header Connection \"\";
+        }}
+    }}
+}}
+"
+    )
+}
+
+/// The `smg` launcher from a venv under target/, installed on first use.
+fn smg_launcher() -> Result<PathBuf> {
+    let venv = target_dir().join("bench-venv");
+    let smg = venv.join("bin/smg");
+    if smg.is_file() {
+        return Ok(smg);
+    }
+    let python = venv.join("bin/python");
+    if !python.is_file() {
+        let mut command = Command::new("python3");
+        command.args(["-m", "venv"]).arg(&venv);
+        eprintln!("$ {}", display(&command));
+        bounded(&mut command, Duration::from_secs(60))?;
+    }
+    let mut command = Command::new(python);
+    command.args([
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        "smg",
+    ]);
+    eprintln!("$ {}", display(&command));
+    bounded(&mut command, INSTALL_WITHIN)?;
+    ensure!(
+        smg.is_file(),
+        "pip installed smg but {} is missing",
+        smg.display()
+    );
+    Ok(smg)
+}
+
+/// `binary` from PATH (or sbin, where nginx lives), installing the Debian
+/// `package` when it is missing.
+fn ensure_tool(binary: &str, package: &str) -> Result<PathBuf> {
+    if let Some(path) = find_binary(binary) {
+        return Ok(path);
+    }
+    eprintln!("bench: {binary} is missing; installing the Debian package {package}");
+    let install = || {
+        let mut command = Command::new("apt-get");
+        command
+            .args(["install", "--yes", "--quiet", package])
+            .env("DEBIAN_FRONTEND", "noninteractive");
+        eprintln!("$ {}", display(&command));
+        bounded(&mut command, INSTALL_WITHIN)
+    };
+    if install().is_err() {
+        // A stale or empty package index is the usual reason.
+        let mut update = Command::new("apt-get");
+        update.args(["update", "--quiet"]);
+        eprintln!("$ {}", display(&update));
+        bounded(&mut update, INSTALL_WITHIN)?;
+        install()?;
+    }
+    find_binary(binary).with_context(|| format!("{package} is installed but {binary} is missing"))
+}
+
+fn find_binary(binary: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin".into(), "/sbin".into()])
+        .map(|dir| dir.join(binary))
+        .find(|candidate| candidate.is_file())
+}
+
+/// Runs `command` to completion within `limit`, killing it past that.
+fn bounded(command: &mut Command, limit: Duration) -> Result<()> {
+    let shown = display(command);
+    let mut child = command
+        .stdin(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting `{shown}`"))?;
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            ensure!(status.success(), "`{shown}` failed ({status})");
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("`{shown}` took longer than {}s; killed", limit.as_secs());
+        }
+        sleep(Duration::from_millis(50));
+    }
+}
+
+/// A loopback address nobody listens on right now. Another process may take
+/// it before the server binds it; the server then fails to start, loudly.
+fn free_addr() -> Result<SocketAddr> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+}
+
+/// The status code of one chat completion request.
+fn post_status(addr: SocketAddr) -> Result<u16> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1))?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    stream.set_write_timeout(Some(Duration::from_secs(5)))?;
+    write!(
+        stream,
+        "POST {PATH} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{BODY}",
+        BODY.len()
+    )?;
+    let mut head = [0; 12];
+    stream.read_exact(&mut head)?;
+    let head = String::from_utf8_lossy(&head);
+    head.strip_prefix("HTTP/1.1 ")
+        .and_then(|code| code.parse().ok())
+        .with_context(|| format!("not an HTTP/1.1 status line: {head:?}"))
+}
+
+/// The scratch folder (wrk script, nginx config, logs) and the processes the
+/// bench started. Dropping it stops them by PID and removes the folder, on
+/// every way out: success, error or panic.
+struct Lab {
+    dir: PathBuf,
+    procs: Vec<Proc>,
+}
+
+struct Proc {
+    name: String,
+    child: Child,
+    log: PathBuf,
+}
+
+impl Lab {
+    fn new() -> Result<Self> {
+        let dir = std::env::temp_dir().join(format!("balancer-bench-l7-{}", std::process::id()));
+        // Left by an earlier run that had the same PID and was killed.
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        Ok(Self {
+            dir,
+            procs: Vec::new(),
+        })
+    }
+
+    /// Starts `command` with its output in `<name>.log`.
+    fn start(&mut self, name: &str, command: &mut Command) -> Result<()> {
+        let log = self.dir.join(format!("{name}.log"));
+        let file = File::create(&log)?;
+        command
+            .stdin(Stdio::null())
+            .stdout(file.try_clone()?)
+            .stderr(file);
+        eprintln!("$ {}", display(command));
+        let child = command
+            .spawn()
+            .with_context(|| format!("starting {name}"))?;
+        self.procs.push(Proc {
+            name: name.to_owned(),
+            child,
+            log,
+        });
+        Ok(())
+    }
+
+    /// Waits until the server `name` answers a chat completion on `addr`
+    /// with 200.
+    fn await_ready(&mut self, name: &str, addr: SocketAddr) -> Result<()> {
+        let deadline = Instant::now() + READY_WITHIN;
+        let proc = self
+            .procs
+            .iter_mut()
+            .find(|p| p.name == name)
+            .with_context(|| format!("{name} was never started"))?;
+        loop {
+            let last = match post_status(addr) {
+                Ok(200) => return Ok(()),
+                Ok(status) => format!("HTTP {status}"),
+                Err(error) => format!("{error:#}"),
+            };
+            if let Some(status) = proc.child.try_wait()? {
+                bail!(
+                    "{name} exited ({status}) before answering 200 on {addr}; {}",
+                    tail(&proc.log)
+                );
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "{name} did not answer 200 on {addr} within {}s (last: {last}); {}",
+                    READY_WITHIN.as_secs(),
+                    tail(&proc.log)
+                );
+            }
+            sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn stop(&mut self, name: &str) {
+        let (mut named, others) = std::mem::take(&mut self.procs)
+            .into_iter()
+            .partition(|p| p.name == name);
+        self.procs = others;
+        stop(&mut named);
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        stop(&mut self.procs);
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// SIGTERM first, so nginx takes its workers down with it and the gateways
+/// exit cleanly; SIGKILL for whatever is still there after the grace period.
+fn stop(procs: &mut [Proc]) {
+    for proc in procs.iter_mut() {
+        // Only a child not yet reaped is signalled: its PID cannot have been
+        // reused by an unrelated process.
+        if let Ok(None) = proc.child.try_wait()
+            && let Ok(pid) = libc::pid_t::try_from(proc.child.id())
+        {
+            // SAFETY: kill(2) touches no memory of this process.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+        }
+    }
+    let deadline = Instant::now() + STOP_GRACE;
+    for proc in procs.iter_mut() {
+        while matches!(proc.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            sleep(Duration::from_millis(20));
+        }
+        if let Ok(None) = proc.child.try_wait() {
+            eprintln!("bench: {} ignored SIGTERM; killing it", proc.name);
+            let _ = proc.child.kill();
+        }
+        let _ = proc.child.wait();
+    }
+}
+
+/// The end of a log, for error messages.
+fn tail(log: &Path) -> String {
+    let text = fs::read_to_string(log).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    let start = lines.len().saturating_sub(20);
+    if lines.is_empty() {
+        format!("{} is empty", log.display())
+    } else {
+        format!("end of {}:\n{}", log.display(), lines[start..].join("\n"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const REPORT: &str = "\
+Running 5s test @ http://127.0.0.1:40001/v1/chat/completions
+  1 threads and 32 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency   310.47us  120.02us   9.87ms   91.20%
+    Req/Sec    98.12k     3.01k  101.00k    80.00%
+  Latency Distribution
+     50%  280.00us
+     75%  330.00us
+     90%  410.00us
+     99%    1.23ms
+  488123 requests in 5.00s, 180.45MB read
+  Socket errors: connect 0, read 2, write 0, timeout 1
+  Non-2xx or 3xx responses: 4
+Requests/sec:  97612.34
+Transfer/sec:     36.08MB
+";
+
+    #[test]
+    fn wrk_report_is_read() {
+        let sample = parse_wrk(REPORT).unwrap();
+        assert_eq!(sample.rps, 97612.34);
+        assert_eq!(sample.p50, Duration::from_micros(280));
+        assert_eq!(sample.p99, Duration::from_micros(1230));
+        assert_eq!(sample.errors, 7);
+    }
+
+    #[test]
+    fn a_report_without_latency_distribution_is_refused() {
+        let without: String = REPORT
+            .lines()
+            .filter(|line| !line.contains('%') || line.contains("Stdev"))
+            .map(|line| format!("{line}\n"))
+            .collect();
+        assert!(parse_wrk(&without).is_err());
+    }
+
+    #[test]
+    fn latencies_in_every_unit() {
+        assert_eq!(parse_latency("2.00s").unwrap(), Duration::from_secs(2));
+        assert_eq!(parse_latency("1.50m").unwrap(), Duration::from_secs(90));
+        assert_eq!(parse_latency("12us").unwrap(), Duration::from_micros(12));
+        assert!(parse_latency("12").is_err());
+        assert!(parse_latency("12ns").is_err());
+    }
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert!(median(Vec::new()).is_nan());
+    }
+}
