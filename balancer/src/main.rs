@@ -57,6 +57,12 @@ fn main() -> anyhow::Result<()> {
             init_logging(&args.log_level, args.log_json)?;
             runtime.block_on(async {
                 let running = balancer::gateway::start(args).await?;
+                eprintln!(
+                    "balancer: serving on http://{} (metrics http://{}/metrics, admin http://{}/workers)\n\
+                     try: curl -s http://{}/v1/chat/completions -H 'content-type: application/json' \
+                     -d '{{\"model\":\"demo-model\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}'",
+                    running.addr, running.metrics_addr, running.admin_addr, running.addr
+                );
                 running.run_until_signal().await
             })
         }

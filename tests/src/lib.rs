@@ -1,5 +1,7 @@
 //! Helpers shared by the end-to-end tests.
 
+pub mod gateway;
+
 use std::path::PathBuf;
 
 /// The eBPF object for tests that load the XDP program, or `None` after

@@ -1,0 +1,284 @@
+//! End-to-end tests of the LLM-aware options against demo workers: slow
+//! first bytes, the degraded state, model fallbacks and token budgets.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use balancer::breaker::{FailureReason, State};
+use balancer::mock_worker::Fault;
+use balancer_tests::gateway::{CHAT, QUIET, always, harness, harness_with_models};
+use http::StatusCode;
+
+#[tokio::test]
+async fn a_worker_answering_200_in_3s_is_isolated_with_slow_ttfb() {
+    let h = harness(
+        &["a"],
+        &[
+            &[
+                "--cb-slow-ttfb-ms",
+                "1000",
+                "--cb-failure-threshold",
+                "2",
+                "--disable-retries",
+            ][..],
+            QUIET,
+        ]
+        .concat(),
+    )
+    .await;
+    h.workers[0].set_fault(Fault {
+        latency_ms: Some(3000),
+        ..Fault::default()
+    });
+    let h = Arc::new(h);
+    let slow: Vec<_> = (0..2)
+        .map(|_| {
+            let h = h.clone();
+            tokio::spawn(async move { h.chat(CHAT).await.status })
+        })
+        .collect();
+    for s in slow {
+        assert_eq!(
+            s.await.unwrap(),
+            StatusCode::OK,
+            "slow answers still reach the client"
+        );
+    }
+    let a = h.breaker(0);
+    assert_eq!(a.state, State::Open);
+    assert_eq!(a.failures[FailureReason::Slow as usize], 2);
+    let r = h.chat(CHAT).await;
+    assert_eq!(r.code(), "no_available_workers");
+    let m = h.metrics().await;
+    let url = h.workers[0].url();
+    assert!(m.contains(&format!(
+        "balancer_worker_cb_failures_total{{worker=\"{url}\",reason=\"slow\"}} 2"
+    )));
+    Arc::into_inner(h).unwrap().stop().await;
+}
+
+#[tokio::test]
+async fn a_fast_worker_is_not_slow_and_its_ttfb_is_recorded() {
+    let h = harness(
+        &["a"],
+        &[&["--cb-slow-ttfb-ms", "1000"][..], QUIET].concat(),
+    )
+    .await;
+    for _ in 0..5 {
+        assert_eq!(h.chat(CHAT).await.status, StatusCode::OK);
+    }
+    let a = h.breaker(0);
+    assert_eq!((a.successes, a.failures_total()), (5, 0));
+    let m = h.metrics().await;
+    let url = h.workers[0].url();
+    assert!(
+        m.contains(&format!(
+            "balancer_worker_ttfb_seconds_count{{worker=\"{url}\"}} 5"
+        )),
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn degraded_worker_gets_its_share_of_traffic() {
+    let h = harness(
+        &["a", "b"],
+        &[
+            &[
+                "--policy",
+                "round_robin",
+                "--cb-failure-threshold",
+                "1",
+                "--cb-success-threshold",
+                "1",
+                "--cb-timeout-duration-secs",
+                "10",
+                "--cb-degraded-traffic-pct",
+                "25",
+                "--cb-degraded-duration-secs",
+                "3600",
+            ][..],
+            QUIET,
+        ]
+        .concat(),
+    )
+    .await;
+    h.workers[0].set_fault(Fault {
+        status: Some(500),
+        count: Some(1),
+        ..Fault::default()
+    });
+    while h.breaker(0).state != State::Open {
+        h.chat(CHAT).await;
+    }
+    h.clock.advance(Duration::from_secs(10));
+    while h.breaker(0).state != State::Degraded {
+        assert_eq!(h.chat(CHAT).await.status, StatusCode::OK);
+    }
+    let (a0, b0) = (h.served(0), h.served(1));
+    for _ in 0..2000 {
+        assert_eq!(h.chat(CHAT).await.status, StatusCode::OK);
+    }
+    // Round robin would give A half; degraded, A keeps 25% of that half.
+    let share = (h.served(0) - a0) as f64 / 1000.0 * 100.0;
+    assert!(
+        (20.0..=30.0).contains(&share),
+        "A got {share:.1}% of its usual traffic"
+    );
+    assert_eq!(h.served(0) - a0 + h.served(1) - b0, 2000);
+    let m = h.metrics().await;
+    let url = h.workers[0].url();
+    assert!(m.contains(&format!("balancer_worker_cb_state{{worker=\"{url}\"}} 3")));
+    assert!(m.contains(&format!(
+        "balancer_worker_cb_transitions_total{{worker=\"{url}\",from=\"half_open\",to=\"degraded\"}} 1"
+    )));
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn fallback_is_taken_only_when_the_primary_has_no_eligible_worker() {
+    let h = harness_with_models(
+        &[("big", "big-model"), ("small", "small-model")],
+        &[
+            &[
+                "--fallback-model",
+                "big-model=small-model",
+                "--cb-failure-threshold",
+                "1",
+            ][..],
+            QUIET,
+        ]
+        .concat(),
+    )
+    .await;
+    let big = r#"{"model":"big-model","messages":[{"role":"user","content":"hi"}]}"#;
+    let r = h.chat(big).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert!(
+        !r.headers.contains_key("x-balancer-fallback"),
+        "the primary served it"
+    );
+    assert_eq!(r.json()["model"], "big-model");
+
+    // A client error from the primary is the client's answer, never a fallback.
+    h.workers[0].set_fault(always(400));
+    let r = h.chat(big).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert!(!r.headers.contains_key("x-balancer-fallback"));
+
+    // The primary's breaker opens: the request goes to the fallback model.
+    h.workers[0].set_fault(always(500));
+    let served_small = h.served(1);
+    loop {
+        let r = h.chat(big).await;
+        if r.headers.contains_key("x-balancer-fallback") {
+            assert_eq!(r.status, StatusCode::OK);
+            assert_eq!(r.headers["x-balancer-fallback"], "big-model->small-model");
+            assert_eq!(
+                r.json()["model"],
+                "small-model",
+                "the body's model was rewritten"
+            );
+            break;
+        }
+        assert_eq!(h.breaker(0).state, State::Closed, "{}", r.text());
+    }
+    assert_eq!(h.breaker(0).state, State::Open);
+    assert!(h.served(1) > served_small);
+    let m = h.metrics().await;
+    assert!(
+        m.contains("balancer_fallbacks_total{from=\"big-model\",to=\"small-model\"} 1"),
+        "{m}"
+    );
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn token_budget_is_enforced_within_one_request() {
+    let h = harness(
+        &["a"],
+        &[&["--token-budget", "demo-model=100"][..], QUIET].concat(),
+    )
+    .await;
+    let body =
+        r#"{"model":"demo-model","max_tokens":10,"messages":[{"role":"user","content":"hi"}]}"#;
+    let per_request = {
+        let r = h.chat(body).await;
+        r.json()["usage"]["total_tokens"].as_u64().unwrap()
+    };
+    let mut spent = per_request;
+    let refused = loop {
+        let r = h.chat(body).await;
+        if r.status == StatusCode::TOO_MANY_REQUESTS {
+            break r;
+        }
+        spent += r.json()["usage"]["total_tokens"].as_u64().unwrap();
+        assert!(spent < 100 + 2 * per_request, "the budget was not enforced");
+    };
+    assert_eq!(refused.code(), "token_budget_exceeded");
+    let wait: u64 = refused.headers["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=60).contains(&wait));
+    assert!(
+        (100..100 + per_request).contains(&spent),
+        "spent {spent} of 100"
+    );
+    let m = h.metrics().await;
+    assert!(
+        m.contains("balancer_token_budget_exceeded_total{model=\"demo-model\"} 1"),
+        "{m}"
+    );
+    assert!(m.contains("balancer_tokens_total{model=\"demo-model\",kind=\"completion\"}"));
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn streamed_usage_counts_against_the_budget() {
+    let h = harness(
+        &["a"],
+        &[&["--token-budget", "demo-model=20"][..], QUIET].concat(),
+    )
+    .await;
+    let body = r#"{"model":"demo-model","stream":true,"max_tokens":12,"messages":[]}"#;
+    assert_eq!(h.chat(body).await.status, StatusCode::OK);
+    assert_eq!(h.chat(body).await.status, StatusCode::OK);
+    let r = h.chat(body).await;
+    assert_eq!(
+        r.code(),
+        "token_budget_exceeded",
+        "the final chunk's usage was counted"
+    );
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn a_spent_budget_takes_the_fallback_model() {
+    let h = harness_with_models(
+        &[("big", "big-model"), ("small", "small-model")],
+        &[
+            &[
+                "--token-budget",
+                "big-model=5",
+                "--fallback-model",
+                "big-model=small-model",
+            ][..],
+            QUIET,
+        ]
+        .concat(),
+    )
+    .await;
+    let big = r#"{"model":"big-model","max_tokens":10,"messages":[]}"#;
+    assert!(
+        !h.chat(big)
+            .await
+            .headers
+            .contains_key("x-balancer-fallback")
+    );
+    let r = h.chat(big).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.headers["x-balancer-fallback"], "big-model->small-model");
+    h.stop().await;
+}
