@@ -45,7 +45,9 @@ fn model_budget(s: &str) -> Result<(String, u64), String> {
     let (model, tokens) = split_pair(s)?;
     match tokens.parse::<u64>() {
         Ok(n) if n > 0 => Ok((model, n)),
-        _ => Err(format!("{s:?}: the budget must be a positive number of tokens per minute")),
+        _ => Err(format!(
+            "{s:?}: the budget must be a positive number of tokens per minute"
+        )),
     }
 }
 
@@ -353,7 +355,9 @@ impl LaunchArgs {
         let mut fallbacks = std::collections::HashMap::new();
         for (from, to) in &self.fallback_model {
             if fallbacks.insert(from.as_str(), to.as_str()).is_some() {
-                bail!("invalid value '{from}={to}' for '--fallback-model': {from} already has a fallback");
+                bail!(
+                    "invalid value '{from}={to}' for '--fallback-model': {from} already has a fallback"
+                );
             }
         }
         for start in fallbacks.keys() {
@@ -541,14 +545,28 @@ mod tests {
 
     #[test]
     fn fallback_chains_are_accepted_and_cycles_refused() {
-        let a = parse(&["--fallback-model", "big=mid", "--fallback-model", "mid=small"]).unwrap();
+        let a = parse(&[
+            "--fallback-model",
+            "big=mid",
+            "--fallback-model",
+            "mid=small",
+        ])
+        .unwrap();
         assert_eq!(a.fallback_model.len(), 2);
         let err = parse(&["--fallback-model", "a=b", "--fallback-model", "b=a"])
             .unwrap_err()
             .to_string();
-        assert!(err.contains("--fallback-model") && err.contains("cycle"), "{err}");
-        let err = parse(&["--token-budget", "m=lots"]).unwrap_err().to_string();
-        assert!(err.contains("--token-budget") && err.contains("m=lots"), "{err}");
+        assert!(
+            err.contains("--fallback-model") && err.contains("cycle"),
+            "{err}"
+        );
+        let err = parse(&["--token-budget", "m=lots"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--token-budget") && err.contains("m=lots"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -595,7 +613,11 @@ resilience = { capacity_status_codes = [429, 503], cb_failure_threshold = 2 }
         let a = parse(&["--config", p, "--cb-failure-threshold", "6"]).unwrap();
         assert_eq!(a.breaker.cb_failure_threshold, 6, "the flag wins");
         let b = parse(&["--config", p, "--worker-urls", "http://127.0.0.1:9009"]).unwrap();
-        assert_eq!(b.worker_urls, vec!["http://127.0.0.1:9009"], "a list flag replaces the file's list");
+        assert_eq!(
+            b.worker_urls,
+            vec!["http://127.0.0.1:9009"],
+            "a list flag replaces the file's list"
+        );
         assert_eq!(a.breaker.cb_timeout_duration_secs, 7);
         assert!(a.disable_retries);
         let specs = a.initial_workers();

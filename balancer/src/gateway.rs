@@ -135,7 +135,10 @@ pub async fn start_with_clock(args: LaunchArgs, clock: Arc<dyn Clock>) -> anyhow
         },
         clock,
     );
-    let stats = Arc::new(GatewayStats::new(&args.metrics_prefix, &args.fallback_model)?);
+    let stats = Arc::new(GatewayStats::new(
+        &args.metrics_prefix,
+        &args.fallback_model,
+    )?);
     let tokens = Arc::new(Tokens::new(&args.token_budget));
 
     let mut demo_workers = Vec::new();

@@ -133,7 +133,11 @@ impl GatewayStats {
     }
 
     fn render_llm(&self, w: &mut Writer<'_>, tokens: &Tokens) {
-        w.family("fallbacks_total", "counter", "Requests sent to a fallback model.");
+        w.family(
+            "fallbacks_total",
+            "counter",
+            "Requests sent to a fallback model.",
+        );
         for (from, to, n) in &self.fallbacks {
             w.sample(
                 "fallbacks_total",
@@ -144,7 +148,11 @@ impl GatewayStats {
         let models = tokens.snapshot();
         let mut names: Vec<_> = models.keys().collect();
         names.sort();
-        w.family("tokens_total", "counter", "Tokens reported in responses' usage, by kind.");
+        w.family(
+            "tokens_total",
+            "counter",
+            "Tokens reported in responses' usage, by kind.",
+        );
         for m in &names {
             let t = &models[*m];
             for (kind, v) in [("prompt", &t.prompt), ("completion", &t.completion)] {
@@ -160,7 +168,10 @@ impl GatewayStats {
             "counter",
             "Requests that found their model's token budget spent.",
         );
-        for m in names.iter().filter(|m| models[**m].budget_limit().is_some()) {
+        for m in names
+            .iter()
+            .filter(|m| models[**m].budget_limit().is_some())
+        {
             w.sample(
                 "token_budget_exceeded_total",
                 &[("model", m)],
@@ -442,7 +453,8 @@ fn render_workers(w: &mut Writer<'_>, registry: &Registry) {
         "Time to first byte (first chunk of a stream) of attempts that went through.",
     );
     for wk in &fleet.workers {
-        wk.ttfb.render(w, "worker_ttfb_seconds", &[("worker", &wk.url)]);
+        wk.ttfb
+            .render(w, "worker_ttfb_seconds", &[("worker", &wk.url)]);
     }
     w.family(
         "worker_selected_total",

@@ -56,7 +56,8 @@ impl Completion {
         let worker = self.guard.worker();
         let outcome = if outcome == Outcome::Success {
             worker.ttfb.observe(first_byte);
-            if let (Some((tokens, model)), Some(usage)) = (&self.tokens, tail.and_then(find_usage)) {
+            if let (Some((tokens, model)), Some(usage)) = (&self.tokens, tail.and_then(find_usage))
+            {
                 tokens.record(model, usage, self.clock.now());
             }
             self.classifier.with_latency(outcome, first_byte)
@@ -94,7 +95,10 @@ impl RelayBody {
             sse,
             done: false,
             first_chunk: None,
-            tail: completion.tokens.as_ref().map(|_| Vec::with_capacity(USAGE_TAIL)),
+            tail: completion
+                .tokens
+                .as_ref()
+                .map(|_| Vec::with_capacity(USAGE_TAIL)),
             completion: Some(completion),
         }
     }

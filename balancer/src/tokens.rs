@@ -195,7 +195,13 @@ mod tests {
 data: [DONE]
 
 "#;
-        assert_eq!(find_usage(tail), Some(Usage { prompt: 12, completion: 7 }));
+        assert_eq!(
+            find_usage(tail),
+            Some(Usage {
+                prompt: 12,
+                completion: 7
+            })
+        );
         assert_eq!(find_usage(b"data: [DONE]\n\n"), None);
     }
 
@@ -204,14 +210,32 @@ data: [DONE]
         let t = Tokens::new(&[("m".to_owned(), 100)]);
         let at = |s: u64| s * SECOND;
         assert_eq!(t.budget_exceeded("m", at(0)), None);
-        t.record("m", Usage { prompt: 30, completion: 30 }, at(0));
+        t.record(
+            "m",
+            Usage {
+                prompt: 30,
+                completion: 30,
+            },
+            at(0),
+        );
         assert_eq!(t.budget_exceeded("m", at(10)), None);
-        t.record("m", Usage { prompt: 20, completion: 20 }, at(10));
+        t.record(
+            "m",
+            Usage {
+                prompt: 20,
+                completion: 20,
+            },
+            at(10),
+        );
         // 100 spent: the first 60 leave the window at second 60.
         assert_eq!(t.budget_exceeded("m", at(20)), Some(40));
         assert_eq!(t.budget_exceeded("m", at(59)), Some(1));
         assert_eq!(t.budget_exceeded("m", at(60)), None);
-        assert_eq!(t.budget_exceeded("other", at(60)), None, "no budget, no limit");
+        assert_eq!(
+            t.budget_exceeded("other", at(60)),
+            None,
+            "no budget, no limit"
+        );
         assert_eq!(t.snapshot()["m"].budget_exceeded.load(Ordering::Relaxed), 2);
     }
 }

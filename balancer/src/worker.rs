@@ -155,7 +155,11 @@ impl BreakerDefaults {
                 .as_deref()
                 .unwrap_or(DEFAULT_FAILURE_CODES),
         )
-        .with_slow_ttfb(r.cb_slow_ttfb_ms.map(Duration::from_millis).or(self.slow_ttfb));
+        .with_slow_ttfb(
+            r.cb_slow_ttfb_ms
+                .map(Duration::from_millis)
+                .or(self.slow_ttfb),
+        );
         (settings, classifier)
     }
 }

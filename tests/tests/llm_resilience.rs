@@ -77,6 +77,7 @@ async fn a_fast_worker_is_not_slow_and_its_ttfb_is_recorded() {
         )),
         "{m}"
     );
+    h.stop().await;
 }
 
 #[tokio::test]

@@ -159,6 +159,8 @@ fn l7(args: &L7) -> Result<()> {
                 .arg(addr.port().to_string())
                 .args(["--prometheus-host", "127.0.0.1", "--prometheus-port"])
                 .arg(free_addr()?.port().to_string())
+                // Its default 180 s drain would outlast the stop's grace.
+                .args(["--shutdown-grace-period-secs", "1"])
                 .args([
                     "--policy",
                     "round_robin",

@@ -46,12 +46,7 @@ pub enum State {
 }
 
 impl State {
-    pub const ALL: [State; 4] = [
-        State::Closed,
-        State::Open,
-        State::HalfOpen,
-        State::Degraded,
-    ];
+    pub const ALL: [State; 4] = [State::Closed, State::Open, State::HalfOpen, State::Degraded];
     const COUNT: usize = Self::ALL.len();
 
     pub fn as_str(self) -> &'static str {
@@ -661,10 +656,20 @@ impl Breaker {
                 }
             }
             State::HalfOpen => {
-                self.transition(word, State::Open, TransitionReason::TrialFailed, clock.now());
+                self.transition(
+                    word,
+                    State::Open,
+                    TransitionReason::TrialFailed,
+                    clock.now(),
+                );
             }
             State::Degraded => {
-                self.transition(word, State::Open, TransitionReason::DegradedFailure, clock.now());
+                self.transition(
+                    word,
+                    State::Open,
+                    TransitionReason::DegradedFailure,
+                    clock.now(),
+                );
             }
             State::Open => {}
         }

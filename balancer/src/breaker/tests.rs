@@ -606,15 +606,27 @@ fn degraded_follows_a_successful_trial_and_closes_after_its_period() {
     to_degraded(&b, &clock);
     assert_eq!(State::Degraded.gauge(), 3);
     clock.advance(29 * SECOND);
-    assert_eq!(b.poll(&clock), Some(nanos(35 * SECOND)), "degraded reports its end");
+    assert_eq!(
+        b.poll(&clock),
+        Some(nanos(35 * SECOND)),
+        "degraded reports its end"
+    );
     clock.advance(SECOND);
     assert_eq!(b.poll(&clock), None);
     assert_eq!(b.state(), State::Closed);
     assert_eq!(
         recorder.moves()[2..],
         [
-            (State::HalfOpen, State::Degraded, TransitionReason::TrialSucceeded),
-            (State::Degraded, State::Closed, TransitionReason::DegradedElapsed),
+            (
+                State::HalfOpen,
+                State::Degraded,
+                TransitionReason::TrialSucceeded
+            ),
+            (
+                State::Degraded,
+                State::Closed,
+                TransitionReason::DegradedElapsed
+            ),
         ]
     );
     assert!(b.snapshot().degraded_enabled);
@@ -627,7 +639,10 @@ fn degraded_failure_reopens_the_circuit() {
     to_degraded(&b, &clock);
     fail(&b, &clock);
     assert_eq!(b.state(), State::Open);
-    assert_eq!(b.snapshot().transitions[State::Degraded as usize][State::Open as usize], 1);
+    assert_eq!(
+        b.snapshot().transitions[State::Degraded as usize][State::Open as usize],
+        1
+    );
 }
 
 #[test]
@@ -666,14 +681,23 @@ fn half_open_probe_interval_spreads_the_trial_in_time() {
 #[test]
 fn slow_successes_are_failures_with_reason_slow() {
     let c = Classifier::default().with_slow_ttfb(Some(Duration::from_millis(1000)));
-    assert_eq!(c.with_latency(Outcome::Success, Duration::from_millis(999)), Outcome::Success);
+    assert_eq!(
+        c.with_latency(Outcome::Success, Duration::from_millis(999)),
+        Outcome::Success
+    );
     assert_eq!(
         c.with_latency(Outcome::Success, Duration::from_millis(1001)),
         Outcome::Failure(FailureReason::Slow)
     );
-    assert_eq!(c.with_latency(Outcome::Ignored, SECOND * 9), Outcome::Ignored);
+    assert_eq!(
+        c.with_latency(Outcome::Ignored, SECOND * 9),
+        Outcome::Ignored
+    );
     let off = Classifier::default();
-    assert_eq!(off.with_latency(Outcome::Success, SECOND * 60), Outcome::Success);
+    assert_eq!(
+        off.with_latency(Outcome::Success, SECOND * 60),
+        Outcome::Success
+    );
 }
 
 // ---- property test against a reference model ----
