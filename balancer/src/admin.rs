@@ -21,12 +21,15 @@ use crate::error::{ErrorCode, error_response};
 use crate::proxy::ResponseBody;
 use crate::worker::{Registry, RegistryError, Resilience, Worker, WorkerSpec};
 
+/// Called for each worker the API adds.
+pub type OnAdded = Box<dyn Fn(&Arc<Worker>) + Send + Sync>;
+
 /// What the admin handlers need besides the registry.
 pub struct Admin {
     pub registry: Arc<Registry>,
     pub token: Option<String>,
     /// Spawns the background tasks of a worker added through the API.
-    pub on_added: Box<dyn Fn(&Arc<Worker>) + Send + Sync>,
+    pub on_added: OnAdded,
     /// How long `DELETE` waits for in-flight requests before removing anyway.
     pub drain_timeout: Duration,
 }

@@ -64,10 +64,10 @@ impl Prober {
         let task = tokio::spawn(async move {
             loop {
                 let Some(worker) = weak.upgrade() else { return };
-                if worker.models().is_empty() {
-                    if let Some(models) = this.fetch_models(&worker).await {
-                        this.registry.learn_models(&worker, models);
-                    }
+                if worker.models().is_empty()
+                    && let Some(models) = this.fetch_models(&worker).await
+                {
+                    this.registry.learn_models(&worker, models);
                 }
                 if this.enabled {
                     let uri = format!("{}{}", worker.url, this.endpoint)

@@ -378,7 +378,12 @@ fn render_workers(w: &mut Writer<'_>, registry: &Registry) {
         }
     }
 
-    let gauges: [(&str, &str, fn(&crate::breaker::Snapshot) -> f64); 2] = [
+    type Gauge = (
+        &'static str,
+        &'static str,
+        fn(&crate::breaker::Snapshot) -> f64,
+    );
+    let gauges: [Gauge; 2] = [
         (
             "worker_cb_consecutive_failures",
             "Current consecutive-failure count.",

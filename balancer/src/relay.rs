@@ -114,10 +114,10 @@ impl RelayBody {
     }
 
     fn observe_chunk(&mut self, data: &Bytes) {
-        if self.first_chunk.is_none() {
-            if let Some(c) = &self.completion {
-                self.first_chunk = Some(c.attempt_started.elapsed());
-            }
+        if self.first_chunk.is_none()
+            && let Some(c) = &self.completion
+        {
+            self.first_chunk = Some(c.attempt_started.elapsed());
         }
         if let Some(tail) = &mut self.tail {
             let keep = data.len().min(USAGE_TAIL);

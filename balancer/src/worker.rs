@@ -18,8 +18,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
 
 use crate::breaker::{
-    Breaker, Classifier, DEFAULT_CAPACITY_CODES, DEFAULT_FAILURE_CODES, Settings, Transition,
-    TransitionObserver,
+    Breaker, Classifier, DEFAULT_CAPACITY_CODES, DEFAULT_FAILURE_CODES, Settings, State,
+    Transition, TransitionObserver,
 };
 use crate::clock::Clock;
 use crate::health::{Health, HealthChange, HealthThresholds, HealthTracker};
@@ -282,7 +282,7 @@ impl Worker {
     pub fn is_routable(&self) -> bool {
         self.ready.load(Ordering::Acquire)
             && !self.draining.load(Ordering::Acquire)
-            && self.breaker.state() != crate::breaker::State::Open
+            && self.breaker.state() != State::Open
     }
 
     #[inline]
@@ -634,21 +634,24 @@ impl TransitionObserver for BreakerEvents {
         let Some(worker) = self.worker.upgrade() else {
             return;
         };
-        if t.to == crate::breaker::State::Open {
-            if let (Ok(runtime), Some(_)) = (
+        // Open and degraded states end on a deadline that traffic may never
+        // check; a timer makes sure they end on time.
+        let timed = matches!(t.to, State::Open | State::Degraded);
+        if timed
+            && let (Ok(runtime), Some(_)) = (
                 tokio::runtime::Handle::try_current(),
                 self.clock.deadline(t.at),
-            ) {
-                let (weak, clock) = (self.worker.clone(), self.clock.clone());
-                let task = runtime.spawn(open_timer(weak, clock));
-                worker.add_task(task.abort_handle());
-            }
+            )
+        {
+            let (weak, clock) = (self.worker.clone(), self.clock.clone());
+            let task = runtime.spawn(state_timer(weak, clock));
+            worker.add_task(task.abort_handle());
         }
         let _ = self.events.send(WorkerEvent::Breaker(worker, *t));
     }
 }
 
-async fn open_timer(worker: Weak<Worker>, clock: Arc<dyn Clock>) {
+async fn state_timer(worker: Weak<Worker>, clock: Arc<dyn Clock>) {
     loop {
         let Some(deadline) = worker
             .upgrade()
