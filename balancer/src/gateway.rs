@@ -162,10 +162,7 @@ pub async fn start_with_clock(args: LaunchArgs, clock: Arc<dyn Clock>) -> anyhow
         timeout: Duration::from_secs(args.health_check_timeout_secs),
         enabled: !args.disable_health_check,
     };
-    for spec in &specs {
-        let worker = registry
-            .add(spec)
-            .with_context(|| format!("cannot add worker {}", spec.url))?;
+    for worker in registry.add_all(&specs).context("invalid worker list")? {
         prober.spawn(&worker);
     }
 

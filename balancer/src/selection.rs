@@ -7,8 +7,8 @@
 //!
 //! Cost: random probes find an eligible worker in O(1) expected time while
 //! most of the fleet is eligible; a full scan happens only when the probes
-//! miss, i.e. when most candidates are out. `least_load` is the exception by
-//! nature (it compares every candidate).
+//! miss, i.e. when most candidates are out. `least_load` compares every
+//! candidate up to 64 of them and a random sample of 16 beyond.
 
 use std::hash::{BuildHasher, Hasher};
 use std::str::FromStr;
@@ -22,6 +22,10 @@ use crate::worker::Worker;
 
 /// How many random probes a sampling policy makes before scanning.
 const PROBES: usize = 8;
+/// Up to this many candidates, `least_load` compares them all.
+const EXACT_LEAST_LOAD: usize = 64;
+/// Beyond that, it compares this many random ones.
+const LEAST_LOAD_SAMPLE: usize = 16;
 /// Virtual nodes per worker on the hash ring.
 const VNODES: usize = 64;
 
@@ -85,15 +89,21 @@ pub fn hash_key(key: &[u8]) -> u64 {
     hash_bytes(key)
 }
 
+/// A worker's ring points: derived from its URL only, so every gateway
+/// replica places it alike.
+pub fn ring_points(url: &str) -> Box<[u64]> {
+    (0..VNODES)
+        .map(|v| hash_bytes(format!("{url}#{v}").as_bytes()))
+        .collect()
+}
+
 impl Ring {
     pub fn build(workers: &[Arc<Worker>]) -> Self {
-        let mut points = Vec::with_capacity(workers.len() * VNODES);
-        for (i, w) in workers.iter().enumerate() {
-            for v in 0..VNODES {
-                let point = hash_bytes(format!("{}#{v}", w.url).as_bytes());
-                points.push((point, i as u32));
-            }
-        }
+        let mut points: Vec<(u64, u32)> = workers
+            .iter()
+            .enumerate()
+            .flat_map(|(i, w)| w.ring_points.iter().map(move |&p| (p, i as u32)))
+            .collect();
         points.sort_unstable();
         Self { points }
     }
@@ -165,17 +175,24 @@ impl Selector {
                 scan_from(ws, start, ok)
             }
             Policy::Random => sample(ws, ok).or_else(|| scan_from(ws, random_index(n), ok)),
-            Policy::PowerOfTwo => {
-                let first = sample(ws, ok)?;
-                match sample(ws, ok) {
+            Policy::PowerOfTwo => match sample(ws, ok) {
+                None => scan_from(ws, random_index(n), ok),
+                Some(first) => match sample(ws, ok) {
                     Some(second) if ws[second].inflight() < ws[first].inflight() => Some(second),
                     _ => Some(first),
-                }
-                .or_else(|| scan_from(ws, random_index(n), ok))
+                },
+            },
+            // Exact over a small fleet; over a large one, the least loaded of
+            // a random sample, which stays O(1) and is close to exact.
+            Policy::LeastLoad if n > EXACT_LEAST_LOAD => {
+                let mut rng = rand::rng();
+                (0..LEAST_LOAD_SAMPLE)
+                    .map(|_| rng.random_range(0..n))
+                    .filter(|&i| ok(&ws[i]))
+                    .min_by_key(|&i| ws[i].inflight())
+                    .or_else(|| least_loaded(ws, ok))
             }
-            Policy::LeastLoad => (0..n)
-                .filter(|&i| ok(&ws[i]))
-                .min_by_key(|&i| ws[i].inflight()),
+            Policy::LeastLoad => least_loaded(ws, ok),
             Policy::ConsistentHash => match (ring, key) {
                 (Some(ring), Some(key)) => ring.walk(key).find(|&i| ok(&ws[i])),
                 // No routing key: spread like round robin.
@@ -200,6 +217,169 @@ fn sample(ws: &[Arc<Worker>], ok: &dyn Fn(&Worker) -> bool) -> Option<usize> {
         .find(|&i| ok(&ws[i]))
 }
 
+fn least_loaded(ws: &[Arc<Worker>], ok: &dyn Fn(&Worker) -> bool) -> Option<usize> {
+    (0..ws.len())
+        .filter(|&i| ok(&ws[i]))
+        .min_by_key(|&i| ws[i].inflight())
+}
+
 fn scan_from(ws: &[Arc<Worker>], start: usize, ok: &dyn Fn(&Worker) -> bool) -> Option<usize> {
     (start..ws.len()).chain(0..start).find(|&i| ok(&ws[i]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::breaker::{FailureReason, Outcome, Settings};
+    use crate::clock::ManualClock;
+    use crate::health::HealthThresholds;
+    use crate::worker::{BreakerDefaults, Registry, RegistryConfig, WorkerSpec};
+
+    const ALL: [Policy; 5] = [
+        Policy::RoundRobin,
+        Policy::Random,
+        Policy::PowerOfTwo,
+        Policy::LeastLoad,
+        Policy::ConsistentHash,
+    ];
+
+    fn fleet(n: usize) -> (Arc<Registry>, Arc<ManualClock>) {
+        let clock = Arc::new(ManualClock::new());
+        let registry = Registry::new(
+            RegistryConfig {
+                breaker: BreakerDefaults {
+                    settings: Settings {
+                        failure_threshold: 1,
+                        ..Settings::default()
+                    },
+                    disabled: false,
+                    slow_ttfb: None,
+                },
+                health: HealthThresholds {
+                    failure: 1,
+                    success: 1,
+                },
+                hash_rings: true,
+            },
+            clock.clone(),
+        );
+        let specs: Vec<_> = (0..n)
+            .map(|i| {
+                WorkerSpec::from_url(&format!("http://127.0.{}.{}:8000", i / 250, i % 250 + 1))
+            })
+            .collect();
+        registry.add_all(&specs).unwrap();
+        (registry, clock)
+    }
+
+    fn open(w: &Worker, clock: &ManualClock) {
+        let t = w.breaker.admit(clock).unwrap();
+        w.breaker
+            .record(t, Outcome::Failure(FailureReason::Status), clock);
+    }
+
+    #[test]
+    fn every_policy_finds_the_one_eligible_worker_in_a_large_fleet() {
+        let (registry, clock) = fleet(1000);
+        let fleet = registry.fleet();
+        for w in &fleet.workers[1..] {
+            open(w, &clock);
+        }
+        let (candidates, ring) = fleet.candidates(None);
+        for policy in ALL {
+            let s = Selector::new(policy);
+            let picked = s.select(candidates, ring, Some(7), &[], &*clock).unwrap();
+            assert_eq!(picked.url, fleet.workers[0].url, "{policy:?}");
+        }
+    }
+
+    #[test]
+    fn no_policy_picks_an_open_worker_and_all_open_means_none() {
+        let (registry, clock) = fleet(6);
+        let fleet = registry.fleet();
+        let (candidates, ring) = fleet.candidates(None);
+        for w in fleet.workers.iter().step_by(2) {
+            open(w, &clock);
+        }
+        for policy in ALL {
+            let s = Selector::new(policy);
+            for key in 0..200 {
+                let w = s.select(candidates, ring, Some(key), &[], &*clock).unwrap();
+                assert!(
+                    w.breaker.state() != crate::breaker::State::Open,
+                    "{policy:?}"
+                );
+            }
+        }
+        for w in fleet.workers.iter().skip(1).step_by(2) {
+            open(w, &clock);
+        }
+        for policy in ALL {
+            assert!(
+                Selector::new(policy)
+                    .select(candidates, ring, None, &[], &*clock)
+                    .is_none()
+            );
+        }
+    }
+
+    #[test]
+    fn untried_workers_come_first_and_tried_ones_are_the_fallback() {
+        let (registry, clock) = fleet(3);
+        let fleet = registry.fleet();
+        let (candidates, ring) = fleet.candidates(None);
+        let ids: Vec<u64> = fleet.workers.iter().map(|w| w.breaker.id()).collect();
+        for policy in ALL {
+            let s = Selector::new(policy);
+            let w = s
+                .select(candidates, ring, Some(1), &ids[..2], &*clock)
+                .unwrap();
+            assert_eq!(
+                w.breaker.id(),
+                ids[2],
+                "{policy:?} prefers the untried worker"
+            );
+            let w = s.select(candidates, ring, Some(1), &ids, &*clock);
+            assert!(w.is_some(), "{policy:?} falls back to a tried worker");
+        }
+    }
+
+    #[test]
+    fn consistent_hash_skips_an_open_worker_without_reshuffling_the_rest() {
+        let (registry, clock) = fleet(5);
+        let fleet = registry.fleet();
+        let (candidates, ring) = fleet.candidates(None);
+        let s = Selector::new(Policy::ConsistentHash);
+        let before: Vec<_> = (0..500u64)
+            .map(|k| {
+                s.select(
+                    candidates,
+                    ring,
+                    Some(hash_key(&k.to_le_bytes())),
+                    &[],
+                    &*clock,
+                )
+                .unwrap()
+                .url
+                .clone()
+            })
+            .collect();
+        open(&fleet.workers[2], &clock);
+        for (k, owner) in before.iter().enumerate() {
+            let now = s
+                .select(
+                    candidates,
+                    ring,
+                    Some(hash_key(&(k as u64).to_le_bytes())),
+                    &[],
+                    &*clock,
+                )
+                .unwrap();
+            if *owner != fleet.workers[2].url {
+                assert_eq!(now.url, *owner, "key {k} moved although its worker is fine");
+            } else {
+                assert_ne!(now.url, *owner);
+            }
+        }
+    }
 }

@@ -245,6 +245,8 @@ pub struct Worker {
     pub address: WorkerAddress,
     pub labels: BTreeMap<String, String>,
     pub breaker: Breaker,
+    /// This worker's points on a consistent-hash ring, computed once.
+    pub ring_points: Box<[u64]>,
     models: ArcSwap<Vec<String>>,
     classifier: ArcSwap<Classifier>,
     resilience: Mutex<Resilience>,
@@ -356,8 +358,16 @@ impl Drop for InflightGuard {
 pub struct Fleet {
     pub workers: Vec<Arc<Worker>>,
     by_model: HashMap<String, Vec<Arc<Worker>>>,
-    rings: HashMap<String, Ring>,
-    ring_all: Option<Ring>,
+    with_rings: bool,
+    /// Built by the first request that needs them, so a burst of fleet
+    /// changes (start-up, models being learned) sorts no ring it discards.
+    rings: std::sync::OnceLock<Rings>,
+}
+
+#[derive(Debug, Default)]
+struct Rings {
+    by_model: HashMap<String, Ring>,
+    all: Ring,
 }
 
 impl Fleet {
@@ -366,9 +376,19 @@ impl Fleet {
     /// the whole fleet: a worker whose models are not known yet (or a client
     /// that names a model alias) should not turn into a 404.
     pub fn candidates(&self, model: Option<&str>) -> (&[Arc<Worker>], Option<&Ring>) {
+        let rings = self.with_rings.then(|| {
+            self.rings.get_or_init(|| Rings {
+                by_model: self
+                    .by_model
+                    .iter()
+                    .map(|(m, ws)| (m.clone(), Ring::build(ws)))
+                    .collect(),
+                all: Ring::build(&self.workers),
+            })
+        });
         match model.and_then(|m| self.by_model.get_key_value(m)) {
-            Some((m, workers)) => (workers, self.rings.get(m)),
-            None => (&self.workers, self.ring_all.as_ref()),
+            Some((m, workers)) => (workers, rings.and_then(|r| r.by_model.get(m))),
+            None => (&self.workers, rings.map(|r| &r.all)),
         }
     }
 
@@ -385,20 +405,11 @@ impl Fleet {
                 by_model.entry(m.clone()).or_default().push(w.clone());
             }
         }
-        let (rings, ring_all) = if with_rings {
-            let rings = by_model
-                .iter()
-                .map(|(m, ws)| (m.clone(), Ring::build(ws)))
-                .collect();
-            (rings, Some(Ring::build(&workers)))
-        } else {
-            (HashMap::new(), None)
-        };
         Self {
             workers,
             by_model,
-            rings,
-            ring_all,
+            with_rings,
+            rings: std::sync::OnceLock::new(),
         }
     }
 }
@@ -408,7 +419,7 @@ impl Fleet {
 pub struct RegistryConfig {
     pub breaker: BreakerDefaults,
     pub health: HealthThresholds,
-    /// Build consistent-hash rings on every fleet change.
+    /// Keep consistent-hash rings over the fleet (`consistent_hash` policy).
     pub hash_rings: bool,
 }
 
@@ -467,16 +478,51 @@ impl Registry {
     }
 
     pub fn add(self: &Arc<Self>, spec: &WorkerSpec) -> Result<Arc<Worker>, RegistryError> {
-        let address = spec.validate()?;
+        let mut added = self.add_all(std::slice::from_ref(spec))?;
+        Ok(added.remove(0))
+    }
+
+    /// Adds several workers as one change: all of them or, when any spec is
+    /// invalid or a duplicate, none. The fleet snapshot (and its hash rings)
+    /// is rebuilt once, not once per worker.
+    pub fn add_all(
+        self: &Arc<Self>,
+        specs: &[WorkerSpec],
+    ) -> Result<Vec<Arc<Worker>>, RegistryError> {
+        let addresses = specs
+            .iter()
+            .map(WorkerSpec::validate)
+            .collect::<Result<Vec<_>, _>>()?;
         let _write = self.write.lock().unwrap();
         let fleet = self.fleet.load_full();
-        if fleet.workers.iter().any(|w| *w.url == *address.base) {
-            return Err(RegistryError::Duplicate(address.base));
+        let mut seen: std::collections::HashSet<&str> =
+            fleet.workers.iter().map(|w| &*w.url).collect();
+        if let Some(dup) = addresses.iter().find(|a| !seen.insert(&a.base)) {
+            return Err(RegistryError::Duplicate(dup.base.clone()));
         }
+        let added: Vec<_> = specs
+            .iter()
+            .zip(addresses)
+            .map(|(spec, address)| self.build_worker(spec, address))
+            .collect();
+        let mut removed = self.removed.lock().unwrap();
+        removed.retain(|u| !added.iter().any(|w| w.url == *u));
+        drop(removed);
+        let mut workers = fleet.workers.clone();
+        workers.extend(added.iter().cloned());
+        self.publish(workers);
+        for worker in &added {
+            tracing::info!(worker = %worker.url, id = %worker.id, "worker added");
+            let _ = self.events.send(WorkerEvent::Added(worker.clone()));
+        }
+        Ok(added)
+    }
+
+    fn build_worker(&self, spec: &WorkerSpec, address: WorkerAddress) -> Arc<Worker> {
         let (settings, classifier) = self.config.breaker.resolve(&spec.resilience);
         let id = format!("w{}", self.next_id.fetch_add(1, Ordering::Relaxed));
         let url: Arc<str> = address.base.clone().into();
-        let worker = Arc::new_cyclic(|me: &Weak<Worker>| {
+        Arc::new_cyclic(|me: &Weak<Worker>| {
             let observer = Arc::new(BreakerEvents {
                 worker: me.clone(),
                 events: self.events.clone(),
@@ -485,6 +531,7 @@ impl Registry {
             Worker {
                 id,
                 url: url.clone(),
+                ring_points: crate::selection::ring_points(&url),
                 address,
                 labels: spec.labels.clone(),
                 breaker: Breaker::new(url.clone(), settings, Some(observer)),
@@ -499,14 +546,7 @@ impl Registry {
                 ttfb: LatencyHistogram::default(),
                 tasks: Mutex::new(Vec::new()),
             }
-        });
-        self.removed.lock().unwrap().retain(|u| **u != *url);
-        let mut workers = fleet.workers.clone();
-        workers.push(worker.clone());
-        self.publish(workers);
-        tracing::info!(worker = %worker.url, id = %worker.id, "worker added");
-        let _ = self.events.send(WorkerEvent::Added(worker.clone()));
-        Ok(worker)
+        })
     }
 
     /// Applies a `resilience` patch. Invalid patches change nothing.

@@ -1,0 +1,95 @@
+//! Worker selection cost against fleet size: every policy at 8, 512 and 4096
+//! workers, with the whole fleet eligible and with half of it open.
+//!
+//! `cargo bench -p balancer --bench selection` (or `cargo xtask bench breaker`).
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::Duration;
+
+use balancer::breaker::{FailureReason, Outcome, Settings};
+use balancer::clock::{Clock, ManualClock};
+use balancer::health::HealthThresholds;
+use balancer::selection::{Policy, Selector, hash_key};
+use balancer::worker::{BreakerDefaults, Registry, RegistryConfig, WorkerSpec};
+use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+
+fn fleet(n: usize, clock: Arc<ManualClock>) -> Arc<Registry> {
+    let registry = Registry::new(
+        RegistryConfig {
+            breaker: BreakerDefaults {
+                settings: Settings {
+                    failure_threshold: 1,
+                    ..Settings::default()
+                },
+                disabled: false,
+                slow_ttfb: None,
+            },
+            health: HealthThresholds {
+                failure: 3,
+                success: 2,
+            },
+            hash_rings: true,
+        },
+        clock,
+    );
+    // Addresses are never dialled: selection only reads worker state.
+    let specs: Vec<_> = (0..n)
+        .map(|i| WorkerSpec::from_url(&format!("http://127.0.{}.{}:8000", i / 250, i % 250 + 1)))
+        .collect();
+    registry.add_all(&specs).unwrap();
+    registry
+}
+
+fn bench(c: &mut Criterion) {
+    let policies = [
+        Policy::PowerOfTwo,
+        Policy::RoundRobin,
+        Policy::Random,
+        Policy::ConsistentHash,
+        Policy::LeastLoad,
+    ];
+    for open_half in [false, true] {
+        let mut group = c.benchmark_group(if open_half {
+            "select/half open"
+        } else {
+            "select/all eligible"
+        });
+        for n in [8, 512, 4096] {
+            let clock = Arc::new(ManualClock::new());
+            let registry = fleet(n, clock.clone());
+            let fleet = registry.fleet();
+            if open_half {
+                for w in fleet.workers.iter().step_by(2) {
+                    let t = w.breaker.admit(&*clock).unwrap();
+                    w.breaker
+                        .record(t, Outcome::Failure(FailureReason::Status), &*clock);
+                }
+            }
+            let (candidates, ring) = fleet.candidates(None);
+            let key = Some(hash_key(b"session-42"));
+            for policy in policies {
+                let selector = Selector::new(policy);
+                group.bench_with_input(BenchmarkId::new(policy.as_str(), n), &n, |b, _| {
+                    b.iter(|| {
+                        black_box(selector.select(
+                            candidates,
+                            ring,
+                            key,
+                            &[],
+                            &*clock as &dyn Clock,
+                        ))
+                    })
+                });
+            }
+        }
+        group.finish();
+    }
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().measurement_time(Duration::from_secs(1)).warm_up_time(Duration::from_millis(300));
+    targets = bench
+}
+criterion_main!(benches);
