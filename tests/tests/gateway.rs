@@ -663,3 +663,119 @@ async fn readiness_reflects_routable_workers() {
     );
     h.stop().await;
 }
+
+#[tokio::test]
+async fn a_body_over_the_replay_limit_gets_a_single_attempt() {
+    let h = harness(
+        &["a", "b"],
+        &[
+            &["--max-replay-body-bytes", "64", "--policy", "round_robin"][..],
+            QUIET,
+        ]
+        .concat(),
+    )
+    .await;
+    let (a0, b0) = (h.served(0), h.served(1));
+    h.workers[0].set_fault(always(500));
+    h.workers[1].set_fault(always(500));
+    let big = format!(
+        r#"{{"model":"demo-model","messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "x".repeat(4096)
+    );
+    let r = h.chat(&big).await;
+    assert_eq!(
+        r.status,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "no retry: the worker's answer"
+    );
+    assert_eq!(
+        h.served(0) - a0 + h.served(1) - b0,
+        1,
+        "exactly one attempt"
+    );
+    // A small body is kept and retried on the other worker.
+    h.workers[1].clear_fault();
+    let r = h.chat(CHAT).await;
+    assert_eq!(r.status, StatusCode::OK);
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn worker_retry_after_sets_the_wait_before_the_next_attempt() {
+    let h = harness(
+        &["a"],
+        &[
+            "--retry-initial-backoff-ms",
+            "1",
+            "--retry-max-backoff-ms",
+            "5000",
+            "--disable-health-check",
+        ],
+    )
+    .await;
+    h.workers[0].set_fault(Fault {
+        status: Some(503),
+        count: Some(1),
+        retry_after: Some(1),
+        ..Fault::default()
+    });
+    let started = Instant::now();
+    let r = h.chat(CHAT).await;
+    assert_eq!(
+        r.status,
+        StatusCode::OK,
+        "the retry after the pushback succeeded"
+    );
+    assert!(
+        started.elapsed() >= Duration::from_secs(1),
+        "waited for Retry-After"
+    );
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn shutdown_lets_in_flight_requests_finish() {
+    let h = harness(
+        &["a"],
+        &[&["--shutdown-grace-period-secs", "5"][..], QUIET].concat(),
+    )
+    .await;
+    h.workers[0].set_fault(Fault {
+        latency_ms: Some(600),
+        ..Fault::default()
+    });
+    // A raw connection, so the harness itself can be taken apart below.
+    let addr = h.gw.addr;
+    let inflight = tokio::spawn(async move {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let req = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\
+             content-type: application/json\r\ncontent-length: {}\r\n\r\n{CHAT}",
+            CHAT.len()
+        );
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut response = String::new();
+        s.read_to_string(&mut response).await.unwrap();
+        response
+    });
+    let worker = h.gw.registry.fleet().workers[0].clone();
+    eventually("request in flight", || {
+        std::future::ready(worker.inflight() == 1)
+    })
+    .await;
+    let (gw, workers) = (h.gw, h.workers);
+    let stopping = tokio::spawn(gw.shutdown());
+    let response = inflight.await.unwrap();
+    assert!(
+        response.starts_with("HTTP/1.1 200"),
+        "finished during shutdown: {response}"
+    );
+    assert!(response.contains("chat.completion"));
+    tokio::time::timeout(BOUND, stopping)
+        .await
+        .unwrap()
+        .unwrap();
+    for w in workers {
+        w.shutdown().await;
+    }
+}
