@@ -277,8 +277,30 @@ impl Proxy {
                 Some(RequestBody::Streaming(prefix, rest)) => chain(prefix, rest),
                 None => unreachable!("a streaming body gets exactly one attempt"),
             };
-            let result = self.send(&worker, &req, upstream_body).await;
             let classifier = worker.classifier();
+            let send = self.send(&worker, &req, upstream_body);
+            // `None` once the ticket was handed back to the breaker.
+            let mut ticket = Some(ticket);
+            let result = match classifier.slow_ttfb() {
+                None => send.await,
+                Some(budget) => {
+                    tokio::pin!(send);
+                    tokio::select! {
+                        r = &mut send => r,
+                        () = tokio::time::sleep(budget) => {
+                            // Slow is already certain: charge it now, so the
+                            // breaker reacts at the budget rather than when
+                            // the worker finally answers. The answer still
+                            // goes to the client.
+                            if let Some(t) = ticket.take() {
+                                let slow = Outcome::Failure(FailureReason::Slow);
+                                charges.record(&worker.breaker, t, slow, &*self.clock);
+                            }
+                            send.await
+                        }
+                    }
+                }
+            };
             let failure = match result {
                 Ok(response) => {
                     let status = response.status().as_u16();
@@ -286,7 +308,9 @@ impl Proxy {
                     let retryable = RETRY_STATUSES.contains(&status);
                     if retryable && !last {
                         let retry_after = retry_after(response.headers());
-                        charges.record(&worker.breaker, ticket, outcome, &*self.clock);
+                        if let Some(t) = ticket {
+                            charges.record(&worker.breaker, t, outcome, &*self.clock);
+                        }
                         drop(response);
                         self.stats.retry();
                         tokio::time::sleep(self.config.retry.backoff(attempt, retry_after)).await;
@@ -297,11 +321,13 @@ impl Proxy {
                     }
                     self.stats.ttfb.observe(started.elapsed().as_secs_f64());
                     self.stats.upstream_response(status);
-                    let pending = if outcome == Outcome::Success {
-                        Some((ticket, charges))
-                    } else {
-                        charges.record(&worker.breaker, ticket, outcome, &*self.clock);
-                        None
+                    let pending = match ticket {
+                        Some(t) if outcome == Outcome::Success => Some((t, charges)),
+                        Some(t) => {
+                            charges.record(&worker.breaker, t, outcome, &*self.clock);
+                            None
+                        }
+                        None => None,
                     };
                     let completion = Completion {
                         guard,
@@ -328,12 +354,9 @@ impl Proxy {
                 AttemptError::Timeout => FailureReason::Timeout,
                 AttemptError::Unreachable(_) => FailureReason::Connect,
             };
-            charges.record(
-                &worker.breaker,
-                ticket,
-                Outcome::Failure(reason),
-                &*self.clock,
-            );
+            if let Some(t) = ticket {
+                charges.record(&worker.breaker, t, Outcome::Failure(reason), &*self.clock);
+            }
             drop(guard);
             if !last {
                 self.stats.retry();

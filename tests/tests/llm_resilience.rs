@@ -47,6 +47,7 @@ async fn a_worker_answering_200_in_3s_is_isolated_with_slow_ttfb() {
     let a = h.breaker(0);
     assert_eq!(a.state, State::Open);
     assert_eq!(a.failures[FailureReason::Slow as usize], 2);
+    assert_eq!(a.successes, 0, "the late 200s were not successes");
     let r = h.chat(CHAT).await;
     assert_eq!(r.code(), "no_available_workers");
     let m = h.metrics().await;
@@ -282,4 +283,50 @@ async fn a_spent_budget_takes_the_fallback_model() {
     assert_eq!(r.status, StatusCode::OK);
     assert_eq!(r.headers["x-balancer-fallback"], "big-model->small-model");
     h.stop().await;
+}
+
+#[tokio::test]
+async fn a_slow_answer_trips_the_breaker_at_the_budget_not_at_the_answer() {
+    let h = harness(
+        &["a"],
+        &[
+            &[
+                "--cb-slow-ttfb-ms",
+                "300",
+                "--cb-failure-threshold",
+                "1",
+                "--disable-retries",
+            ][..],
+            QUIET,
+        ]
+        .concat(),
+    )
+    .await;
+    h.workers[0].set_fault(Fault {
+        latency_ms: Some(3000),
+        ..Fault::default()
+    });
+    let h = Arc::new(h);
+    let request = {
+        let h = h.clone();
+        tokio::spawn(async move { h.chat(CHAT).await.status })
+    };
+    let started = std::time::Instant::now();
+    balancer_tests::gateway::eventually("open at the budget", || {
+        std::future::ready(h.breaker(0).state == State::Open)
+    })
+    .await;
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "opened after {:?}",
+        started.elapsed()
+    );
+    assert!(!request.is_finished(), "the answer has not come yet");
+    assert_eq!(
+        request.await.unwrap(),
+        StatusCode::OK,
+        "and still reaches the client"
+    );
+    assert_eq!(h.breaker(0).failures_total(), 1, "charged once");
+    Arc::into_inner(h).unwrap().stop().await;
 }
