@@ -116,7 +116,7 @@ async fn main() -> anyhow::Result<()> {
             let mut n = 0u64;
             while started.elapsed() < RUN {
                 n += 1;
-                let stream = (n + c as u64) % 2 == 0;
+                let stream = (n + c as u64).is_multiple_of(2);
                 let body = format!(
                     r#"{{"model":"demo-model","stream":{stream},"max_tokens":8,"messages":[{{"role":"user","content":"hi"}}]}}"#
                 );
