@@ -73,9 +73,10 @@ const GATEWAY: &str = "balancer";
 
 fn l7(args: &L7) -> Result<()> {
     let started = Instant::now();
+    let mut left_out = Vec::new();
     let wrk_binary = ensure_tool("wrk", "wrk")?;
     let nginx = ensure_tool("nginx", "nginx-light")
-        .map_err(|error| unavailable("nginx", &error))
+        .map_err(|error| unavailable(&mut left_out, "nginx", &error))
         .ok();
     run(Command::new("cargo")
         .args([
@@ -89,7 +90,7 @@ fn l7(args: &L7) -> Result<()> {
         .current_dir(workspace_root()))?;
     let balancer = target_dir().join("release/balancer");
     let smg = smg_launcher()
-        .map_err(|error| unavailable("smg", &error))
+        .map_err(|error| unavailable(&mut left_out, "smg", &error))
         .ok();
 
     let mut lab = Lab::new()?;
@@ -147,7 +148,7 @@ fn l7(args: &L7) -> Result<()> {
                 .arg(&conf)
                 .args(["-g", "daemon off;"]),
         )?;
-        optional(&mut lab, &mut targets, "nginx", addr);
+        optional(&mut lab, &mut targets, &mut left_out, "nginx", addr);
     }
 
     if let Some(smg) = smg {
@@ -170,12 +171,11 @@ fn l7(args: &L7) -> Result<()> {
                 ])
                 .args(&urls),
         )?;
-        optional(&mut lab, &mut targets, "smg", addr);
+        optional(&mut lab, &mut targets, &mut left_out, "smg", addr);
     }
 
     let cores = std::thread::available_parallelism().map_or(0, usize::from);
-    let load = fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    let load = load.split_whitespace().next().unwrap_or("?");
+    let busy_before = other_cpu_use();
     eprintln!(
         "\nbench l7: POST {PATH} ({} byte JSON body); per target and round: \
          wrk -t{WRK_THREADS} -c{} -d{}s --latency; {} rounds after a {WARMUP_SECS}s warm-up",
@@ -186,7 +186,7 @@ fn l7(args: &L7) -> Result<()> {
     );
     eprintln!(
         "CPU: {cores} cores shared, unpinned, by wrk, the target and both demo workers; \
-         1-minute load average before the first round: {load} (other work skews results)\n"
+         busy with other work before the first round: {busy_before}\n"
     );
 
     for target in &targets {
@@ -214,25 +214,43 @@ fn l7(args: &L7) -> Result<()> {
         }
     }
 
+    let busy_after = other_cpu_use();
     println!("\n{}", table(&targets));
+    println!(
+        "CPU busy with other work (which skews results): {busy_before} before the rounds, \
+         {busy_after} after"
+    );
+    if !left_out.is_empty() {
+        println!(
+            "LEFT OUT (see the UNAVAILABLE lines above): {}",
+            left_out.join(", ")
+        );
+    }
     eprintln!("bench l7 took {:.0}s", started.elapsed().as_secs_f64());
     Ok(())
 }
 
 /// Adds a target that may fail to start, saying loudly when it does.
-fn optional(lab: &mut Lab, targets: &mut Vec<Target>, name: &'static str, addr: SocketAddr) {
+fn optional(
+    lab: &mut Lab,
+    targets: &mut Vec<Target>,
+    left_out: &mut Vec<&'static str>,
+    name: &'static str,
+    addr: SocketAddr,
+) {
     match lab.await_ready(name, addr) {
         Ok(()) => targets.push(Target::new(name, addr)),
         Err(error) => {
-            unavailable(name, &error);
+            unavailable(left_out, name, &error);
             // A half-started server would take CPU from the others.
             lab.stop(name);
         }
     }
 }
 
-fn unavailable(name: &str, error: &anyhow::Error) {
+fn unavailable(left_out: &mut Vec<&'static str>, name: &'static str, error: &anyhow::Error) {
     eprintln!("\n*** bench: {name} UNAVAILABLE, its row is left out: {error:#} ***\n");
+    left_out.push(name);
 }
 
 struct Target {
@@ -300,6 +318,36 @@ fn table(targets: &[Target]) -> String {
          p99 above 1 is slower)"
     ));
     out
+}
+
+/// How busy the CPUs are over one second while the bench itself is idle,
+/// from /proc/stat: others' builds and tests share this machine.
+fn other_cpu_use() -> String {
+    // user nice system idle iowait irq softirq steal, in ticks since boot.
+    let sample = || -> Option<(u64, u64)> {
+        let stat = fs::read_to_string("/proc/stat").ok()?;
+        let ticks: Vec<u64> = stat
+            .lines()
+            .next()?
+            .split_whitespace()
+            .skip(1)
+            .take(8)
+            .map(str::parse)
+            .collect::<Result<_, _>>()
+            .ok()?;
+        Some((ticks.iter().sum(), ticks.get(3)? + ticks.get(4)?))
+    };
+    let Some((total_before, idle_before)) = sample() else {
+        return "unknown".into();
+    };
+    sleep(Duration::from_secs(1));
+    match sample() {
+        Some((total, idle)) if total > total_before => {
+            let busy = 1.0 - (idle - idle_before) as f64 / (total - total_before) as f64;
+            format!("{:.0}%", busy * 100.0)
+        }
+        _ => "unknown".into(),
+    }
 }
 
 /// The middle value; the mean of the two middle ones for an even count.
