@@ -4,18 +4,22 @@
 //! padding, because both sides read the same bytes out of eBPF maps.
 #![no_std]
 
+pub mod l4;
+
 /// Name of the XDP program inside the eBPF object (the `#[xdp]` function).
 pub const PROGRAM_NAME: &str = "balancer";
 
 /// Name of the per-CPU `u64` array that counts packets per [`Verdict`].
 pub const VERDICTS_MAP: &str = "VERDICTS";
 
-/// Why the XDP program let a packet go the way it did.
+/// How the XDP program classified a packet while parsing it: every packet
+/// is counted under exactly one verdict.
 ///
 /// The discriminant is the packet's index in the `VERDICTS` map, so values
 /// are append-only: renumbering would make an agent misread counters of an
-/// object built from a different revision. The L4 steering work adds its
-/// outcomes (steered to a backend, no backend, ...) after the current ones.
+/// object built from a different revision. What L4 steering then did with a
+/// TCP packet is counted separately, under an [`l4::Outcome`], so that the
+/// verdicts keep meaning "what the packet is" whether or not services exist.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Verdict {

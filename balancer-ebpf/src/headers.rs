@@ -74,8 +74,25 @@ pub struct TcpHdr {
 }
 
 impl TcpHdr {
+    pub const FIN: u8 = 0x01;
     pub const SYN: u8 = 0x02;
+    pub const RST: u8 = 0x04;
     pub const ACK: u8 = 0x10;
+    /// Offset of `check` in the header.
+    pub const CHECK_OFFSET: usize = 16;
+
+    /// A SYN-ACK: the server's answer that opens a connection.
+    #[inline(always)]
+    pub fn is_syn_ack(&self) -> bool {
+        self.flags & (Self::SYN | Self::ACK) == Self::SYN | Self::ACK
+    }
+}
+
+impl Ipv4Hdr {
+    /// Offset of `check` in the header.
+    pub const CHECK_OFFSET: usize = 10;
+    /// Offset of `saddr` in the header.
+    pub const SADDR_OFFSET: usize = 12;
 }
 
 const _: () = {

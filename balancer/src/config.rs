@@ -7,7 +7,7 @@
 //! start with the flag and the value named.
 
 use std::ffi::OsString;
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, SocketAddr, SocketAddrV4};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -16,9 +16,13 @@ use clap::{Args, CommandFactory, Parser};
 
 use crate::admission::AdmissionConfig;
 use crate::breaker::{DegradedSettings, Settings, WindowSettings};
+use crate::dataplane::XdpMode;
+use crate::dataplane::maglev::is_prime;
+use crate::dataplane::steering::{ForwardMode, L4Config};
 use crate::health::HealthThresholds;
 use crate::selection::Policy;
 use crate::worker::{BreakerDefaults, WorkerSpec};
+use balancer_common::l4::{DEFAULT_CONNTRACK_SIZE, DEFAULT_TABLE_SIZE, MAX_SERVICES};
 
 fn positive_f64(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
@@ -193,6 +197,34 @@ pub struct LaunchArgs {
     /// `token_budget_exceeded` with Retry-After. Repeatable.
     #[arg(long, value_name = "MODEL=TOKENS", value_parser = model_budget)]
     pub token_budget: Vec<(String, u64)>,
+
+    /// Attach the XDP program to IFACE and steer new TCP connections of the
+    /// `--l4-service`s over the workers at line rate, skipping workers whose
+    /// breaker is open, that are not ready or that drain. Repeatable: in
+    /// remote mode, name the interfaces where clients' packets and the
+    /// workers' replies arrive. Without it nothing is attached and the
+    /// gateway is L7 only. Needs root and the eBPF object
+    /// (`cargo xtask build-ebpf`, or BALANCER_EBPF_OBJECT).
+    #[arg(long, value_name = "IFACE")]
+    pub xdp_iface: Vec<String>,
+    /// How to attach the XDP program: auto (native, else generic), driver
+    /// (native only), skb (generic).
+    #[arg(long, value_enum, default_value_t = XdpMode::Auto)]
+    pub xdp_mode: XdpMode,
+    /// VIP:PORT whose TCP connections are balanced over the workers (at the
+    /// IPv4 address and port of their URLs). Repeatable.
+    #[arg(long, value_name = "VIP:PORT")]
+    pub l4_service: Vec<SocketAddrV4>,
+    /// How steered packets reach the workers (NAT both ways, no tunnel).
+    #[arg(long, value_enum, default_value_t = ForwardMode::Local)]
+    pub l4_mode: ForwardMode,
+    /// Slots of each service's Maglev table; must be prime, and about 100
+    /// times the number of workers keeps their shares within 1% of even.
+    #[arg(long, default_value_t = DEFAULT_TABLE_SIZE, value_parser = clap::value_parser!(u32).range(3..))]
+    pub l4_table_size: u32,
+    /// Entries of the LRU connection table (each connection takes two).
+    #[arg(long, default_value_t = DEFAULT_CONNTRACK_SIZE, value_parser = clap::value_parser!(u32).range(64..))]
+    pub l4_conntrack_size: u32,
 
     #[command(flatten)]
     pub breaker: BreakerArgs,
@@ -375,6 +407,7 @@ impl LaunchArgs {
                 at = next;
             }
         }
+        self.validate_l4()?;
         for url in &self.worker_urls {
             crate::worker::WorkerAddress::parse(url)
                 .with_context(|| format!("invalid value '{url}' for '--worker-urls'"))?;
@@ -384,6 +417,41 @@ impl LaunchArgs {
                 .with_context(|| format!("config file: worker {:?}", spec.url))?;
         }
         Ok(())
+    }
+
+    fn validate_l4(&self) -> anyhow::Result<()> {
+        if self.xdp_iface.is_empty() != self.l4_service.is_empty() {
+            bail!(
+                "--xdp-iface and --l4-service go together: steering needs an interface and at least one service"
+            );
+        }
+        if !is_prime(self.l4_table_size) {
+            bail!(
+                "invalid value '{}' for '--l4-table-size': Maglev needs a prime (65537, 251, ...)",
+                self.l4_table_size
+            );
+        }
+        if self.l4_service.len() > MAX_SERVICES as usize {
+            bail!("at most {MAX_SERVICES} --l4-service values");
+        }
+        for (i, service) in self.l4_service.iter().enumerate() {
+            if self.l4_service[..i].contains(service) {
+                bail!("invalid value '{service}' for '--l4-service': given twice");
+            }
+        }
+        Ok(())
+    }
+
+    /// What the XDP dataplane is to do; `None` without `--xdp-iface`.
+    pub fn l4_config(&self) -> Option<L4Config> {
+        (!self.xdp_iface.is_empty()).then(|| L4Config {
+            ifaces: self.xdp_iface.clone(),
+            xdp_mode: self.xdp_mode,
+            mode: self.l4_mode,
+            services: self.l4_service.clone(),
+            table_size: self.l4_table_size,
+            conntrack_size: self.l4_conntrack_size,
+        })
     }
 
     pub fn listen_addr(&self) -> SocketAddr {
@@ -628,6 +696,65 @@ resilience = { capacity_status_codes = [429, 503], cb_failure_threshold = 2 }
         let err = parse(&["--config", p]).unwrap_err().to_string();
         assert!(err.contains("cb_failure_treshold"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn l4_flags_are_checked_together() {
+        assert!(parse(&[]).unwrap().l4_config().is_none());
+        let a = parse(&[
+            "--xdp-iface",
+            "eth0",
+            "--xdp-iface",
+            "eth1",
+            "--l4-service",
+            "10.0.0.1:80",
+            "--l4-mode",
+            "remote",
+            "--xdp-mode",
+            "skb",
+            "--l4-table-size",
+            "251",
+        ])
+        .unwrap();
+        let l4 = a.l4_config().unwrap();
+        assert_eq!(l4.ifaces, ["eth0", "eth1"]);
+        assert_eq!(l4.mode, ForwardMode::Remote);
+        assert_eq!(l4.xdp_mode, XdpMode::Skb);
+        assert_eq!(l4.table_size, 251);
+        assert_eq!(
+            l4.services,
+            ["10.0.0.1:80".parse::<SocketAddrV4>().unwrap()]
+        );
+        for (args, needle) in [
+            (&["--xdp-iface", "eth0"][..], "--l4-service"),
+            (&["--l4-service", "10.0.0.1:80"][..], "--xdp-iface"),
+            (
+                &[
+                    "--xdp-iface",
+                    "e",
+                    "--l4-service",
+                    "10.0.0.1:80",
+                    "--l4-table-size",
+                    "65536",
+                ][..],
+                "prime",
+            ),
+            (
+                &[
+                    "--xdp-iface",
+                    "e",
+                    "--l4-service",
+                    "10.0.0.1:80",
+                    "--l4-service",
+                    "10.0.0.1:80",
+                ][..],
+                "twice",
+            ),
+            (&["--l4-mode", "tunnel"][..], "--l4-mode"),
+        ] {
+            let err = format!("{:#}", parse(args).unwrap_err());
+            assert!(err.contains(needle), "{args:?}: {err}");
+        }
     }
 
     #[test]

@@ -2,15 +2,17 @@
 //!
 //! This module owns the kernel side of the balancer's life: finding the
 //! compiled eBPF object, loading it, attaching the `balancer` XDP program to
-//! an interface (and detaching it again, also on drop), reading the maps the
-//! program fills (per-verdict packet counters), forwarding the program's
-//! `aya-log` records into `tracing`, and running the program on crafted
-//! packets through `BPF_PROG_TEST_RUN` for tests and benchmarks.
+//! interfaces (and, in local mode, the `balancer_egress` TC program to their
+//! egress), detaching them again (also on drop), reading the maps the
+//! programs fill, forwarding the program's `aya-log` records into `tracing`,
+//! and running the programs on crafted packets through `BPF_PROG_TEST_RUN`
+//! for tests and benchmarks.
 //!
 //! It never decides anything about routing. Which workers exist, which are
-//! healthy and where a connection should go is the agent's business; this
-//! module only mirrors what the agent tells it into maps and reports what the
-//! program counted.
+//! healthy and where a connection should go is the agent's business:
+//! [`l4::L4Maps`] writes what it is told into the steering maps, and
+//! [`steering`] is the agent side that keeps them in step with the worker
+//! registry.
 //!
 //! eBPF log records arrive through the `log` crate (that is what `aya-log`
 //! speaks) with target [`EBPF_LOG_TARGET`]; they reach `tracing` through the
@@ -26,10 +28,18 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use aya::maps::{MapError, PerCpuArray};
+use aya::programs::tc::SchedClassifierLinkId;
 use aya::programs::xdp::XdpLinkId;
-use aya::programs::{ProgramError, Xdp};
+use aya::programs::{ProgramError, SchedClassifier, TcAttachType, Xdp};
 use aya::{Ebpf, EbpfError, EbpfLoader, TestRun, TestRunOptions};
+use balancer_common::l4::{self as common, EGRESS_PROGRAM_NAME};
 use balancer_common::{PROGRAM_NAME, VERDICTS_MAP, Verdict};
+
+pub mod l4;
+pub mod maglev;
+pub mod steering;
+
+pub use l4::L4Maps;
 
 /// Environment variable that points the agent at a specific eBPF object.
 pub const OBJECT_ENV: &str = "BALANCER_EBPF_OBJECT";
@@ -55,10 +65,16 @@ pub enum DataplaneError {
     },
     #[error("eBPF object has no XDP program `{PROGRAM_NAME}`")]
     MissingProgram,
+    #[error("eBPF object has no TC program `{EGRESS_PROGRAM_NAME}`")]
+    MissingEgressProgram,
     #[error("eBPF object has no map `{0}`")]
     MissingMap(&'static str),
-    #[error("failed to load XDP program `{PROGRAM_NAME}` into the kernel")]
-    Verify(#[source] ProgramError),
+    #[error("failed to load program `{program}` into the kernel")]
+    Verify {
+        program: &'static str,
+        #[source]
+        source: ProgramError,
+    },
     #[error("XDP program is already attached to {iface}")]
     AlreadyAttached { iface: String },
     #[error("failed to attach XDP program to {iface} in {mode:?} mode")]
@@ -68,13 +84,25 @@ pub enum DataplaneError {
         #[source]
         source: ProgramError,
     },
+    #[error("failed to attach TC program to the egress of {iface}")]
+    AttachEgress {
+        iface: String,
+        #[source]
+        source: ProgramError,
+    },
     #[error("failed to detach XDP program from {iface}")]
     Detach {
         iface: String,
         #[source]
         source: ProgramError,
     },
-    #[error("failed to read map `{map}`")]
+    #[error("failed to detach TC program from the egress of {iface}")]
+    DetachEgress {
+        iface: String,
+        #[source]
+        source: ProgramError,
+    },
+    #[error("failed to access map `{map}`")]
     Map {
         map: &'static str,
         #[source]
@@ -84,6 +112,8 @@ pub enum DataplaneError {
     TestRun(#[source] ProgramError),
     #[error("failed to start the eBPF log reader")]
     LogReader(#[source] io::Error),
+    #[error("failed to start the L4 table thread")]
+    TableThread(#[source] io::Error),
 }
 
 fn display_paths(paths: &[PathBuf]) -> String {
@@ -92,7 +122,7 @@ fn display_paths(paths: &[PathBuf]) -> String {
 }
 
 /// How to attach the XDP program.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum XdpMode {
     /// Native (driver) mode where the driver supports it, generic mode
     /// otherwise.
@@ -175,6 +205,14 @@ impl From<u32> for XdpAction {
     }
 }
 
+/// The outcome of [`Dataplane::test_run_egress`]: the TC program's return
+/// code and the packet as it left it.
+#[derive(Clone, Debug)]
+pub struct TcTestRun {
+    pub code: i32,
+    pub packet: Vec<u8>,
+}
+
 /// The outcome of [`Dataplane::test_run`].
 #[derive(Clone, Debug)]
 pub struct XdpTestRun {
@@ -219,33 +257,74 @@ pub fn workspace_object() -> PathBuf {
         .join("target/bpfel-unknown-none/release/balancer-ebpf")
 }
 
+/// Sizes of the maps that depend on the agent's flags, set at load time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Slots of one Maglev table (a prime).
+    pub table_size: u32,
+    /// Services the Maglev map has room for (two tables each).
+    pub services: u32,
+    /// Entries of the connection table (each connection takes two).
+    pub conntrack_size: u32,
+}
+
+impl Default for LoadOptions {
+    /// One service at production sizes.
+    fn default() -> Self {
+        Self {
+            table_size: common::DEFAULT_TABLE_SIZE,
+            services: 1,
+            conntrack_size: common::DEFAULT_CONNTRACK_SIZE,
+        }
+    }
+}
+
 struct Attachment {
     iface: String,
     mode: XdpMode,
     link: XdpLinkId,
 }
 
-/// The loaded XDP program, attached to at most one interface.
+struct EgressAttachment {
+    iface: String,
+    link: SchedClassifierLinkId,
+}
+
+/// The loaded programs: the XDP program, attachable to several interfaces,
+/// and the TC egress program of local mode.
 ///
 /// Interface names are resolved in the network namespace of the thread that
-/// calls [`Dataplane::attach`]. Dropping the value detaches the program and
-/// unloads it. On kernels without XDP links (before 5.9) aya attaches over
+/// calls [`Dataplane::attach`]. Dropping the value detaches the programs and
+/// unloads them. On kernels without XDP links (before 5.9) aya attaches over
 /// netlink, and detaching then also resolves the interface in the calling
 /// thread's namespace: detach (or drop) from the namespace you attached in.
 pub struct Dataplane {
     ebpf: Ebpf,
-    attachment: Option<Attachment>,
+    options: LoadOptions,
+    attachments: Vec<Attachment>,
+    egress: Vec<EgressAttachment>,
     // Declared last so it is dropped last: records the program logs while
     // being detached still get read.
     _log_reader: Option<LogReader>,
 }
 
 impl Dataplane {
-    /// Loads the object at `object` and its XDP program into the kernel,
-    /// without attaching it anywhere.
+    /// Loads the object at `object` and its programs into the kernel, with
+    /// the default map sizes, without attaching anything.
     pub fn load(object: &Path) -> Result<Self, DataplaneError> {
+        Self::load_with(object, LoadOptions::default())
+    }
+
+    /// [`Dataplane::load`] with map sizes of the caller's choosing.
+    pub fn load_with(object: &Path, options: LoadOptions) -> Result<Self, DataplaneError> {
+        let maglev = options
+            .table_size
+            .saturating_mul(options.services.max(1))
+            .saturating_mul(2);
         let mut ebpf = EbpfLoader::new()
             .override_global(aya_log::LEVEL, &ebpf_log_level(), false)
+            .map_max_entries(common::MAGLEV, maglev)
+            .map_max_entries(common::CONNS, options.conntrack_size)
             .load_file(object)
             .map_err(|source| DataplaneError::Load {
                 path: object.to_path_buf(),
@@ -264,7 +343,16 @@ impl Dataplane {
 
         program_mut(&mut ebpf)?
             .load()
-            .map_err(DataplaneError::Verify)?;
+            .map_err(|source| DataplaneError::Verify {
+                program: PROGRAM_NAME,
+                source,
+            })?;
+        egress_mut(&mut ebpf)?
+            .load()
+            .map_err(|source| DataplaneError::Verify {
+                program: EGRESS_PROGRAM_NAME,
+                source,
+            })?;
 
         let log_reader = logger
             .map(|mut logger| {
@@ -273,20 +361,29 @@ impl Dataplane {
             })
             .transpose()
             .map_err(DataplaneError::LogReader)?;
-        tracing::info!(object = %object.display(), "loaded XDP program");
+        tracing::info!(object = %object.display(), ?options, "loaded XDP and TC programs");
         Ok(Self {
             ebpf,
-            attachment: None,
+            options,
+            attachments: Vec::new(),
+            egress: Vec::new(),
             _log_reader: log_reader,
         })
     }
 
-    /// Attaches the program to `iface` and returns the mode it runs in
-    /// (never [`XdpMode::Auto`]).
+    /// Takes the L4 steering maps out of the object, for the agent (or a
+    /// test) to write. Only the first call succeeds.
+    pub fn take_l4_maps(&mut self) -> Result<L4Maps, DataplaneError> {
+        L4Maps::take(&mut self.ebpf, self.options)
+    }
+
+    /// Attaches the XDP program to `iface` and returns the mode it runs in
+    /// (never [`XdpMode::Auto`]). The same program can be attached to
+    /// several interfaces, each once.
     pub fn attach(&mut self, iface: &str, mode: XdpMode) -> Result<XdpMode, DataplaneError> {
-        if let Some(attachment) = &self.attachment {
+        if self.attachments.iter().any(|a| a.iface == iface) {
             return Err(DataplaneError::AlreadyAttached {
-                iface: attachment.iface.clone(),
+                iface: iface.to_owned(),
             });
         }
         let program = program_mut(&mut self.ebpf)?;
@@ -312,7 +409,7 @@ impl Dataplane {
             },
         };
         tracing::info!(iface, ?mode, "attached XDP program");
-        self.attachment = Some(Attachment {
+        self.attachments.push(Attachment {
             iface: iface.to_owned(),
             mode,
             link,
@@ -320,23 +417,63 @@ impl Dataplane {
         Ok(mode)
     }
 
-    /// The interface the program is attached to and its mode, if any.
-    pub fn attached(&self) -> Option<(&str, XdpMode)> {
-        self.attachment.as_ref().map(|a| (a.iface.as_str(), a.mode))
-    }
-
-    /// Detaches the program; doing so when it is not attached is a no-op.
-    pub fn detach(&mut self) -> Result<(), DataplaneError> {
-        let Some(attachment) = self.attachment.take() else {
-            return Ok(());
-        };
-        program_mut(&mut self.ebpf)?
-            .detach(attachment.link)
-            .map_err(|source| DataplaneError::Detach {
-                iface: attachment.iface.clone(),
+    /// Attaches the TC program to the egress of `iface` (local mode: it
+    /// restores the service address on what local backends send).
+    pub fn attach_egress(&mut self, iface: &str) -> Result<(), DataplaneError> {
+        if self.egress.iter().any(|a| a.iface == iface) {
+            return Err(DataplaneError::AlreadyAttached {
+                iface: iface.to_owned(),
+            });
+        }
+        // On kernels with TCX (6.6+) this is a link that goes away with the
+        // process; older ones fall back to netlink and need clsact.
+        let link = egress_mut(&mut self.ebpf)?
+            .attach(iface, TcAttachType::Egress)
+            .map_err(|source| DataplaneError::AttachEgress {
+                iface: iface.to_owned(),
                 source,
             })?;
-        tracing::info!(iface = attachment.iface, "detached XDP program");
+        tracing::info!(iface, "attached TC egress program");
+        self.egress.push(EgressAttachment {
+            iface: iface.to_owned(),
+            link,
+        });
+        Ok(())
+    }
+
+    /// The first interface the XDP program was attached to and its mode,
+    /// if any.
+    pub fn attached(&self) -> Option<(&str, XdpMode)> {
+        self.attachments.first().map(|a| (a.iface.as_str(), a.mode))
+    }
+
+    /// Every interface the XDP program is attached to, with its mode.
+    pub fn interfaces(&self) -> impl Iterator<Item = (&str, XdpMode)> {
+        self.attachments.iter().map(|a| (a.iface.as_str(), a.mode))
+    }
+
+    /// Detaches both programs from every interface; doing so when nothing
+    /// is attached is a no-op. Stops at the first failure, which leaves the
+    /// remaining attachments in place for a later call.
+    pub fn detach(&mut self) -> Result<(), DataplaneError> {
+        while let Some(attachment) = self.egress.pop() {
+            egress_mut(&mut self.ebpf)?
+                .detach(attachment.link)
+                .map_err(|source| DataplaneError::DetachEgress {
+                    iface: attachment.iface.clone(),
+                    source,
+                })?;
+            tracing::info!(iface = attachment.iface, "detached TC egress program");
+        }
+        while let Some(attachment) = self.attachments.pop() {
+            program_mut(&mut self.ebpf)?
+                .detach(attachment.link)
+                .map_err(|source| DataplaneError::Detach {
+                    iface: attachment.iface.clone(),
+                    source,
+                })?;
+            tracing::info!(iface = attachment.iface, "detached XDP program");
+        }
         Ok(())
     }
 
@@ -398,6 +535,33 @@ impl Dataplane {
     }
 }
 
+impl Dataplane {
+    /// Runs the TC egress program once on `packet` through
+    /// `BPF_PROG_TEST_RUN` (the frame starts with its Ethernet header, as on
+    /// egress).
+    pub fn test_run_egress(&self, packet: &[u8]) -> Result<TcTestRun, DataplaneError> {
+        let program: &SchedClassifier = self
+            .ebpf
+            .program(EGRESS_PROGRAM_NAME)
+            .and_then(|program| program.try_into().ok())
+            .ok_or(DataplaneError::MissingEgressProgram)?;
+        let mut out = vec![0; packet.len() + TEST_RUN_GROWTH];
+        let result = program
+            .test_run(TestRunOptions {
+                data_in: Some(packet),
+                data_out: Some(&mut out),
+                repeat: 1,
+                ..TestRunOptions::default()
+            })
+            .map_err(DataplaneError::TestRun)?;
+        out.truncate(result.data_size_out as usize);
+        Ok(TcTestRun {
+            code: result.return_value as i32,
+            packet: out,
+        })
+    }
+}
+
 impl Drop for Dataplane {
     fn drop(&mut self) {
         if let Err(error) = self.detach() {
@@ -410,6 +574,12 @@ fn program_mut(ebpf: &mut Ebpf) -> Result<&mut Xdp, DataplaneError> {
     ebpf.program_mut(PROGRAM_NAME)
         .and_then(|program| program.try_into().ok())
         .ok_or(DataplaneError::MissingProgram)
+}
+
+fn egress_mut(ebpf: &mut Ebpf) -> Result<&mut SchedClassifier, DataplaneError> {
+    ebpf.program_mut(EGRESS_PROGRAM_NAME)
+        .and_then(|program| program.try_into().ok())
+        .ok_or(DataplaneError::MissingEgressProgram)
 }
 
 fn attach_in(program: &mut Xdp, iface: &str, mode: XdpMode) -> Result<XdpLinkId, DataplaneError> {
@@ -461,7 +631,7 @@ fn ebpf_log_level() -> u8 {
 }
 
 /// An error and its sources on one line, for log fields.
-fn error_chain(error: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
     let mut line = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {

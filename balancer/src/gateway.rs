@@ -24,6 +24,7 @@ use crate::admin::Admin;
 use crate::admission::Admission;
 use crate::clock::{Clock, MonotonicClock};
 use crate::config::LaunchArgs;
+use crate::dataplane::steering::Steering;
 use crate::health::probe;
 use crate::metrics::GatewayStats;
 use crate::mock_worker::{MockWorker, MockWorkerConfig};
@@ -43,6 +44,8 @@ pub struct Running {
     pub registry: Arc<Registry>,
     pub proxy: Arc<Proxy>,
     pub demo_workers: Vec<MockWorker>,
+    /// The XDP dataplane, with `--xdp-iface`.
+    steering: Option<Steering>,
     shutdown: watch::Sender<bool>,
     listeners: JoinSet<()>,
 }
@@ -166,6 +169,16 @@ pub async fn start_with_clock(args: LaunchArgs, clock: Arc<dyn Clock>) -> anyhow
         prober.spawn(&worker);
     }
 
+    let steering = match args.l4_config() {
+        Some(config) => {
+            let steering = Steering::start(&config, registry.clone())
+                .context("cannot start the XDP dataplane (--xdp-iface)")?;
+            stats.set_dataplane(steering.metrics());
+            Some(steering)
+        }
+        None => None,
+    };
+
     let routing_key_header =
         HeaderName::try_from(args.routing_key_header.as_str()).with_context(|| {
             format!(
@@ -252,17 +265,28 @@ pub async fn start_with_clock(args: LaunchArgs, clock: Arc<dyn Clock>) -> anyhow
         registry,
         proxy,
         demo_workers,
+        steering,
         shutdown,
         listeners,
     })
 }
 
 impl Running {
+    /// The XDP dataplane, when `--xdp-iface` started one.
+    pub fn steering(&self) -> Option<&Steering> {
+        self.steering.as_ref()
+    }
+
     /// Stops accepting, lets in-flight requests finish within the grace
     /// period, then stops the workers' tasks and the demo workers.
     pub async fn shutdown(mut self) {
         let _ = self.shutdown.send(true);
         while self.listeners.join_next().await.is_some() {}
+        if let Some(steering) = self.steering.take()
+            && let Err(error) = steering.stop()
+        {
+            tracing::warn!(error = %anyhow::Error::from(error), "detaching the XDP dataplane");
+        }
         for w in self.registry.fleet().workers.clone() {
             self.registry.remove(&w);
         }

@@ -10,6 +10,7 @@
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use prometheus::{Encoder, Histogram, HistogramOpts, TextEncoder};
 
@@ -31,6 +32,14 @@ pub struct GatewayStats {
     pub request_duration: Histogram,
     pub ttfb: Histogram,
     histograms: prometheus::Registry,
+    /// The XDP dataplane's series, when it runs.
+    dataplane: OnceLock<Arc<dyn MetricsSource>>,
+}
+
+/// Series kept outside the gateway (the XDP dataplane's kernel counters),
+/// read at scrape time and written under the gateway's prefix.
+pub trait MetricsSource: Send + Sync {
+    fn render(&self, w: &mut Writer<'_>);
 }
 
 const LATENCY_BUCKETS: &[f64] = &[
@@ -70,7 +79,14 @@ impl GatewayStats {
             request_duration,
             ttfb,
             histograms,
+            dataplane: OnceLock::new(),
         })
+    }
+
+    /// Adds the dataplane's series to every scrape (once; later calls are
+    /// ignored).
+    pub fn set_dataplane(&self, source: Arc<dyn MetricsSource>) {
+        let _ = self.dataplane.set(source);
     }
 
     /// A worker's response reached the client.
@@ -121,6 +137,9 @@ impl GatewayStats {
         render_workers(&mut w, registry);
         if let Some(a) = admission {
             render_admission(&mut w, a);
+        }
+        if let Some(dataplane) = self.dataplane.get() {
+            dataplane.render(&mut w);
         }
         let mut buf = Vec::new();
         if TextEncoder::new()
@@ -514,14 +533,14 @@ fn render_admission(w: &mut Writer<'_>, a: &Admission) {
     );
 }
 
-/// Writes the Prometheus text format.
-struct Writer<'a> {
+/// Writes the Prometheus text format; every name gets the `--metrics-prefix`.
+pub struct Writer<'a> {
     out: &'a mut String,
     prefix: &'a str,
 }
 
 impl Writer<'_> {
-    fn family(&mut self, name: &str, kind: &str, help: &str) {
+    pub fn family(&mut self, name: &str, kind: &str, help: &str) {
         let p = self.prefix;
         let _ = writeln!(
             self.out,
@@ -529,7 +548,7 @@ impl Writer<'_> {
         );
     }
 
-    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: f64) {
+    pub fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: f64) {
         let _ = write!(self.out, "{}_{name}", self.prefix);
         if !labels.is_empty() {
             self.out.push('{');

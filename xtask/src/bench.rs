@@ -1,4 +1,5 @@
-//! `cargo xtask bench ...`: load measured on loopback.
+//! `cargo xtask bench ...`: load measured on loopback (`l7`, below) and
+//! across network namespaces (`l4`, in [`l4`]).
 //!
 //! `bench l7` drives wrk at four targets in front of the same two demo
 //! workers: one worker directly (the ceiling), this gateway, nginx as a plain
@@ -29,6 +30,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use clap::{Args, Subcommand};
 
+mod l4;
+
 use crate::shell::{display, run};
 use crate::{target_dir, workspace_root};
 
@@ -37,6 +40,10 @@ pub enum Which {
     /// HTTP requests per second and latency of a demo worker alone and
     /// behind this gateway, nginx and the reference gateway (smg).
     L7(L7),
+    /// The XDP L4 path (root): per-packet cost through BPF_PROG_TEST_RUN,
+    /// and new connections per second through XDP, nftables DNAT and
+    /// straight to a worker, across network namespaces.
+    L4(l4::L4),
 }
 
 #[derive(Args)]
@@ -55,6 +62,7 @@ pub struct L7 {
 pub fn bench(which: Which) -> Result<()> {
     match which {
         Which::L7(args) => l7(&args),
+        Which::L4(args) => l4::l4(&args),
     }
 }
 

@@ -1,0 +1,432 @@
+//! Maps and values of L4 steering: virtual services, their backends, the
+//! consistent-hash tables, the connection table and the counters.
+//!
+//! Addresses and ports inside map keys and values are kept in network byte
+//! order, exactly as they sit in the packet: the program copies them without
+//! swapping and the checksum updates work on the raw bytes. [`addr_be`] and
+//! [`port_be`] convert from userspace values. Only the index of the [`PORTS`]
+//! array is a port in host order (it is an array index).
+//!
+//! Layouts are `#[repr(C)]` with explicit padding fields: hash-map keys are
+//! compared byte by byte, so no byte of a key may be left uninitialised.
+
+/// The `#[classifier]` program that restores the service address on replies
+/// that local workers send (local mode, TC egress).
+pub const EGRESS_PROGRAM_NAME: &str = "balancer_egress";
+
+/// `ServiceKey` → [`Service`] (hash).
+pub const SERVICES: &str = "SERVICES";
+/// Backend index → [`Backend`] (array of [`MAX_BACKENDS`]).
+pub const BACKENDS: &str = "BACKENDS";
+/// Backend index → [`NextHop`] toward the backend (array, remote mode).
+pub const NEXT_HOPS: &str = "NEXT_HOPS";
+/// Client address → [`NextHop`] toward the client (LRU hash, remote mode:
+/// where replies go). Per address rather than per connection, so that all
+/// of a client's connections share one lookup.
+pub const CLIENT_HOPS: &str = "CLIENT_HOPS";
+/// The Maglev tables of every service, as backend indices (flat `u32` array;
+/// a service's table is the slice at [`Service::table_offset`]).
+pub const MAGLEV: &str = "MAGLEV";
+/// Every backend of every service, routable or not: [`MAX_SERVICE_BACKENDS`]
+/// slots of backend indices per service, the fallback when the Maglev table
+/// is stale (`u32` array).
+pub const SERVICE_BACKENDS: &str = "SERVICE_BACKENDS";
+/// [`FlowKey`] → [`Flow`] (LRU hash): both directions of every connection.
+pub const CONNS: &str = "CONNS";
+/// Port (host order) → [`PORT_SERVICE`] | [`PORT_REPLY_INGRESS`] |
+/// [`PORT_REPLY_EGRESS`] bits (`u32` array of 65536): lets the program skip
+/// the hash lookups for traffic on ports nothing is steered on.
+pub const PORTS: &str = "PORTS";
+/// Index 0 → [`Config`] (array of 1).
+pub const CONFIG: &str = "CONFIG";
+/// Service index → [`ServiceStats`] (per-CPU array of [`MAX_SERVICES`]).
+pub const SERVICE_STATS: &str = "SERVICE_STATS";
+/// Backend index → [`BackendStats`] (per-CPU array of [`MAX_BACKENDS`]).
+pub const BACKEND_STATS: &str = "BACKEND_STATS";
+/// [`Outcome`] → packets (per-CPU `u64` array of [`Outcome::COUNT`]).
+pub const OUTCOMES: &str = "OUTCOMES";
+
+/// Services the maps have room for.
+pub const MAX_SERVICES: u32 = 64;
+/// Backends the maps have room for, all services together.
+pub const MAX_BACKENDS: u32 = 256;
+/// Backends one service's fallback list has room for.
+pub const MAX_SERVICE_BACKENDS: u32 = 64;
+/// Maglev table size in production: a prime, so every skip value of the
+/// permutation visits every slot, and about 100 times the backends a service
+/// can have, which keeps each backend's share within about 1% of even.
+pub const DEFAULT_TABLE_SIZE: u32 = 65_537;
+/// Connections (both directions) the LRU connection table holds by default.
+pub const DEFAULT_CONNTRACK_SIZE: u32 = 262_144;
+/// Table slots a new connection tries (a fresh hash each) before falling
+/// back to scanning the service's backend list: enough that a stale table
+/// with a few isolated backends almost never needs the scan.
+pub const MAX_PROBES: u32 = 8;
+
+/// `PORTS` bit: some service listens on this destination port.
+pub const PORT_SERVICE: u32 = 1;
+/// `PORTS` bit: some remote backend sends replies from this source port,
+/// and they come back through the XDP program.
+pub const PORT_REPLY_INGRESS: u32 = 2;
+/// `PORTS` bit: some local backend sends replies from this source port, and
+/// they leave through the TC egress program.
+pub const PORT_REPLY_EGRESS: u32 = 4;
+
+/// [`Service::flags`] and [`Flow::flags`]: forward to a backend on another
+/// host (rewrite, then redirect) instead of passing up to a local one.
+pub const FLAG_REMOTE: u32 = 1;
+/// [`Flow::flags`]: the entry is the reply direction (backend → client).
+pub const FLAG_REPLY: u32 = 2;
+/// [`Flow::flags`]: the client sent a FIN (set in both entries).
+pub const FLAG_FIN_CLIENT: u32 = 4;
+/// [`Flow::flags`]: the backend sent a FIN (set in both entries).
+pub const FLAG_FIN_BACKEND: u32 = 8;
+
+/// [`Flow::closed`] counts in units of 2^20 ns (about a millisecond).
+pub const CLOSED_SHIFT: u32 = 20;
+/// How long after a connection closed its reply entry still restores
+/// (about two seconds): enough for the last ACK and a retransmitted FIN,
+/// short enough that a later connection on the same addresses and ports
+/// that did not come through the balancer is not mistaken for it.
+pub const CLOSE_GRACE: u32 = 2_000;
+
+/// `IPPROTO_TCP`.
+pub const PROTO_TCP: u8 = 6;
+
+/// An IPv4 address as it sits in a packet.
+pub const fn addr_be(octets: [u8; 4]) -> u32 {
+    u32::from_ne_bytes(octets)
+}
+
+/// A port as it sits in a packet.
+pub const fn port_be(port: u16) -> u16 {
+    port.to_be()
+}
+
+/// A virtual service: destination address, port and protocol.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ServiceKey {
+    pub addr: u32,
+    pub port: u16,
+    pub proto: u8,
+    pub _pad: u8,
+}
+
+impl ServiceKey {
+    pub const fn tcp(addr: u32, port: u16) -> Self {
+        Self {
+            addr,
+            port,
+            proto: PROTO_TCP,
+            _pad: 0,
+        }
+    }
+}
+
+/// What the program needs to pick a backend for a new connection.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Service {
+    /// Slot in `SERVICE_STATS`, and the service's block of
+    /// `SERVICE_BACKENDS`.
+    pub index: u32,
+    /// Where the service's current Maglev table starts in `MAGLEV`. The agent
+    /// writes a new table next to the current one and then moves this, so a
+    /// lookup never sees a half-written table.
+    pub table_offset: u32,
+    /// Slots of the current table; 0 when no backend was routable at the
+    /// last rebuild.
+    pub table_size: u32,
+    /// Entries in the service's `SERVICE_BACKENDS` block.
+    pub backend_count: u32,
+    /// [`FLAG_REMOTE`] or 0.
+    pub flags: u32,
+    pub _pad: u32,
+}
+
+/// Whether a backend may take connections.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum BackendState {
+    /// The slot holds no backend.
+    #[default]
+    Unused = 0,
+    /// New connections may go here.
+    Routable = 1,
+    /// Breaker open or health NotReady: existing connections stay, new ones
+    /// go elsewhere.
+    Isolated = 2,
+    /// Being removed: existing connections stay, new ones go elsewhere.
+    Draining = 3,
+}
+
+impl BackendState {
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Unused => "unused",
+            Self::Routable => "routable",
+            Self::Isolated => "isolated",
+            Self::Draining => "draining",
+        }
+    }
+
+    /// The state behind a raw value read from the map.
+    pub const fn from_raw(raw: u32) -> Self {
+        match raw {
+            1 => Self::Routable,
+            2 => Self::Isolated,
+            3 => Self::Draining,
+            _ => Self::Unused,
+        }
+    }
+}
+
+/// One backend: where its connections go, and whether new ones may.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Backend {
+    pub addr: u32,
+    pub port: u16,
+    pub _pad: u16,
+    /// A [`BackendState`] as `u32`: the agent flips it with one map write.
+    pub state: u32,
+}
+
+/// Where to send a frame for one destination: the egress interface and the
+/// MAC addresses `bpf_fib_lookup` found, cached so that only the first
+/// packet (per backend, or per client) pays for the lookup.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NextHop {
+    pub ifindex: u32,
+    /// [`Config::generation`] when the entry was filled; the entry is stale
+    /// once the agent moves the generation on (0 never matches).
+    pub generation: u32,
+    /// The destination the entry was resolved for: a backend slot that is
+    /// reused for another backend must not inherit its predecessor's hop.
+    pub addr: u32,
+    pub dst_mac: [u8; 6],
+    pub src_mac: [u8; 6],
+}
+
+/// Settings the agent changes at run time.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Config {
+    /// Cached next hops of an older generation are looked up again; the agent
+    /// moves it on periodically, so neighbour and route changes reach the
+    /// fast path. 0 disables the cache.
+    pub generation: u32,
+    /// Nonzero: forward without decrementing the TTL. Off by default (a
+    /// forwarding balancer is a router hop); the per-packet benchmark turns
+    /// it on because `BPF_PROG_TEST_RUN` feeds the program its own output,
+    /// which would otherwise run out of TTL long before a million runs.
+    pub keep_ttl: u32,
+}
+
+/// One direction of a TCP connection, as it arrives.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FlowKey {
+    pub src_addr: u32,
+    pub dst_addr: u32,
+    pub src_port: u16,
+    pub dst_port: u16,
+    pub proto: u8,
+    // Scalars rather than an array: zeroing them is two stores, not a call
+    // to `memset` in the program's hot path.
+    pub _pad0: u8,
+    pub _pad1: u16,
+}
+
+impl FlowKey {
+    pub const fn tcp(src_addr: u32, src_port: u16, dst_addr: u32, dst_port: u16) -> Self {
+        Self {
+            src_addr,
+            dst_addr,
+            src_port,
+            dst_port,
+            proto: PROTO_TCP,
+            _pad0: 0,
+            _pad1: 0,
+        }
+    }
+}
+
+/// What to do with a packet of a known connection.
+///
+/// Forward entries (client → service) rewrite the destination to
+/// `addr:port` (the backend); reply entries ([`FLAG_REPLY`], backend →
+/// client) rewrite the source to `addr:port` (the service).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Flow {
+    pub addr: u32,
+    pub port: u16,
+    pub _pad: u16,
+    /// [`FLAG_REMOTE`] | [`FLAG_REPLY`] | [`FLAG_FIN_CLIENT`] |
+    /// [`FLAG_FIN_BACKEND`].
+    pub flags: u32,
+    pub service: u32,
+    pub backend: u32,
+    /// When the connection closed (both FINs, or a RST), in
+    /// [`CLOSED_SHIFT`] units of `bpf_ktime_get_coarse_ns`; 0 while open.
+    /// Entries are not deleted on close (the LRU reclaims them), so this is
+    /// what keeps a closed connection's reply entry from rewriting the
+    /// replies of a later, unrelated connection on the same four-tuple.
+    pub closed: u32,
+}
+
+/// Per-service counters (per CPU; the agent sums them).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServiceStats {
+    /// Client → service packets steered to a backend, and their bytes
+    /// (Ethernet frame included).
+    pub packets: u64,
+    pub bytes: u64,
+    /// Connections given a backend (SYNs, and packets of unknown flows).
+    pub connections: u64,
+    /// Packets that found no routable backend and went to the local stack.
+    pub no_backend: u64,
+}
+
+/// Per-backend counters (per CPU; the agent sums them).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackendStats {
+    pub packets: u64,
+    pub bytes: u64,
+    pub connections: u64,
+    /// Replies restored to the service address.
+    pub reply_packets: u64,
+    pub reply_bytes: u64,
+    /// Remote mode: no usable next hop (no route, neighbour unresolved), so
+    /// the rewritten packet went to the kernel to forward.
+    pub unresolved: u64,
+}
+
+/// What L4 steering did with a TCP packet (IPv4, not a fragment, whole TCP
+/// header). Index into `OUTCOMES`; append-only like
+/// [`Verdict`](crate::Verdict).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// Neither for a service nor a reply of a steered connection: passed.
+    NotService = 0,
+    /// A new connection (SYN, or a packet of a flow the table did not know)
+    /// given a routable backend.
+    NewFlow = 1,
+    /// A packet of a known connection sent to its backend.
+    Established = 2,
+    /// For a service without any routable backend: passed to the local
+    /// stack untouched.
+    NoBackend = 3,
+    /// A reply restored to the service address (XDP in remote mode, TC
+    /// egress in local mode).
+    Reply = 4,
+    /// Remote mode: rewritten, but no next hop to redirect to, so passed for
+    /// the kernel to route (and resolve the neighbour).
+    Unresolved = 5,
+    /// Remote mode: TTL would expire on forwarding; passed so that the
+    /// kernel answers with ICMP.
+    TtlExpired = 6,
+    /// The connection table refused the entry (it stays steered, but by hash
+    /// only, until an insert succeeds).
+    ConntrackFull = 7,
+}
+
+impl Outcome {
+    pub const COUNT: usize = 8;
+
+    pub const ALL: [Self; Self::COUNT] = [
+        Self::NotService,
+        Self::NewFlow,
+        Self::Established,
+        Self::NoBackend,
+        Self::Reply,
+        Self::Unresolved,
+        Self::TtlExpired,
+        Self::ConntrackFull,
+    ];
+
+    pub const fn index(self) -> u32 {
+        self as u32
+    }
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::NotService => "not_service",
+            Self::NewFlow => "new_flow",
+            Self::Established => "established",
+            Self::NoBackend => "no_backend",
+            Self::Reply => "reply",
+            Self::Unresolved => "unresolved",
+            Self::TtlExpired => "ttl_expired",
+            Self::ConntrackFull => "conntrack_full",
+        }
+    }
+}
+
+const _: () = {
+    let mut i = 0;
+    while i < Outcome::COUNT {
+        assert!(Outcome::ALL[i].index() as usize == i);
+        i += 1;
+    }
+    // The sizes both sides must agree on, without hidden padding.
+    assert!(size_of::<ServiceKey>() == 8);
+    assert!(size_of::<Service>() == 24);
+    assert!(size_of::<Backend>() == 12);
+    assert!(size_of::<NextHop>() == 24);
+    assert!(size_of::<FlowKey>() == 16);
+    assert!(size_of::<Flow>() == 24);
+    assert!(size_of::<ServiceStats>() == 32);
+    assert!(size_of::<BackendStats>() == 48);
+};
+
+/// The hash the program spreads new connections with: MurmurHash3's 64-bit
+/// finaliser over the four-tuple. A few multiplications, and every input bit
+/// moves every output bit, which Maglev's `hash % size` needs.
+#[inline(always)]
+pub fn flow_hash(src_addr: u32, src_port: u16, dst_addr: u32, dst_port: u16) -> u64 {
+    let addrs = (u64::from(src_addr) << 32) | u64::from(dst_addr);
+    let ports = (u64::from(src_port) << 16) | u64::from(dst_port);
+    mix64(addrs ^ mix64(ports ^ 0x9e37_79b9_7f4a_7c15))
+}
+
+/// The hash of the `probe`th table slot to try (0 is the flow hash itself).
+#[inline(always)]
+pub fn probe_hash(hash: u64, probe: u32) -> u64 {
+    if probe == 0 {
+        hash
+    } else {
+        mix64(hash.wrapping_add(u64::from(probe).wrapping_mul(0x9e37_79b9_7f4a_7c15)))
+    }
+}
+
+#[inline(always)]
+pub fn mix64(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^ (x >> 33)
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    // SAFETY (all): plain #[repr(C)] integers and byte arrays with explicit
+    // padding fields, so every bit pattern is valid and no byte is padding.
+    unsafe impl aya::Pod for ServiceKey {}
+    unsafe impl aya::Pod for Service {}
+    unsafe impl aya::Pod for Backend {}
+    unsafe impl aya::Pod for NextHop {}
+    unsafe impl aya::Pod for Config {}
+    unsafe impl aya::Pod for FlowKey {}
+    unsafe impl aya::Pod for Flow {}
+    unsafe impl aya::Pod for ServiceStats {}
+    unsafe impl aya::Pod for BackendStats {}
+}

@@ -1,0 +1,408 @@
+//! Typed access to the L4 steering maps.
+//!
+//! Writes are plain map updates; what to write is the caller's business
+//! ([`super::steering`] for the agent, tests and benchmarks directly). Every
+//! map sits behind its own lock, so flipping a backend's state bit never
+//! waits for a Maglev table being written next to it.
+//!
+//! Userspace types here use network-order values exactly like the program
+//! (see `balancer_common::l4`); [`ServiceKey::tcp`] with [`addr_be`] and
+//! [`port_be`] builds keys from `SocketAddrV4`s.
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use aya::Ebpf;
+use aya::maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray};
+use balancer_common::l4::{
+    self as common, Backend, BackendState, BackendStats, Config, Flow, FlowKey,
+    MAX_SERVICE_BACKENDS, MAX_SERVICES, NextHop, Outcome, Service, ServiceKey, ServiceStats,
+    addr_be, port_be,
+};
+
+use super::{DataplaneError, LoadOptions};
+
+/// The steering maps of a loaded object.
+pub struct L4Maps {
+    options: LoadOptions,
+    services: Mutex<HashMap<MapData, ServiceKey, Service>>,
+    backends: Mutex<Array<MapData, Backend>>,
+    next_hops: Mutex<Array<MapData, NextHop>>,
+    maglev: Mutex<Array<MapData, u32>>,
+    service_backends: Mutex<Array<MapData, u32>>,
+    conns: Mutex<HashMap<MapData, FlowKey, Flow>>,
+    ports: Mutex<Array<MapData, u32>>,
+    config: Mutex<Array<MapData, Config>>,
+    service_stats: PerCpuArray<MapData, ServiceStats>,
+    backend_stats: Mutex<PerCpuArray<MapData, BackendStats>>,
+    outcomes: PerCpuArray<MapData, u64>,
+}
+
+/// Packets per L4 [`Outcome`], summed over all CPUs.
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+pub struct OutcomeCounts {
+    counts: [u64; Outcome::COUNT],
+}
+
+impl OutcomeCounts {
+    pub fn get(&self, outcome: Outcome) -> u64 {
+        self.counts[outcome.index() as usize]
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (Outcome, u64)> + '_ {
+        Outcome::ALL.into_iter().zip(self.counts)
+    }
+
+    /// What was counted between `earlier` and `self`.
+    pub fn since(&self, earlier: &OutcomeCounts) -> OutcomeCounts {
+        let mut delta = OutcomeCounts::default();
+        for (i, slot) in delta.counts.iter_mut().enumerate() {
+            *slot = self.counts[i].saturating_sub(earlier.counts[i]);
+        }
+        delta
+    }
+}
+
+impl std::fmt::Debug for OutcomeCounts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map()
+            .entries(self.iter().map(|(o, n)| (o.name(), n)))
+            .finish()
+    }
+}
+
+/// A service as whoever programs it keeps it: its key and slot, and a copy
+/// of what each of its two tables in the `MAGLEV` map holds, so a rebuild
+/// writes only the slots that change.
+#[derive(Debug, Clone)]
+pub struct ServiceState {
+    pub key: ServiceKey,
+    pub index: u32,
+    pub flags: u32,
+    /// Which of the two tables the map entry points at.
+    current: usize,
+    tables: [Vec<u32>; 2],
+    /// Slots of the current table (0: no routable backend).
+    table_len: u32,
+    /// The backend list as last written to `SERVICE_BACKENDS`.
+    backends: Vec<u32>,
+}
+
+impl ServiceState {
+    /// The service's address.
+    pub fn addr(&self) -> SocketAddrV4 {
+        SocketAddrV4::new(
+            Ipv4Addr::from(self.key.addr.to_ne_bytes()),
+            u16::from_be(self.key.port),
+        )
+    }
+
+    /// The table the program currently uses (empty without routable
+    /// backends).
+    pub fn table(&self) -> &[u32] {
+        &self.tables[self.current][..self.table_len as usize]
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding a map handle leaves nothing half-done on our
+    // side: the kernel applied each update fully or not at all.
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn take(ebpf: &mut Ebpf, name: &'static str) -> Result<Map, DataplaneError> {
+    ebpf.take_map(name).ok_or(DataplaneError::MissingMap(name))
+}
+
+fn map_error(map: &'static str) -> impl Fn(MapError) -> DataplaneError {
+    move |source| DataplaneError::Map { map, source }
+}
+
+macro_rules! typed {
+    ($ebpf:expr, $name:expr) => {
+        take($ebpf, $name)?.try_into().map_err(map_error($name))?
+    };
+}
+
+impl L4Maps {
+    pub(super) fn take(ebpf: &mut Ebpf, options: LoadOptions) -> Result<Self, DataplaneError> {
+        Ok(Self {
+            options,
+            services: Mutex::new(typed!(ebpf, common::SERVICES)),
+            backends: Mutex::new(typed!(ebpf, common::BACKENDS)),
+            next_hops: Mutex::new(typed!(ebpf, common::NEXT_HOPS)),
+            maglev: Mutex::new(typed!(ebpf, common::MAGLEV)),
+            service_backends: Mutex::new(typed!(ebpf, common::SERVICE_BACKENDS)),
+            conns: Mutex::new(typed!(ebpf, common::CONNS)),
+            ports: Mutex::new(typed!(ebpf, common::PORTS)),
+            config: Mutex::new(typed!(ebpf, common::CONFIG)),
+            service_stats: typed!(ebpf, common::SERVICE_STATS),
+            backend_stats: Mutex::new(typed!(ebpf, common::BACKEND_STATS)),
+            outcomes: typed!(ebpf, common::OUTCOMES),
+        })
+    }
+
+    /// Slots of one Maglev table.
+    pub fn table_size(&self) -> u32 {
+        self.options.table_size
+    }
+
+    /// Sets the next-hop cache generation: cached hops of any other
+    /// generation are looked up again (0 turns the cache off).
+    pub fn set_generation(&self, generation: u32) -> Result<(), DataplaneError> {
+        self.update_config(|c| c.generation = generation)
+    }
+
+    /// Forward without decrementing the TTL (see `Config::keep_ttl`).
+    pub fn set_keep_ttl(&self, keep: bool) -> Result<(), DataplaneError> {
+        self.update_config(|c| c.keep_ttl = u32::from(keep))
+    }
+
+    fn update_config(&self, change: impl FnOnce(&mut Config)) -> Result<(), DataplaneError> {
+        let mut map = lock(&self.config);
+        let mut config = map.get(&0, 0).map_err(map_error(common::CONFIG))?;
+        change(&mut config);
+        map.set(0, config, 0).map_err(map_error(common::CONFIG))
+    }
+
+    /// Writes backend `index`. A cached next hop from an earlier backend in
+    /// the same slot is not reused: the program checks its address.
+    pub fn set_backend(&self, index: u32, backend: Backend) -> Result<(), DataplaneError> {
+        lock(&self.backends)
+            .set(index, backend, 0)
+            .map_err(map_error(common::BACKENDS))
+    }
+
+    /// Flips only the state of backend `index`: one map write, which is all
+    /// that stands between a breaker transition and the kernel following it.
+    pub fn set_backend_state(
+        &self,
+        index: u32,
+        addr: SocketAddrV4,
+        state: BackendState,
+    ) -> Result<(), DataplaneError> {
+        self.set_backend(index, backend_at(addr, state))
+    }
+
+    pub fn backend(&self, index: u32) -> Result<Backend, DataplaneError> {
+        lock(&self.backends)
+            .get(&index, 0)
+            .map_err(map_error(common::BACKENDS))
+    }
+
+    /// Forgets the cached next hop toward backend `index`.
+    pub fn clear_next_hop(&self, index: u32) -> Result<(), DataplaneError> {
+        lock(&self.next_hops)
+            .set(index, NextHop::default(), 0)
+            .map_err(map_error(common::NEXT_HOPS))
+    }
+
+    pub fn next_hop(&self, index: u32) -> Result<NextHop, DataplaneError> {
+        lock(&self.next_hops)
+            .get(&index, 0)
+            .map_err(map_error(common::NEXT_HOPS))
+    }
+
+    /// Sets the `PORTS` bits of `port` (host order).
+    pub fn set_port_bits(&self, port: u16, bits: u32) -> Result<(), DataplaneError> {
+        lock(&self.ports)
+            .set(u32::from(port), bits, 0)
+            .map_err(map_error(common::PORTS))
+    }
+
+    /// Registers service `addr` in slot `index`, with no backends yet.
+    pub fn add_service(
+        &self,
+        addr: SocketAddrV4,
+        index: u32,
+        flags: u32,
+    ) -> Result<ServiceState, DataplaneError> {
+        if index >= MAX_SERVICES || index >= self.options.services.max(1) {
+            return Err(DataplaneError::Map {
+                map: common::SERVICES,
+                source: MapError::OutOfBounds {
+                    index,
+                    max_entries: self.options.services.clamp(1, MAX_SERVICES),
+                },
+            });
+        }
+        let state = ServiceState {
+            key: ServiceKey::tcp(addr_be(addr.ip().octets()), port_be(addr.port())),
+            index,
+            flags,
+            current: 0,
+            tables: [Vec::new(), Vec::new()],
+            table_len: 0,
+            backends: Vec::new(),
+        };
+        self.write_service(&state)?;
+        Ok(state)
+    }
+
+    /// Points `service` at `backends` (every backend it has, routable or
+    /// not: the program's fallback when the table is stale) and at `table`
+    /// (a Maglev table of [`L4Maps::table_size`] slots over the routable
+    /// ones, or empty when none is).
+    ///
+    /// The new table is written next to the one the program uses, and the
+    /// service entry is switched to it last, so a lookup sees either table
+    /// whole, never a mix.
+    pub fn update_service(
+        &self,
+        service: &mut ServiceState,
+        backends: &[u32],
+        table: &[u32],
+    ) -> Result<(), DataplaneError> {
+        let size = self.options.table_size;
+        assert!(
+            table.is_empty() || table.len() == size as usize,
+            "a table of {} slots for maps sized for {size}",
+            table.len()
+        );
+        let backends = &backends[..backends.len().min(MAX_SERVICE_BACKENDS as usize)];
+        {
+            let mut list = lock(&self.service_backends);
+            let base = service.index * MAX_SERVICE_BACKENDS;
+            for (i, &backend) in backends.iter().enumerate() {
+                if service.backends.get(i) != Some(&backend) {
+                    list.set(base + i as u32, backend, 0)
+                        .map_err(map_error(common::SERVICE_BACKENDS))?;
+                }
+            }
+        }
+        service.backends = backends.to_vec();
+
+        let next = 1 - service.current;
+        if !table.is_empty() {
+            let offset = self.table_offset(service.index, next);
+            let mirror = &mut service.tables[next];
+            let mut maglev = lock(&self.maglev);
+            for (slot, &backend) in table.iter().enumerate() {
+                if mirror.get(slot) != Some(&backend) {
+                    maglev
+                        .set(offset + slot as u32, backend, 0)
+                        .map_err(map_error(common::MAGLEV))?;
+                }
+            }
+            *mirror = table.to_vec();
+        }
+        service.current = next;
+        service.table_len = table.len() as u32;
+        self.write_service(service)
+    }
+
+    fn table_offset(&self, service: u32, which: usize) -> u32 {
+        (service * 2 + which as u32) * self.options.table_size
+    }
+
+    fn write_service(&self, service: &ServiceState) -> Result<(), DataplaneError> {
+        let entry = Service {
+            index: service.index,
+            table_offset: self.table_offset(service.index, service.current),
+            table_size: service.table_len,
+            backend_count: service.backends.len() as u32,
+            flags: service.flags,
+            _pad: 0,
+        };
+        lock(&self.services)
+            .insert(service.key, entry, 0)
+            .map_err(map_error(common::SERVICES))
+    }
+
+    /// The service entry as the program sees it.
+    pub fn service(&self, key: &ServiceKey) -> Result<Option<Service>, DataplaneError> {
+        match lock(&self.services).get(key, 0) {
+            Ok(service) => Ok(Some(service)),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(source) => Err(map_error(common::SERVICES)(source)),
+        }
+    }
+
+    /// The connection-table entry of `key`, if any.
+    pub fn flow(&self, key: &FlowKey) -> Result<Option<Flow>, DataplaneError> {
+        match lock(&self.conns).get(key, 0) {
+            Ok(flow) => Ok(Some(flow)),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(source) => Err(map_error(common::CONNS)(source)),
+        }
+    }
+
+    /// Entries in the connection table (both directions count).
+    pub fn flow_count(&self) -> usize {
+        lock(&self.conns).keys().filter(Result::is_ok).count()
+    }
+
+    /// Counters of service slot `index`, summed over all CPUs.
+    pub fn service_stats(&self, index: u32) -> Result<ServiceStats, DataplaneError> {
+        let per_cpu = self
+            .service_stats
+            .get(&index, 0)
+            .map_err(map_error(common::SERVICE_STATS))?;
+        Ok(per_cpu
+            .iter()
+            .fold(ServiceStats::default(), |sum, s| ServiceStats {
+                packets: sum.packets + s.packets,
+                bytes: sum.bytes + s.bytes,
+                connections: sum.connections + s.connections,
+                no_backend: sum.no_backend + s.no_backend,
+            }))
+    }
+
+    /// Counters of backend slot `index`, summed over all CPUs.
+    pub fn backend_stats(&self, index: u32) -> Result<BackendStats, DataplaneError> {
+        let per_cpu = lock(&self.backend_stats)
+            .get(&index, 0)
+            .map_err(map_error(common::BACKEND_STATS))?;
+        Ok(per_cpu
+            .iter()
+            .fold(BackendStats::default(), |sum, s| BackendStats {
+                packets: sum.packets + s.packets,
+                bytes: sum.bytes + s.bytes,
+                connections: sum.connections + s.connections,
+                reply_packets: sum.reply_packets + s.reply_packets,
+                reply_bytes: sum.reply_bytes + s.reply_bytes,
+                unresolved: sum.unresolved + s.unresolved,
+            }))
+    }
+
+    /// Zeroes the counters of backend slot `index`, so that a backend put in
+    /// a slot does not inherit its predecessor's.
+    pub fn reset_backend_stats(&self, index: u32) -> Result<(), DataplaneError> {
+        let cpus = aya::util::nr_cpus().map_err(|(_, error)| DataplaneError::Map {
+            map: common::BACKEND_STATS,
+            source: MapError::IoError(error),
+        })?;
+        let zeros = vec![BackendStats::default(); cpus]
+            .try_into()
+            .map_err(|error| DataplaneError::Map {
+                map: common::BACKEND_STATS,
+                source: MapError::IoError(error),
+            })?;
+        lock(&self.backend_stats)
+            .set(index, zeros, 0)
+            .map_err(map_error(common::BACKEND_STATS))
+    }
+
+    /// Packets per outcome, summed over all CPUs.
+    pub fn outcomes(&self) -> Result<OutcomeCounts, DataplaneError> {
+        let mut counts = OutcomeCounts::default();
+        for outcome in Outcome::ALL {
+            let per_cpu = self
+                .outcomes
+                .get(&outcome.index(), 0)
+                .map_err(map_error(common::OUTCOMES))?;
+            counts.counts[outcome.index() as usize] = per_cpu.iter().sum();
+        }
+        Ok(counts)
+    }
+}
+
+/// The map value of a backend at `addr` in `state`.
+pub fn backend_at(addr: SocketAddrV4, state: BackendState) -> Backend {
+    Backend {
+        addr: addr_be(addr.ip().octets()),
+        port: port_be(addr.port()),
+        _pad: 0,
+        state: state as u32,
+    }
+}

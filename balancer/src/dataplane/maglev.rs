@@ -1,0 +1,164 @@
+//! Maglev consistent hashing (Eisenbud et al., NSDI 2016): a lookup table
+//! in which every backend owns an almost equal share of slots, and which
+//! changes in few slots beyond the ones of a backend that comes or goes, so
+//! that new connections of most clients keep landing where they did.
+
+use balancer_common::l4::mix64;
+
+/// A backend as the table sees it: its index in the `BACKENDS` map, and a
+/// key that identifies it across rebuilds (its address and port), from which
+/// its permutation of the slots is derived.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Member {
+    pub index: u32,
+    pub key: u64,
+}
+
+/// The key of a backend at `addr:port` (network order values, as in the maps).
+pub fn member_key(addr: u32, port: u16) -> u64 {
+    (u64::from(addr) << 16) | u64::from(port)
+}
+
+/// Whether `n` is prime: Maglev's table size must be, so that every skip
+/// value walks through every slot.
+pub fn is_prime(n: u32) -> bool {
+    if n < 2 {
+        return false;
+    }
+    let n = u64::from(n);
+    let mut d = 2u64;
+    while d * d <= n {
+        if n.is_multiple_of(d) {
+            return false;
+        }
+        d += 1;
+    }
+    true
+}
+
+/// The table of `size` slots (a prime) over `members`, as backend indices;
+/// empty when there are no members.
+///
+/// Members are taken in key order, so the same set gives the same table
+/// whatever order the caller lists it in.
+pub fn build(members: &[Member], size: u32) -> Vec<u32> {
+    debug_assert!(is_prime(size), "Maglev table size {size} is not prime");
+    if members.is_empty() || size == 0 {
+        return Vec::new();
+    }
+    let mut members = members.to_vec();
+    members.sort_by_key(|m| m.key);
+    members.dedup_by_key(|m| m.key);
+
+    let m = u64::from(size);
+    // (offset, skip) of each member's permutation: slot j is
+    // (offset + j * skip) mod size.
+    let perms: Vec<(u64, u64)> = members
+        .iter()
+        .map(|member| {
+            let offset = mix64(member.key ^ 0x5851_f42d_4c95_7f2d) % m;
+            let skip = mix64(member.key ^ 0x1405_7b7e_f767_814f) % (m - 1) + 1;
+            (offset, skip)
+        })
+        .collect();
+    let mut next = vec![0u64; members.len()];
+    let mut table = vec![u32::MAX; size as usize];
+    let mut filled = 0u32;
+    // Members take turns claiming their next preferred free slot, which is
+    // what makes the shares even.
+    loop {
+        for (i, member) in members.iter().enumerate() {
+            let (offset, skip) = perms[i];
+            let mut slot = ((offset + next[i] * skip) % m) as usize;
+            while table[slot] != u32::MAX {
+                next[i] += 1;
+                slot = ((offset + next[i] * skip) % m) as usize;
+            }
+            table[slot] = member.index;
+            next[i] += 1;
+            filled += 1;
+            if filled == size {
+                return table;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn members(n: u32) -> Vec<Member> {
+        (0..n)
+            .map(|i| Member {
+                index: i,
+                key: member_key(u32::from_ne_bytes([10, 0, 0, i as u8 + 1]), 8000u16.to_be()),
+            })
+            .collect()
+    }
+
+    fn shares(table: &[u32], n: u32) -> Vec<usize> {
+        (0..n)
+            .map(|i| table.iter().filter(|&&b| b == i).count())
+            .collect()
+    }
+
+    #[test]
+    fn primes() {
+        assert!(is_prime(65_537));
+        assert!(is_prime(251));
+        assert!(is_prime(2));
+        assert!(!is_prime(65_536));
+        assert!(!is_prime(1));
+        assert!(!is_prime(0));
+        assert!(!is_prime(7919 * 7));
+    }
+
+    #[test]
+    fn every_slot_is_filled_and_shares_are_even() {
+        for n in [1, 2, 3, 7, 50] {
+            let table = build(&members(n), 65_537);
+            assert_eq!(table.len(), 65_537);
+            let even = 65_537.0 / f64::from(n);
+            for (i, share) in shares(&table, n).into_iter().enumerate() {
+                let off = (share as f64 - even).abs() / even;
+                assert!(
+                    off < 0.02,
+                    "{n} backends: backend {i} has {share} slots, {off:.3} off even"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn removing_a_backend_moves_few_other_slots() {
+        let all = members(5);
+        let before = build(&all, 65_537);
+        let after = build(&all[..4], 65_537);
+        // Slots of the removed backend must move; of the others' slots only
+        // a small fraction may (the paper measures a few percent).
+        let moved = before
+            .iter()
+            .zip(&after)
+            .filter(|(b, a)| **b != 4 && b != a)
+            .count();
+        assert!(
+            moved < 65_537 / 20,
+            "{moved} slots of remaining backends moved"
+        );
+        assert!(!after.contains(&4));
+    }
+
+    #[test]
+    fn order_of_members_does_not_matter() {
+        let mut all = members(4);
+        let a = build(&all, 251);
+        all.reverse();
+        assert_eq!(a, build(&all, 251));
+    }
+
+    #[test]
+    fn no_members_no_table() {
+        assert!(build(&[], 251).is_empty());
+    }
+}

@@ -1,0 +1,733 @@
+//! The agent side of L4 steering: keeps the kernel's maps in step with the
+//! worker registry.
+//!
+//! Two paths, so the urgent one never waits for the slow one:
+//! - The event task follows [`Registry::subscribe`]. A breaker transition,
+//!   health change, drain, addition or removal rewrites the worker's backend
+//!   entry (its state bit) at once: one map write, microseconds after the
+//!   transition. From then on the program skips the worker for new
+//!   connections even while its Maglev tables still list it.
+//! - The table thread rebuilds the Maglev tables from the routable
+//!   backends, coalescing bursts of changes into one rebuild, and writes
+//!   them next to the tables in use before switching. In remote mode it also
+//!   moves the next-hop cache generation on every second, so the program
+//!   looks routes and neighbours up again.
+//!
+//! Each worker takes one backend slot for as long as it is registered;
+//! established connections keep their backend whatever its state, since
+//! their entries in the connection table carry its address.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::{SocketAddr, SocketAddrV4};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use balancer_common::Verdict;
+use balancer_common::l4::{
+    BackendState, BackendStats, FLAG_REMOTE, MAX_BACKENDS, PORT_REPLY_EGRESS, PORT_REPLY_INGRESS,
+    PORT_SERVICE, ServiceStats,
+};
+use tokio::sync::broadcast::error::RecvError;
+
+use super::l4::{L4Maps, ServiceState, backend_at};
+use super::maglev::{self, Member};
+use super::{Dataplane, DataplaneError, LoadOptions, XdpMode, error_chain, locate_object};
+use crate::clock::Nanos;
+use crate::metrics::{MetricsSource, Writer};
+use crate::worker::{Registry, Worker, WorkerEvent};
+
+/// How steered packets reach the workers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ForwardMode {
+    /// Workers run on this host, listening on an address other than
+    /// loopback (the rewritten packet still arrives on the interface): XDP
+    /// rewrites the destination and passes the packet up the local stack; a
+    /// TC egress program on the same interfaces gives replies the service
+    /// address back.
+    Local,
+    /// Workers run on other hosts that route their replies back through
+    /// this one: XDP rewrites the destination and redirects the frame to the
+    /// next hop; replies arriving here get the service address back and are
+    /// redirected to the client. Needs `net.ipv4.ip_forward=1`.
+    Remote,
+}
+
+/// What `balancer launch --xdp-iface ...` asks of the dataplane.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct L4Config {
+    /// Interfaces to attach to: where clients' packets arrive and, in
+    /// remote mode, where the workers' replies arrive too.
+    pub ifaces: Vec<String>,
+    pub xdp_mode: XdpMode,
+    pub mode: ForwardMode,
+    /// Virtual services; each is balanced over every worker.
+    pub services: Vec<SocketAddrV4>,
+    /// Slots of each Maglev table (a prime).
+    pub table_size: u32,
+    /// Entries of the connection table.
+    pub conntrack_size: u32,
+}
+
+/// How often remote mode makes the program look next hops up again.
+const NEXT_HOP_REFRESH: Duration = Duration::from_secs(1);
+
+/// The running L4 dataplane. Dropping it (or [`Steering::stop`]) stops the
+/// sync and detaches the programs.
+pub struct Steering {
+    shared: Arc<Shared>,
+    events: tokio::task::JoinHandle<()>,
+    requests: mpsc::Sender<Request>,
+    table_thread: Option<JoinHandle<()>>,
+}
+
+/// What the table thread is asked to do.
+enum Request {
+    Rebuild,
+    /// Sent by [`Steering::stop`]: an aborted event task still holds a
+    /// sender until its runtime gets round to dropping it, so a closed
+    /// channel cannot be the signal.
+    Stop,
+}
+
+impl Steering {
+    /// Loads and programs the dataplane from the registry's current fleet,
+    /// attaches it, and starts following the registry. Needs a tokio
+    /// runtime; interfaces are looked up in the calling thread's network
+    /// namespace.
+    pub fn start(config: &L4Config, registry: Arc<Registry>) -> Result<Self, DataplaneError> {
+        let object = locate_object(None)?;
+        let services = u32::try_from(config.services.len()).unwrap_or(u32::MAX);
+        let mut dataplane = Dataplane::load_with(
+            &object,
+            LoadOptions {
+                table_size: config.table_size,
+                services,
+                conntrack_size: config.conntrack_size,
+            },
+        )?;
+        let maps = dataplane.take_l4_maps()?;
+        let flags = match config.mode {
+            ForwardMode::Local => 0,
+            ForwardMode::Remote => FLAG_REMOTE,
+        };
+        let mut states = Vec::new();
+        for (index, addr) in config.services.iter().enumerate() {
+            states.push(maps.add_service(*addr, index as u32, flags)?);
+        }
+        // Subscribed before the first sync, so no change slips in between.
+        let events = registry.subscribe();
+        let shared = Arc::new(Shared {
+            maps,
+            mode: config.mode,
+            labels: config.services.iter().map(ToString::to_string).collect(),
+            services: Mutex::new(states),
+            slots: Mutex::new(Slots::default()),
+            ports: Mutex::new(HashMap::new()),
+            sync_delay: SyncHistogram::default(),
+            registry: registry.clone(),
+            dataplane: Mutex::new(None),
+        });
+        shared.maps.set_generation(1)?;
+        for addr in &config.services {
+            shared.mark_port(addr.port(), PORT_SERVICE)?;
+        }
+        shared.resync();
+        shared.rebuild();
+
+        // Egress first: in local mode a steered connection's replies must
+        // find the restoring program already in place.
+        if config.mode == ForwardMode::Local {
+            for iface in &config.ifaces {
+                dataplane.attach_egress(iface)?;
+            }
+        }
+        for iface in &config.ifaces {
+            dataplane.attach(iface, config.xdp_mode)?;
+        }
+        *lock(&shared.dataplane) = Some(dataplane);
+
+        let (requests, received) = mpsc::channel();
+        let table_thread = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("l4-tables".into())
+                .spawn(move || table_loop(&shared, &received))
+                .map_err(DataplaneError::TableThread)?
+        };
+        let events = tokio::spawn(event_loop(shared.clone(), events, requests.clone()));
+        tracing::info!(
+            ifaces = ?config.ifaces,
+            mode = ?config.mode,
+            services = ?config.services,
+            "L4 steering running"
+        );
+        Ok(Self {
+            shared,
+            events,
+            requests,
+            table_thread: Some(table_thread),
+        })
+    }
+
+    /// The dataplane's Prometheus series, for [`crate::metrics::GatewayStats::set_dataplane`].
+    pub fn metrics(&self) -> Arc<dyn MetricsSource> {
+        self.shared.clone()
+    }
+
+    /// The state bit the kernel holds for `worker`, if it has a backend slot.
+    pub fn backend_state(&self, worker: &Worker) -> Result<Option<BackendState>, DataplaneError> {
+        let index = lock(&self.shared.slots)
+            .by_worker
+            .get(&worker.id)
+            .map(|s| s.index);
+        index
+            .map(|i| Ok(BackendState::from_raw(self.shared.maps.backend(i)?.state)))
+            .transpose()
+    }
+
+    /// The interfaces the XDP program is attached to, with their modes.
+    pub fn interfaces(&self) -> Vec<(String, XdpMode)> {
+        lock(&self.shared.dataplane)
+            .as_ref()
+            .map(|d| d.interfaces().map(|(i, m)| (i.to_owned(), m)).collect())
+            .unwrap_or_default()
+    }
+
+    /// Stops following the registry and detaches the programs.
+    pub fn stop(mut self) -> Result<(), DataplaneError> {
+        self.halt()
+    }
+
+    fn halt(&mut self) -> Result<(), DataplaneError> {
+        self.events.abort();
+        if let Some(thread) = self.table_thread.take() {
+            // Waits for at most the rebuild in progress.
+            let _ = self.requests.send(Request::Stop);
+            let _ = thread.join();
+        }
+        // Detached but still loaded: the metrics source may outlive us and
+        // keeps reading the counters until it goes too.
+        match lock(&self.shared.dataplane).as_mut() {
+            Some(dataplane) => dataplane.detach(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Steering {
+    fn drop(&mut self) {
+        if let Err(error) = self.halt() {
+            tracing::warn!(error = %error_chain(&error), "detaching the L4 dataplane on drop");
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A worker's backend slot.
+#[derive(Debug, Clone)]
+struct Slot {
+    index: u32,
+    addr: SocketAddrV4,
+    url: Arc<str>,
+    state: BackendState,
+}
+
+#[derive(Default)]
+struct Slots {
+    by_worker: HashMap<String, Slot>,
+    /// Freed slots, reused oldest first so that a slot stays unused as long
+    /// as possible after its backend left.
+    free: VecDeque<u32>,
+    /// Slots never used so far start here.
+    next: u32,
+}
+
+impl Slots {
+    fn allocate(&mut self) -> Option<u32> {
+        if self.next < MAX_BACKENDS {
+            self.next += 1;
+            return Some(self.next - 1);
+        }
+        self.free.pop_front()
+    }
+}
+
+struct Shared {
+    maps: L4Maps,
+    mode: ForwardMode,
+    /// `VIP:PORT` of each service slot, for metric labels.
+    labels: Vec<String>,
+    services: Mutex<Vec<ServiceState>>,
+    slots: Mutex<Slots>,
+    /// `PORTS` bits as written.
+    ports: Mutex<HashMap<u16, u32>>,
+    sync_delay: SyncHistogram,
+    registry: Arc<Registry>,
+    /// Set once the programs are attached; kept here so the metrics source
+    /// can read the verdict counters.
+    dataplane: Mutex<Option<Dataplane>>,
+}
+
+impl Shared {
+    fn reply_bit(&self) -> u32 {
+        match self.mode {
+            ForwardMode::Local => PORT_REPLY_EGRESS,
+            ForwardMode::Remote => PORT_REPLY_INGRESS,
+        }
+    }
+
+    /// Adds `bit` to the `PORTS` entry of `port`. Bits are never taken away
+    /// while the agent runs: connections to a backend that has left may
+    /// still be open, and their replies still need restoring.
+    fn mark_port(&self, port: u16, bit: u32) -> Result<(), DataplaneError> {
+        let mut ports = lock(&self.ports);
+        let bits = ports.entry(port).or_insert(0);
+        if *bits & bit == 0 {
+            self.maps.set_port_bits(port, *bits | bit)?;
+            *bits |= bit;
+        }
+        Ok(())
+    }
+
+    /// Brings `worker`'s backend entry up to date. Returns whether its
+    /// routability changed (the tables need a rebuild) and whether anything
+    /// was written.
+    fn upsert(&self, worker: &Worker) -> Result<Change, DataplaneError> {
+        let Some(SocketAddr::V4(addr)) = worker.address.socket else {
+            tracing::warn!(
+                worker = %worker.url,
+                "not steering L4 connections to a worker without an IPv4 address"
+            );
+            return Ok(Change::default());
+        };
+        let state = if worker.is_draining() {
+            BackendState::Draining
+        } else if worker.is_routable() {
+            BackendState::Routable
+        } else {
+            BackendState::Isolated
+        };
+        let mut slots = lock(&self.slots);
+        if let Some(slot) = slots.by_worker.get_mut(&worker.id) {
+            if slot.state == state {
+                return Ok(Change::default());
+            }
+            self.maps.set_backend_state(slot.index, slot.addr, state)?;
+            let was = slot.state;
+            slot.state = state;
+            tracing::debug!(worker = %worker.url, from = was.name(), to = state.name(), "L4 backend state");
+            return Ok(Change {
+                written: true,
+                rebuild: (was == BackendState::Routable) != (state == BackendState::Routable),
+            });
+        }
+        let Some(index) = slots.allocate() else {
+            tracing::warn!(worker = %worker.url, "no free L4 backend slot (max {MAX_BACKENDS})");
+            return Ok(Change::default());
+        };
+        // The reply bit before the backend exists: its first connection's
+        // replies must already be recognised.
+        self.mark_port(addr.port(), self.reply_bit())?;
+        self.maps.reset_backend_stats(index)?;
+        self.maps.set_backend_state(index, addr, state)?;
+        slots.by_worker.insert(
+            worker.id.clone(),
+            Slot {
+                index,
+                addr,
+                url: worker.url.clone(),
+                state,
+            },
+        );
+        tracing::info!(worker = %worker.url, slot = index, state = state.name(), "L4 backend added");
+        Ok(Change {
+            written: true,
+            rebuild: true,
+        })
+    }
+
+    /// Frees `worker`'s slot: no new connection goes there from now on.
+    fn release(&self, worker: &Worker) -> Result<bool, DataplaneError> {
+        let mut slots = lock(&self.slots);
+        let Some(slot) = slots.by_worker.remove(&worker.id) else {
+            return Ok(false);
+        };
+        self.maps
+            .set_backend(slot.index, backend_at(slot.addr, BackendState::Unused))?;
+        slots.free.push_back(slot.index);
+        tracing::info!(worker = %worker.url, slot = slot.index, "L4 backend removed");
+        Ok(true)
+    }
+
+    /// Makes every slot match the registry: at start, and after the event
+    /// task fell behind and lost events.
+    fn resync(&self) {
+        let fleet = self.registry.fleet();
+        for worker in &fleet.workers {
+            if let Err(error) = self.upsert(worker) {
+                tracing::warn!(worker = %worker.url, error = %error_chain(&error), "L4 sync");
+            }
+        }
+        let gone: Vec<String> = lock(&self.slots)
+            .by_worker
+            .keys()
+            .filter(|id| fleet.workers.iter().all(|w| &w.id != *id))
+            .cloned()
+            .collect();
+        let mut slots = lock(&self.slots);
+        for id in gone {
+            if let Some(slot) = slots.by_worker.remove(&id) {
+                let unused = backend_at(slot.addr, BackendState::Unused);
+                if let Err(error) = self.maps.set_backend(slot.index, unused) {
+                    tracing::warn!(worker = %slot.url, error = %error_chain(&error), "L4 sync");
+                }
+                slots.free.push_back(slot.index);
+            }
+        }
+    }
+
+    /// Writes every service's backend list and a Maglev table over the
+    /// routable backends.
+    fn rebuild(&self) {
+        let started = Instant::now();
+        let (mut all, members): (Vec<u32>, Vec<Member>) = {
+            let slots = lock(&self.slots);
+            let all = slots.by_worker.values().map(|s| s.index).collect();
+            let members = slots
+                .by_worker
+                .values()
+                .filter(|s| s.state == BackendState::Routable)
+                .map(|s| {
+                    let b = backend_at(s.addr, s.state);
+                    Member {
+                        index: s.index,
+                        key: maglev::member_key(b.addr, b.port),
+                    }
+                })
+                .collect();
+            (all, members)
+        };
+        all.sort_unstable();
+        let table = maglev::build(&members, self.maps.table_size());
+        let mut services = lock(&self.services);
+        for service in services.iter_mut() {
+            if let Err(error) = self.maps.update_service(service, &all, &table) {
+                tracing::warn!(service = %service.addr(), error = %error_chain(&error), "writing the Maglev table");
+            }
+        }
+        tracing::debug!(
+            routable = members.len(),
+            backends = all.len(),
+            took = ?started.elapsed(),
+            "Maglev tables rebuilt"
+        );
+    }
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Change {
+    written: bool,
+    rebuild: bool,
+}
+
+async fn event_loop(
+    shared: Arc<Shared>,
+    mut events: tokio::sync::broadcast::Receiver<WorkerEvent>,
+    rebuilds: mpsc::Sender<Request>,
+) {
+    loop {
+        let event = match events.recv().await {
+            Ok(event) => event,
+            Err(RecvError::Lagged(missed)) => {
+                tracing::warn!(missed, "L4 sync fell behind the registry; resynchronising");
+                shared.resync();
+                let _ = rebuilds.send(Request::Rebuild);
+                continue;
+            }
+            Err(RecvError::Closed) => return,
+        };
+        let (worker, transition_at) = match &event {
+            WorkerEvent::Added(w) | WorkerEvent::Draining(w) | WorkerEvent::Health(w, _) => {
+                (w, None)
+            }
+            WorkerEvent::Breaker(w, t) => (w, Some(t.at)),
+            WorkerEvent::Removed(w) => {
+                match shared.release(w) {
+                    Ok(true) => {
+                        let _ = rebuilds.send(Request::Rebuild);
+                    }
+                    Ok(false) => {}
+                    Err(error) => {
+                        tracing::warn!(worker = %w.url, error = %error_chain(&error), "L4 sync");
+                    }
+                }
+                continue;
+            }
+        };
+        match shared.upsert(worker) {
+            Ok(change) => {
+                if let (true, Some(at)) = (change.written, transition_at) {
+                    let now = shared.registry.clock().now();
+                    shared.sync_delay.observe(now.saturating_sub(at));
+                }
+                if change.rebuild {
+                    let _ = rebuilds.send(Request::Rebuild);
+                }
+            }
+            Err(error) => {
+                tracing::warn!(worker = %worker.url, error = %error_chain(&error), "L4 sync");
+            }
+        }
+    }
+}
+
+/// Rebuilds tables on request (coalescing the requests that queued up
+/// meanwhile) and, in remote mode, moves the next-hop generation on.
+fn table_loop(shared: &Shared, requests: &mpsc::Receiver<Request>) {
+    let mut generation = 1u32;
+    let mut refresh_at = Instant::now() + NEXT_HOP_REFRESH;
+    loop {
+        let wait = refresh_at.saturating_duration_since(Instant::now());
+        match requests.recv_timeout(wait) {
+            Ok(Request::Rebuild) => {
+                let mut stop = false;
+                while let Ok(request) = requests.try_recv() {
+                    stop |= matches!(request, Request::Stop);
+                }
+                if stop {
+                    return;
+                }
+                shared.rebuild();
+            }
+            Ok(Request::Stop) => return,
+            Err(RecvTimeoutError::Timeout) => {
+                refresh_at = Instant::now() + NEXT_HOP_REFRESH;
+                if shared.mode == ForwardMode::Remote {
+                    // 0 would turn the cache off.
+                    generation = generation.checked_add(1).unwrap_or(1);
+                    if let Err(error) = shared.maps.set_generation(generation) {
+                        tracing::warn!(error = %error_chain(&error), "refreshing next hops");
+                    }
+                }
+            }
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}
+
+/// Delay from a breaker transition to the map write that made the kernel
+/// follow it, in the registry clock's nanoseconds.
+struct SyncHistogram {
+    buckets: [AtomicU64; SYNC_BUCKETS.len()],
+    count: AtomicU64,
+    sum_nanos: AtomicU64,
+}
+
+/// Seconds; the interesting range is microseconds to a millisecond.
+const SYNC_BUCKETS: [f64; 12] = [
+    0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.1,
+    1.0,
+];
+
+impl Default for SyncHistogram {
+    fn default() -> Self {
+        Self {
+            buckets: Default::default(),
+            count: AtomicU64::new(0),
+            sum_nanos: AtomicU64::new(0),
+        }
+    }
+}
+
+impl SyncHistogram {
+    fn observe(&self, delay: Nanos) {
+        let secs = delay as f64 / 1e9;
+        if let Some(i) = SYNC_BUCKETS.iter().position(|&b| secs <= b) {
+            self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_nanos.fetch_add(delay, Ordering::Relaxed);
+    }
+
+    fn render(&self, w: &mut Writer<'_>) {
+        const NAME: &str = "dataplane_sync_seconds";
+        w.family(
+            NAME,
+            "histogram",
+            "Delay from a breaker transition to the XDP map write that makes new connections follow it.",
+        );
+        let mut cumulative = 0;
+        for (bound, bucket) in SYNC_BUCKETS.iter().zip(&self.buckets) {
+            cumulative += bucket.load(Ordering::Relaxed);
+            w.sample(
+                "dataplane_sync_seconds_bucket",
+                &[("le", &bound.to_string())],
+                cumulative as f64,
+            );
+        }
+        let count = self.count.load(Ordering::Relaxed) as f64;
+        w.sample("dataplane_sync_seconds_bucket", &[("le", "+Inf")], count);
+        w.sample(
+            "dataplane_sync_seconds_sum",
+            &[],
+            self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9,
+        );
+        w.sample("dataplane_sync_seconds_count", &[], count);
+    }
+}
+
+impl MetricsSource for Shared {
+    fn render(&self, w: &mut Writer<'_>) {
+        if let Some(dataplane) = lock(&self.dataplane).as_ref()
+            && let Ok(verdicts) = dataplane.verdict_counts()
+        {
+            w.family(
+                "l4_verdict_packets_total",
+                "counter",
+                "Packets the XDP program saw, by how they parsed.",
+            );
+            for verdict in Verdict::ALL {
+                w.sample(
+                    "l4_verdict_packets_total",
+                    &[("verdict", verdict.name())],
+                    verdicts.get(verdict) as f64,
+                );
+            }
+        }
+        if let Ok(outcomes) = self.maps.outcomes() {
+            w.family(
+                "l4_outcome_packets_total",
+                "counter",
+                "TCP packets by what steering did: steered (new_flow, established, reply) or passed to the kernel and why.",
+            );
+            for (outcome, n) in outcomes.iter() {
+                w.sample(
+                    "l4_outcome_packets_total",
+                    &[("outcome", outcome.name())],
+                    n as f64,
+                );
+            }
+        }
+        self.render_services(w);
+        self.render_backends(w);
+        self.sync_delay.render(w);
+    }
+}
+
+/// A counter family read from per-slot stats: name, help, field.
+type Family<S> = (&'static str, &'static str, fn(&S) -> u64);
+
+impl Shared {
+    fn render_services(&self, w: &mut Writer<'_>) {
+        let stats: Vec<_> = (0..self.labels.len() as u32)
+            .filter_map(|i| Some((&self.labels[i as usize], self.maps.service_stats(i).ok()?)))
+            .collect();
+        let families: [Family<ServiceStats>; 3] = [
+            (
+                "l4_service_packets_total",
+                "Client packets steered to a backend.",
+                |s| s.packets,
+            ),
+            (
+                "l4_service_bytes_total",
+                "Bytes of those packets, Ethernet header included.",
+                |s| s.bytes,
+            ),
+            (
+                "l4_service_connections_total",
+                "Connections given a backend.",
+                |s| s.connections,
+            ),
+        ];
+        for (name, help, value) in families {
+            w.family(name, "counter", help);
+            for (label, s) in &stats {
+                w.sample(name, &[("service", label)], value(s) as f64);
+            }
+        }
+        w.family(
+            "l4_service_drops_total",
+            "counter",
+            "Service packets not steered, by reason; they went to the local stack.",
+        );
+        for (label, s) in &stats {
+            w.sample(
+                "l4_service_drops_total",
+                &[("service", label), ("reason", "no_backend")],
+                s.no_backend as f64,
+            );
+        }
+    }
+
+    fn render_backends(&self, w: &mut Writer<'_>) {
+        let mut slots: Vec<Slot> = lock(&self.slots).by_worker.values().cloned().collect();
+        slots.sort_by_key(|s| s.index);
+        let stats: Vec<_> = slots
+            .iter()
+            .filter_map(|s| Some((s, self.maps.backend_stats(s.index).ok()?)))
+            .collect();
+        w.family(
+            "l4_worker_state",
+            "gauge",
+            "The worker's state bit in the kernel: 1 routable, 2 isolated (breaker open or not ready), 3 draining.",
+        );
+        for slot in &slots {
+            w.sample(
+                "l4_worker_state",
+                &[("worker", &slot.url)],
+                f64::from(slot.state as u32),
+            );
+        }
+        let families: [Family<BackendStats>; 5] = [
+            (
+                "l4_worker_packets_total",
+                "Client packets steered to the worker.",
+                |s| s.packets,
+            ),
+            (
+                "l4_worker_bytes_total",
+                "Bytes of those packets, Ethernet header included.",
+                |s| s.bytes,
+            ),
+            (
+                "l4_worker_connections_total",
+                "New connections steered to the worker.",
+                |s| s.connections,
+            ),
+            (
+                "l4_worker_reply_packets_total",
+                "Replies of the worker given the service address back.",
+                |s| s.reply_packets,
+            ),
+            (
+                "l4_worker_reply_bytes_total",
+                "Bytes of those replies.",
+                |s| s.reply_bytes,
+            ),
+        ];
+        for (name, help, value) in families {
+            w.family(name, "counter", help);
+            for (slot, s) in &stats {
+                w.sample(name, &[("worker", &slot.url)], value(s) as f64);
+            }
+        }
+        w.family(
+            "l4_worker_drops_total",
+            "counter",
+            "Packets for the worker not forwarded by XDP, by reason; they went to the kernel to route.",
+        );
+        for (slot, s) in &stats {
+            w.sample(
+                "l4_worker_drops_total",
+                &[("worker", &slot.url), ("reason", "unresolved")],
+                s.unresolved as f64,
+            );
+        }
+    }
+}
