@@ -137,6 +137,10 @@ pub struct LaunchArgs {
     /// ones get a single attempt.
     #[arg(long, default_value_t = 8 << 20)]
     pub max_replay_body_bytes: usize,
+    /// Threads serving the HTTP port, each with its own runtime, socket and
+    /// worker connections (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    pub serving_threads: usize,
     /// In-flight requests get this long to finish after SIGTERM.
     #[arg(long, default_value_t = 180)]
     pub shutdown_grace_period_secs: u64,
@@ -452,6 +456,13 @@ impl LaunchArgs {
             table_size: self.l4_table_size,
             conntrack_size: self.l4_conntrack_size,
         })
+    }
+
+    pub fn serving_threads(&self) -> usize {
+        match self.serving_threads {
+            0 => std::thread::available_parallelism().map_or(1, usize::from),
+            n => n,
+        }
     }
 
     pub fn listen_addr(&self) -> SocketAddr {

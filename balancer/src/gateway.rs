@@ -16,7 +16,7 @@ use http_body_util::{BodyExt, Empty, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
@@ -48,6 +48,7 @@ pub struct Running {
     steering: Option<Steering>,
     shutdown: watch::Sender<bool>,
     listeners: JoinSet<()>,
+    serving: Vec<std::thread::JoinHandle<()>>,
 }
 
 /// How each worker's background task probes it.
@@ -114,6 +115,72 @@ impl Prober {
             .flatten()
             .filter(|m| !m.is_empty())
     }
+}
+
+/// One listening socket per serving thread on the same address
+/// (`SO_REUSEPORT`), so the kernel spreads connections over the threads
+/// without a shared accept queue.
+fn bind_reuseport(addr: SocketAddr, count: usize) -> anyhow::Result<Vec<std::net::TcpListener>> {
+    let mut sockets = Vec::with_capacity(count);
+    let mut at = addr;
+    for _ in 0..count.max(1) {
+        let listen = || -> std::io::Result<std::net::TcpListener> {
+            let socket = if at.is_ipv4() {
+                TcpSocket::new_v4()?
+            } else {
+                TcpSocket::new_v6()?
+            };
+            socket.set_reuseaddr(true)?;
+            socket.set_reuseport(true)?;
+            socket.set_nodelay(true)?;
+            socket.bind(at)?;
+            socket.listen(4096)?.into_std()
+        };
+        let listener = listen().with_context(|| format!("cannot listen for HTTP on {addr}"))?;
+        // Port 0 picks a port once; the other threads join that one.
+        at = listener.local_addr()?;
+        sockets.push(listener);
+    }
+    Ok(sockets)
+}
+
+/// A thread with its own single-threaded runtime and its own upstream
+/// connection pool: a request, its worker connection and its response body
+/// are all polled here, the way an nginx worker process keeps its
+/// connections, so no wake-up or pool lock crosses threads.
+fn serving_thread(
+    index: usize,
+    socket: std::net::TcpListener,
+    proxy: Arc<Proxy>,
+    stop: watch::Receiver<bool>,
+    grace: Duration,
+) -> anyhow::Result<std::thread::JoinHandle<()>> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start a serving runtime")?;
+    let thread = std::thread::Builder::new()
+        .name(format!("balancer-http-{index}"))
+        .spawn(move || {
+            runtime.block_on(async move {
+                let listener = match TcpListener::from_std(socket) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        tracing::error!(error = %e, "serving thread cannot use its socket");
+                        return;
+                    }
+                };
+                let client = proxy.client();
+                let lane = Arc::new((proxy, client));
+                let handler = move |req| {
+                    let lane = lane.clone();
+                    async move { lane.0.handle(&lane.1, req).await }
+                };
+                serve(listener, handler, stop, grace).await;
+            });
+        })
+        .context("cannot start a serving thread")?;
+    Ok(thread)
 }
 
 async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<TcpListener> {
@@ -203,11 +270,12 @@ pub async fn start_with_clock(args: LaunchArgs, clock: Arc<dyn Clock>) -> anyhow
         tokens,
     ));
 
-    let main = bind(args.listen_addr(), "HTTP").await?;
+    let threads = args.serving_threads();
+    let main = bind_reuseport(args.listen_addr(), threads)?;
     let metrics = bind(args.metrics_addr(), "metrics").await?;
     let admin = bind(args.admin_addr(), "the admin API").await?;
     let (addr, metrics_addr, admin_addr) = (
-        main.local_addr()?,
+        main[0].local_addr()?,
         metrics.local_addr()?,
         admin.local_addr()?,
     );
@@ -215,14 +283,11 @@ pub async fn start_with_clock(args: LaunchArgs, clock: Arc<dyn Clock>) -> anyhow
     let grace = Duration::from_secs(args.shutdown_grace_period_secs);
     let (shutdown, stop) = watch::channel(false);
     let mut listeners = JoinSet::new();
-
-    let p = proxy.clone();
-    listeners.spawn(serve(
-        main,
-        move |req| p.clone().handle(req),
-        stop.clone(),
-        grace,
-    ));
+    let serving = main
+        .into_iter()
+        .enumerate()
+        .map(|(i, socket)| serving_thread(i, socket, proxy.clone(), stop.clone(), grace))
+        .collect::<anyhow::Result<Vec<_>>>()?;
 
     let (reg, p) = (registry.clone(), proxy.clone());
     listeners.spawn(serve(
@@ -268,6 +333,7 @@ pub async fn start_with_clock(args: LaunchArgs, clock: Arc<dyn Clock>) -> anyhow
         steering,
         shutdown,
         listeners,
+        serving,
     })
 }
 
@@ -282,6 +348,13 @@ impl Running {
     pub async fn shutdown(mut self) {
         let _ = self.shutdown.send(true);
         while self.listeners.join_next().await.is_some() {}
+        let serving = std::mem::take(&mut self.serving);
+        let _ = tokio::task::spawn_blocking(move || {
+            for thread in serving {
+                let _ = thread.join();
+            }
+        })
+        .await;
         if let Some(steering) = self.steering.take()
             && let Err(error) = steering.stop()
         {

@@ -39,6 +39,10 @@ pub const FALLBACK_HEADER: &str = "x-balancer-fallback";
 pub type ResponseBody = UnsyncBoxBody<Bytes, BoxError>;
 /// The body type of every request the gateway sends to a worker.
 pub type UpstreamBody = UnsyncBoxBody<Bytes, BoxError>;
+/// A connection pool to the workers. Each serving thread has its own, so a
+/// request and its upstream connection are polled on the same thread and no
+/// lock or wake-up crosses threads on the request path.
+pub type UpstreamClient = Client<HttpConnector, UpstreamBody>;
 
 /// Statuses after which an attempt is retried. Deliberately not the
 /// per-worker failure list: the document says `retryable_status_codes` does
@@ -71,7 +75,6 @@ pub struct ProxyConfig {
 pub struct Proxy {
     registry: Arc<Registry>,
     selector: Selector,
-    client: Client<HttpConnector, UpstreamBody>,
     config: ProxyConfig,
     admission: Option<Admission>,
     stats: Arc<GatewayStats>,
@@ -120,19 +123,10 @@ impl Proxy {
         stats: Arc<GatewayStats>,
         tokens: Arc<Tokens>,
     ) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(config.connect_timeout));
-        connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new())
-            // A request is never resent behind the retry loop's back.
-            .retry_canceled_requests(false)
-            .pool_idle_timeout(Duration::from_secs(90))
-            .build(connector);
         let clock = registry.clock().clone();
         Self {
             registry,
             selector,
-            client,
             config,
             admission,
             stats,
@@ -145,6 +139,18 @@ impl Proxy {
         &self.tokens
     }
 
+    /// A new connection pool to the workers, for one serving thread.
+    pub fn client(&self) -> UpstreamClient {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(self.config.connect_timeout));
+        connector.set_nodelay(true);
+        Client::builder(TokioExecutor::new())
+            // A request is never resent behind the retry loop's back.
+            .retry_canceled_requests(false)
+            .pool_idle_timeout(Duration::from_secs(90))
+            .build(connector)
+    }
+
     pub fn admission(&self) -> Option<&Admission> {
         self.admission.as_ref()
     }
@@ -153,7 +159,11 @@ impl Proxy {
         &self.stats
     }
 
-    pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<ResponseBody> {
+    pub async fn handle(
+        &self,
+        client: &UpstreamClient,
+        req: Request<Incoming>,
+    ) -> Response<ResponseBody> {
         let started = Instant::now();
         if req.method() == Method::GET {
             match req.uri().path() {
@@ -204,7 +214,7 @@ impl Proxy {
             .headers
             .get(&self.config.routing_key_header)
             .map(|v| hash_key(v.as_bytes()));
-        let headers = forward_headers(&parts.headers);
+        let headers = forward_headers(parts.headers);
         let path = parts
             .uri
             .path_and_query()
@@ -234,12 +244,13 @@ impl Proxy {
             }
         }
         let body = body.expect("a request body is only ever swapped for another");
-        self.attempts(request, body, permit, started).await
+        self.attempts(client, request, body, permit, started).await
     }
 
     /// The retry loop.
     async fn attempts(
         &self,
+        client: &UpstreamClient,
         mut req: Outgoing,
         body: RequestBody,
         permit: Option<Permit>,
@@ -278,7 +289,7 @@ impl Proxy {
                 None => unreachable!("a streaming body gets exactly one attempt"),
             };
             let classifier = worker.classifier();
-            let send = self.send(&worker, &req, upstream_body);
+            let send = self.send(client, &worker, &req, upstream_body);
             // `None` once the ticket was handed back to the breaker.
             let mut ticket = Some(ticket);
             let result = match classifier.slow_ttfb() {
@@ -427,6 +438,7 @@ impl Proxy {
 
     async fn send(
         &self,
+        client: &UpstreamClient,
         worker: &Worker,
         req: &Outgoing,
         body: UpstreamBody,
@@ -441,8 +453,7 @@ impl Proxy {
         *upstream.method_mut() = req.method.clone();
         *upstream.uri_mut() = uri;
         *upstream.headers_mut() = req.headers.clone();
-        match tokio::time::timeout(self.config.request_timeout, self.client.request(upstream)).await
-        {
+        match tokio::time::timeout(self.config.request_timeout, client.request(upstream)).await {
             Ok(Ok(response)) => Ok(response),
             Ok(Err(e)) => Err(AttemptError::Unreachable(error_chain(&e))),
             Err(_) => Err(AttemptError::Timeout),
@@ -548,8 +559,7 @@ fn with_model(body: &Bytes, model: &str) -> Option<Bytes> {
     serde_json::to_vec(&value).ok().map(Bytes::from)
 }
 
-fn forward_headers(incoming: &HeaderMap) -> HeaderMap {
-    let mut headers = incoming.clone();
+fn forward_headers(mut headers: HeaderMap) -> HeaderMap {
     for h in HOP_BY_HOP {
         headers.remove(h);
     }

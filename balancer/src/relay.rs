@@ -25,9 +25,6 @@ use crate::metrics::GatewayStats;
 use crate::tokens::{Tokens, find_usage};
 use crate::worker::InflightGuard;
 
-/// How much of a body's end is kept to find its `usage` object.
-const USAGE_TAIL: usize = 4096;
-
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Everything that must happen exactly once when a response ends.
@@ -52,12 +49,11 @@ pub struct Completion {
 impl Completion {
     /// `first_byte`: time to the first body chunk for streams (the first
     /// token), the headers otherwise.
-    fn finish(self, outcome: Outcome, first_byte: Duration, tail: Option<&[u8]>) {
+    fn finish(self, outcome: Outcome, first_byte: Duration, tail: &Tail) {
         let worker = self.guard.worker();
         let outcome = if outcome == Outcome::Success {
             worker.ttfb.observe(first_byte);
-            if let (Some((tokens, model)), Some(usage)) = (&self.tokens, tail.and_then(find_usage))
-            {
+            if let (Some((tokens, model)), Some(usage)) = (&self.tokens, tail.usage()) {
                 tokens.record(model, usage, self.clock.now());
             }
             self.classifier.with_latency(outcome, first_byte)
@@ -75,6 +71,32 @@ impl Completion {
     }
 }
 
+/// The last two chunks of a body, kept by reference (no copy) because the
+/// `usage` object sits at the end: in the final chunk of a JSON body, in the
+/// one before `data: [DONE]` of a stream.
+#[derive(Default)]
+struct Tail {
+    enabled: bool,
+    previous: Option<Bytes>,
+    last: Option<Bytes>,
+}
+
+impl Tail {
+    fn push(&mut self, data: &Bytes) {
+        if self.enabled {
+            self.previous = self.last.replace(data.clone());
+        }
+    }
+
+    fn usage(&self) -> Option<crate::tokens::Usage> {
+        let (previous, last) = (self.previous.as_deref(), self.last.as_deref());
+        last.and_then(find_usage)
+            .or_else(|| previous.and_then(find_usage))
+            // Split across the two chunks: rare, so only then are they joined.
+            .or_else(|| find_usage(&[previous?, last?].concat()))
+    }
+}
+
 pub struct RelayBody {
     inner: Incoming,
     idle: Pin<Box<Sleep>>,
@@ -82,7 +104,7 @@ pub struct RelayBody {
     sse: bool,
     done: bool,
     first_chunk: Option<Duration>,
-    tail: Option<Vec<u8>>,
+    tail: Tail,
     completion: Option<Completion>,
 }
 
@@ -95,10 +117,10 @@ impl RelayBody {
             sse,
             done: false,
             first_chunk: None,
-            tail: completion
-                .tokens
-                .as_ref()
-                .map(|_| Vec::with_capacity(USAGE_TAIL)),
+            tail: Tail {
+                enabled: completion.tokens.is_some(),
+                ..Tail::default()
+            },
             completion: Some(completion),
         }
     }
@@ -109,7 +131,7 @@ impl RelayBody {
                 Some(d) if self.sse => d,
                 _ => c.headers_after,
             };
-            c.finish(outcome, first_byte, self.tail.as_deref());
+            c.finish(outcome, first_byte, &self.tail);
         }
     }
 
@@ -119,12 +141,7 @@ impl RelayBody {
         {
             self.first_chunk = Some(c.attempt_started.elapsed());
         }
-        if let Some(tail) = &mut self.tail {
-            let keep = data.len().min(USAGE_TAIL);
-            let overflow = (tail.len() + keep).saturating_sub(USAGE_TAIL);
-            tail.drain(..overflow);
-            tail.extend_from_slice(&data[data.len() - keep..]);
-        }
+        self.tail.push(data);
     }
 
     /// Ends a stream that broke: an SSE error event for event streams, an
