@@ -44,6 +44,9 @@ pub enum Which {
     /// and new connections per second through XDP, nftables DNAT and
     /// straight to a worker, across network namespaces.
     L4(l4::L4),
+    /// The breaker's hot path (admit + record, one and two threads) and
+    /// worker selection at 8, 512 and 4096 workers (criterion).
+    Breaker,
 }
 
 #[derive(Args)]
@@ -63,6 +66,17 @@ pub fn bench(which: Which) -> Result<()> {
     match which {
         Which::L7(args) => l7(&args),
         Which::L4(args) => l4::l4(&args),
+        Which::Breaker => run(Command::new("cargo")
+            .args([
+                "bench",
+                "--package",
+                "balancer",
+                "--bench",
+                "breaker",
+                "--bench",
+                "selection",
+            ])
+            .current_dir(workspace_root())),
     }
 }
 

@@ -52,6 +52,10 @@ enum Task {
         #[command(subcommand)]
         which: bench::Which,
     },
+    /// A bounded (about 20 s) chaos run: three demo workers behind the
+    /// gateway turn slow, answer 429 in bursts and truncate streams; prints
+    /// how fast each was isolated and how many client requests failed.
+    Chaos,
     /// What CI runs: setup, formatting, eBPF build, clippy, all tests.
     Test {
         /// Parallel test threads; the tests wait on I/O far more than they
@@ -77,6 +81,16 @@ fn dispatch(task: Task) -> Result<()> {
         Task::BuildEbpf { release: _ } => ebpf::build().map(|_| ()),
         Task::Run { args } => run_gateway(args),
         Task::Bench { which } => bench::bench(which),
+        Task::Chaos => run(Command::new("cargo")
+            .args([
+                "run",
+                "--release",
+                "--package",
+                "balancer",
+                "--example",
+                "chaos",
+            ])
+            .current_dir(workspace_root())),
         Task::Test { test_threads } => test(test_threads),
     }
 }
