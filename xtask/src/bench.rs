@@ -100,17 +100,7 @@ fn l7(args: &L7) -> Result<()> {
     let nginx = ensure_tool("nginx", "nginx-light")
         .map_err(|error| unavailable(&mut left_out, "nginx", &error))
         .ok();
-    run(Command::new("cargo")
-        .args([
-            "build",
-            "--release",
-            "--package",
-            "balancer",
-            "--bin",
-            "balancer",
-        ])
-        .current_dir(workspace_root()))?;
-    let balancer = target_dir().join("release/balancer");
+    let balancer = release_balancer()?;
     let smg = smg_launcher()
         .map_err(|error| unavailable(&mut left_out, "smg", &error))
         .ok();
@@ -253,6 +243,21 @@ fn l7(args: &L7) -> Result<()> {
 }
 
 /// Adds a target that may fail to start, saying loudly when it does.
+/// Builds the agent in release mode; returns the binary.
+pub(crate) fn release_balancer() -> Result<PathBuf> {
+    run(Command::new("cargo")
+        .args([
+            "build",
+            "--release",
+            "--package",
+            "balancer",
+            "--bin",
+            "balancer",
+        ])
+        .current_dir(workspace_root()))?;
+    Ok(target_dir().join("release/balancer"))
+}
+
 fn optional(
     lab: &mut Lab,
     targets: &mut Vec<Target>,

@@ -94,17 +94,7 @@ pub fn l4(args: &L4) -> Result<()> {
     ensure_tool("nft", "nftables")?;
     ensure_tool("ethtool", "ethtool")?;
     let object = ebpf::build()?;
-    run(Command::new("cargo")
-        .args([
-            "build",
-            "--release",
-            "--package",
-            "balancer",
-            "--bin",
-            "balancer",
-        ])
-        .current_dir(workspace_root()))?;
-    let balancer = target_dir().join("release/balancer");
+    let balancer = super::release_balancer()?;
 
     let cost = if args.skip_cost {
         None
