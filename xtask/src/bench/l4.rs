@@ -37,7 +37,7 @@ use super::{
     other_cpu_use, parse_wrk, post_status, show,
 };
 use crate::shell::{run, stdout_of};
-use crate::{ebpf, target_dir, workspace_root};
+use crate::{ebpf, workspace_root};
 
 #[derive(Args)]
 pub struct L4 {
