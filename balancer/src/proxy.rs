@@ -423,7 +423,8 @@ impl Proxy {
     ) -> Option<(Arc<Worker>, crate::breaker::Ticket)> {
         let fleet = self.registry.fleet();
         let (candidates, ring) = fleet.candidates(req.model.as_deref());
-        let mut skip = tried.to_vec();
+        // Copied only when a race for a limited half-open slot is lost.
+        let mut skip = std::borrow::Cow::Borrowed(tried);
         for _ in 0..4 {
             let worker = self
                 .selector
@@ -431,7 +432,7 @@ impl Proxy {
             if let Some(ticket) = worker.breaker.admit(&*self.clock) {
                 return Some((worker, ticket));
             }
-            skip.push(worker.breaker.id());
+            skip.to_mut().push(worker.breaker.id());
         }
         None
     }
