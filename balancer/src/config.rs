@@ -233,9 +233,80 @@ pub struct LaunchArgs {
     #[command(flatten)]
     pub breaker: BreakerArgs,
 
+    #[command(flatten)]
+    pub compat: CompatArgs,
+
     /// Worker specs from the config file's `[[workers]]` tables.
     #[arg(skip)]
     pub worker_specs: Vec<WorkerSpec>,
+}
+
+/// Flags of the reference gateway that have no meaning here (cache-aware
+/// routing, start-up waits, ...). They are accepted so that an existing
+/// `smg launch` command line starts this gateway unchanged, and each one
+/// given is named in a warning at start.
+#[derive(Debug, Clone, Default, Args)]
+pub struct CompatArgs {
+    #[arg(long, hide = true)]
+    pub worker_startup_timeout_secs: Option<String>,
+    #[arg(long, hide = true)]
+    pub worker_startup_check_interval: Option<String>,
+    #[arg(long, hide = true)]
+    pub cache_threshold: Option<String>,
+    #[arg(long, hide = true)]
+    pub balance_abs_threshold: Option<String>,
+    #[arg(long, hide = true)]
+    pub balance_rel_threshold: Option<String>,
+    #[arg(long, hide = true)]
+    pub eviction_interval: Option<String>,
+    #[arg(long, hide = true)]
+    pub max_tree_size: Option<String>,
+    #[arg(long, hide = true)]
+    pub max_payload_size: Option<String>,
+    #[arg(long, hide = true)]
+    pub log_dir: Option<String>,
+    #[arg(long, hide = true, num_args = 1..)]
+    pub request_id_headers: Vec<String>,
+    #[arg(long, hide = true, num_args = 1..)]
+    pub cors_allowed_origins: Vec<String>,
+}
+
+impl CompatArgs {
+    /// The flags given that this gateway ignores.
+    pub fn ignored(&self) -> Vec<&'static str> {
+        let single = [
+            (
+                "--worker-startup-timeout-secs",
+                &self.worker_startup_timeout_secs,
+            ),
+            (
+                "--worker-startup-check-interval",
+                &self.worker_startup_check_interval,
+            ),
+            ("--cache-threshold", &self.cache_threshold),
+            ("--balance-abs-threshold", &self.balance_abs_threshold),
+            ("--balance-rel-threshold", &self.balance_rel_threshold),
+            ("--eviction-interval", &self.eviction_interval),
+            ("--max-tree-size", &self.max_tree_size),
+            ("--max-payload-size", &self.max_payload_size),
+            ("--log-dir", &self.log_dir),
+        ];
+        let lists = [
+            ("--request-id-headers", &self.request_id_headers),
+            ("--cors-allowed-origins", &self.cors_allowed_origins),
+        ];
+        single
+            .into_iter()
+            .filter(|(_, v)| v.is_some())
+            .map(|(f, _)| f)
+            .chain(
+                lists
+                    .into_iter()
+                    .filter(|(_, v)| !v.is_empty())
+                    .map(|(f, _)| f),
+            )
+            .collect()
+    }
 }
 
 /// The `--cb-*` flags.
@@ -620,6 +691,31 @@ mod tests {
         assert_eq!(a.request_timeout_secs, 1800);
         assert_eq!(a.policy, Policy::PowerOfTwo);
         assert!(a.admission().is_none());
+    }
+
+    #[test]
+    fn reference_gateway_command_lines_start_unchanged() {
+        let a = parse(&[
+            "--policy",
+            "cache_aware",
+            "--cache-threshold",
+            "0.5",
+            "--worker-startup-timeout-secs",
+            "30",
+            "--cors-allowed-origins",
+            "a",
+            "b",
+        ])
+        .unwrap();
+        assert_eq!(a.policy, Policy::PowerOfTwo);
+        assert_eq!(
+            a.compat.ignored(),
+            [
+                "--worker-startup-timeout-secs",
+                "--cache-threshold",
+                "--cors-allowed-origins"
+            ]
+        );
     }
 
     #[test]

@@ -197,6 +197,10 @@ pub async fn start(args: LaunchArgs) -> anyhow::Result<Running> {
 /// [`start`] with the clock the breakers run on; tests pass a `ManualClock`
 /// to drive open timeouts without sleeping.
 pub async fn start_with_clock(args: LaunchArgs, clock: Arc<dyn Clock>) -> anyhow::Result<Running> {
+    let ignored = args.compat.ignored();
+    if !ignored.is_empty() {
+        tracing::warn!(flags = ?ignored, "reference gateway flags accepted but ignored here");
+    }
     let registry = Registry::new(
         RegistryConfig {
             breaker: args.breaker.defaults(),

@@ -44,7 +44,9 @@ impl FromStr for Policy {
         Ok(match s {
             "round_robin" => Policy::RoundRobin,
             "random" => Policy::Random,
-            "power_of_two" => Policy::PowerOfTwo,
+            // The reference gateway's default: without a prefix cache tree
+            // here, the load-aware policy is the closest match.
+            "power_of_two" | "cache_aware" => Policy::PowerOfTwo,
             "least_load" => Policy::LeastLoad,
             "consistent_hash" => Policy::ConsistentHash,
             other => {
