@@ -882,14 +882,11 @@ pub mod l4e2e {
             self.metrics_show_l4()
         }
 
-        fn breaker_isolates_b(&self) -> Result<()> {
-            let mut long = self.long_lived_on_b()?;
-            self.workers[B].set_fault(Fault {
-                status: Some(500),
-                ..Fault::default()
-            });
+        /// Real L7 requests through the gateway until B's breaker reaches
+        /// `state`; returns how many it took.
+        fn chat_until_b_is(&self, state: State) -> Result<usize> {
             let mut sent = 0;
-            while self.worker(B)?.breaker.state() != State::Open {
+            while self.worker(B)?.breaker.state() != state {
                 ensure!(
                     sent < 60,
                     "B's breaker still {:?} after {sent} requests",
@@ -898,6 +895,16 @@ pub mod l4e2e {
                 self.gateway_chat()?;
                 sent += 1;
             }
+            Ok(sent)
+        }
+
+        fn breaker_isolates_b(&self) -> Result<()> {
+            let mut long = self.long_lived_on_b()?;
+            self.workers[B].set_fault(Fault {
+                status: Some(500),
+                ..Fault::default()
+            });
+            let sent = self.chat_until_b_is(State::Open)?;
             let opened = Instant::now();
             self.wait_kernel_state(B, BackendState::Isolated)?;
             eprintln!(
@@ -909,16 +916,7 @@ pub mod l4e2e {
             self.b_gets_nothing_but_keeps_its_connection(&mut long)?;
 
             self.clock.advance(Duration::from_secs(CB_TIMEOUT_SECS + 1));
-            let mut sent = 0;
-            while self.worker(B)?.breaker.state() != State::Closed {
-                ensure!(
-                    sent < 60,
-                    "B's breaker still {:?} after {sent} requests",
-                    self.worker(B)?.breaker.state()
-                );
-                self.gateway_chat()?;
-                sent += 1;
-            }
+            self.chat_until_b_is(State::Closed)?;
             self.wait_kernel_state(B, BackendState::Routable)?;
             self.b_gets_some_again()
         }
