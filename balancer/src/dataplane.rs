@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use crate::error::error_chain;
 use aya::maps::{MapError, PerCpuArray};
 use aya::programs::tc::SchedClassifierLinkId;
 use aya::programs::xdp::XdpLinkId;
@@ -628,18 +629,6 @@ fn ebpf_log_level() -> u8 {
         return 0;
     };
     level as u8
-}
-
-/// An error and its sources on one line, for log fields.
-pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut line = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        line.push_str(": ");
-        line.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    line
 }
 
 /// A thread that drains the program's log ring buffer whenever it has data.

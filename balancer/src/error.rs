@@ -114,3 +114,15 @@ pub fn sse_error_event(code: &str, message: &str) -> Bytes {
     });
     Bytes::from(format!("event: error\ndata: {data}\n\n"))
 }
+
+/// An error and its sources on one line, for log fields.
+pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut line = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        line.push_str(": ");
+        line.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    line
+}

@@ -25,7 +25,7 @@ use crate::admission::{Admission, Permit, Shed};
 use crate::breaker::{FailureReason, Outcome, RequestCharges};
 use crate::clock::Clock;
 use crate::config::RetryPolicy;
-use crate::error::{ErrorCode, error_response};
+use crate::error::{ErrorCode, error_chain, error_response};
 use crate::metrics::GatewayStats;
 use crate::relay::{BoxError, Completion, RelayBody};
 use crate::selection::{Selector, hash_key};
@@ -571,17 +571,6 @@ fn forward_headers(mut headers: HeaderMap) -> HeaderMap {
     // of the body actually sent.
     headers.remove(header::CONTENT_LENGTH);
     headers
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut msg = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        msg.push_str(": ");
-        msg.push_str(&s.to_string());
-        source = s.source();
-    }
-    msg
 }
 
 fn retry_after(headers: &HeaderMap) -> Option<Duration> {

@@ -34,8 +34,9 @@ use tokio::sync::broadcast::error::RecvError;
 
 use super::l4::{L4Maps, ServiceState, backend_at};
 use super::maglev::{self, Member};
-use super::{Dataplane, DataplaneError, LoadOptions, XdpMode, error_chain, locate_object};
+use super::{Dataplane, DataplaneError, LoadOptions, XdpMode, locate_object};
 use crate::clock::Nanos;
+use crate::error::error_chain;
 use crate::metrics::{MetricsSource, Writer};
 use crate::worker::{Registry, Worker, WorkerEvent};
 
