@@ -13,10 +13,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use balancer::breaker::State;
-use balancer::config::LaunchArgs;
-use balancer::mock_worker::{Fault, MockWorker, MockWorkerConfig};
-use balancer::worker::WorkerEvent;
+use balancer::cli::LaunchArgs;
+use balancer::gateway::Gateway;
+use balancer_core::breaker::State;
+use balancer_core::registry::WorkerEvent;
+use balancer_mock_worker::{Fault, MockWorker, MockWorkerConfig};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
@@ -83,7 +84,7 @@ async fn main() -> anyhow::Result<()> {
     .collect();
     argv.extend(workers.iter().map(MockWorker::url));
     let args = LaunchArgs::parse_with_config(argv.into_iter().map(Into::into).collect())?;
-    let gateway = balancer::gateway::start(args).await?;
+    let gateway = Gateway::start(args.to_config()?).await?;
     let url = format!("http://{}/v1/chat/completions", gateway.addr);
 
     // Timestamp every breaker opening as it happens.

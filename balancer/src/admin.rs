@@ -1,5 +1,8 @@
 //! The admin API, on its own listener (never the public port).
 //!
+//! It must not reach the request path or the dataplane directly: the
+//! registry's events carry its changes to them.
+//!
 //! `POST /workers`, `GET /workers`, `GET /workers/{id}`, `PATCH /workers/{id}`
 //! (the `resilience` block) and `DELETE /workers/{id}` (drain, then remove).
 //! Owns request parsing and the JSON views; every change goes through the
@@ -16,10 +19,11 @@ use hyper::body::Incoming;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::breaker::FailureReason;
-use crate::error::{ErrorCode, error_response};
-use crate::proxy::ResponseBody;
-use crate::worker::{Registry, RegistryError, Resilience, Worker, WorkerSpec};
+use balancer_core::breaker::FailureReason;
+use balancer_core::registry::{Registry, RegistryError, Worker};
+use balancer_core::spec::{Resilience, WorkerSpec};
+
+use crate::proxy::{ErrorCode, ResponseBody, error_response};
 
 /// Called for each worker the API adds.
 pub type OnAdded = Box<dyn Fn(&Arc<Worker>) + Send + Sync>;

@@ -1,28 +1,26 @@
-//! balancer: an eBPF/XDP-assisted L4/L7 load balancer for GPU inference workers.
+//! balancer: the agent of an eBPF/XDP-assisted L4/L7 load balancer for GPU
+//! inference workers.
 //!
-//! The agent proxies HTTP traffic to OpenAI-compatible workers, classifies
-//! every outcome, runs one circuit breaker per worker and pushes each worker's
-//! routable bit into eBPF maps, where an XDP program steers L4 connections.
+//! The agent proxies HTTP to OpenAI-compatible workers, classifies every
+//! outcome for the per-worker circuit breakers of `balancer-core`, and starts
+//! the XDP dataplane of `balancer-dataplane`, which steers L4 connections by
+//! the same breakers.
 //!
-//! Layers, bottom up: [`clock`], [`breaker`] and [`health`] are pure state
-//! machines; [`worker`] holds the fleet; [`selection`] and [`admission`]
-//! decide; [`proxy`] and [`relay`] move requests; [`metrics`], [`admin`],
-//! [`server`] and [`gateway`] face the operator; [`dataplane`] faces the kernel.
+//! Layers, bottom up: [`config`] is the typed description of an agent and
+//! [`cli`] maps flags and TOML onto it; [`discovery`] says where workers come
+//! from; [`proxy`] is the request path, phase by phase; [`server`] accepts
+//! connections; [`admin`] and [`metrics`] face the operator; [`gateway`]
+//! wires them together. It must not contain `unsafe` (the dataplane crate
+//! holds all of it) nor the demo worker (its own crate, used by the binary
+//! and the tests).
+
+#![forbid(unsafe_code)]
 
 pub mod admin;
-pub mod admission;
-pub mod breaker;
-pub mod clock;
+pub mod cli;
 pub mod config;
-pub mod dataplane;
-pub mod error;
+pub mod discovery;
 pub mod gateway;
-pub mod health;
 pub mod metrics;
-pub mod mock_worker;
 pub mod proxy;
-pub mod relay;
-pub mod selection;
 pub mod server;
-pub mod tokens;
-pub mod worker;

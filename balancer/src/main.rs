@@ -1,5 +1,6 @@
 //! The `balancer` binary: `balancer launch` runs the agent, `balancer
-//! mock-worker` runs the demo inference worker.
+//! mock-worker` runs the demo inference worker. The binary, not the agent
+//! library, starts the demo workers of `--demo-workers`.
 
 use std::ffi::OsString;
 
@@ -7,8 +8,8 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
-use balancer::config::LaunchArgs;
-use balancer::mock_worker::{self, MockWorkerArgs};
+use balancer::cli::LaunchArgs;
+use balancer::gateway::Gateway;
 
 #[derive(Parser)]
 #[command(
@@ -30,7 +31,8 @@ enum Command {
         args: Vec<OsString>,
     },
     /// Run the demo OpenAI-compatible worker that misbehaves on command.
-    MockWorker(MockWorkerArgs),
+    #[cfg(feature = "demo-workers")]
+    MockWorker(balancer_mock_worker::MockWorkerArgs),
 }
 
 fn init_logging(level: &str, json: bool) -> anyhow::Result<()> {
@@ -46,6 +48,58 @@ fn init_logging(level: &str, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--demo-workers N`: N demo workers on loopback, added to the config's
+/// workers. They stop when the returned handles are shut down.
+#[cfg(feature = "demo-workers")]
+async fn demo_workers(
+    count: u16,
+    config: &mut balancer::config::GatewayConfig,
+) -> anyhow::Result<Vec<balancer_mock_worker::MockWorker>> {
+    use balancer_mock_worker::{MockWorker, MockWorkerConfig};
+    let mut workers = Vec::new();
+    for i in 0..count {
+        let w = MockWorker::spawn(
+            std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+            MockWorkerConfig::named(format!("demo-{i}")),
+        )
+        .await
+        .context("cannot start a demo worker")?;
+        config
+            .workers
+            .push(balancer_core::spec::WorkerSpec::from_url(&w.url()));
+        workers.push(w);
+    }
+    Ok(workers)
+}
+
+async fn launch(args: LaunchArgs) -> anyhow::Result<()> {
+    let ignored = args.compat.ignored();
+    if !ignored.is_empty() {
+        tracing::warn!(flags = ?ignored, "reference gateway flags accepted but ignored here");
+    }
+    #[cfg_attr(not(feature = "demo-workers"), allow(unused_mut))]
+    let mut config = args.to_config()?;
+    #[cfg(feature = "demo-workers")]
+    let demo = demo_workers(args.demo_workers, &mut config).await?;
+    #[cfg(not(feature = "demo-workers"))]
+    if args.demo_workers > 0 {
+        anyhow::bail!("--demo-workers needs a binary built with the `demo-workers` feature");
+    }
+    let gateway = Gateway::start(config).await?;
+    eprintln!(
+        "balancer: serving on http://{} (metrics http://{}/metrics, admin http://{}/workers)\n\
+         try: curl -s http://{}/v1/chat/completions -H 'content-type: application/json' \
+         -d '{{\"model\":\"demo-model\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}'",
+        gateway.addr, gateway.metrics_addr, gateway.admin_addr, gateway.addr
+    );
+    gateway.run_until_signal().await?;
+    #[cfg(feature = "demo-workers")]
+    for w in demo {
+        w.shutdown().await;
+    }
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -55,20 +109,12 @@ fn main() -> anyhow::Result<()> {
         Command::Launch { args } => {
             let args = LaunchArgs::parse_with_config(args)?;
             init_logging(&args.log_level, args.log_json)?;
-            runtime.block_on(async {
-                let running = balancer::gateway::start(args).await?;
-                eprintln!(
-                    "balancer: serving on http://{} (metrics http://{}/metrics, admin http://{}/workers)\n\
-                     try: curl -s http://{}/v1/chat/completions -H 'content-type: application/json' \
-                     -d '{{\"model\":\"demo-model\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}'",
-                    running.addr, running.metrics_addr, running.admin_addr, running.addr
-                );
-                running.run_until_signal().await
-            })
+            runtime.block_on(launch(args))
         }
+        #[cfg(feature = "demo-workers")]
         Command::MockWorker(args) => {
             init_logging("info", false)?;
-            runtime.block_on(mock_worker::run(args))
+            runtime.block_on(balancer_mock_worker::run(args))
         }
     }
 }

@@ -7,11 +7,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use balancer::breaker::Snapshot;
-use balancer::clock::ManualClock;
-use balancer::config::LaunchArgs;
-use balancer::gateway::{Running, start_with_clock};
-use balancer::mock_worker::{Fault, MockWorker, MockWorkerConfig};
+use balancer::config::GatewayConfig;
+use balancer::gateway::Gateway;
+use balancer_core::breaker::Snapshot;
+use balancer_core::clock::ManualClock;
+use balancer_mock_worker::{Fault, MockWorker, MockWorkerConfig};
 use bytes::Bytes;
 use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
@@ -22,7 +22,7 @@ use hyper_util::rt::TokioExecutor;
 pub const BOUND: Duration = Duration::from_secs(10);
 
 pub struct Harness {
-    pub gw: Running,
+    pub gw: Gateway,
     pub workers: Vec<MockWorker>,
     pub clock: Arc<ManualClock>,
     client: Client<HttpConnector, Full<Bytes>>,
@@ -56,21 +56,26 @@ pub const CHAT: &str = r#"{"model":"demo-model","messages":[{"role":"user","cont
 pub const STREAM: &str = r#"{"model":"demo-model","stream":true,"max_tokens":6,"messages":[{"role":"user","content":"hi"}]}"#;
 
 /// Fast retries, no probes unless a test asks for them.
-pub const QUIET: &[&str] = &[
-    "--retry-initial-backoff-ms",
-    "1",
-    "--retry-max-backoff-ms",
-    "5",
-    "--disable-health-check",
-];
-
-pub async fn harness(names: &[&str], args: &[&str]) -> Harness {
-    let workers: Vec<_> = names.iter().map(|n| (*n, "demo-model")).collect();
-    harness_with_models(&workers, args).await
+pub fn quiet(c: &mut GatewayConfig) {
+    c.proxy.retry.initial_backoff = Duration::from_millis(1);
+    c.proxy.retry.max_backoff = Duration::from_millis(5);
+    c.health_check.enabled = false;
 }
 
-/// Demo workers `(name, model)` behind a gateway started with `args`.
-pub async fn harness_with_models(specs: &[(&str, &str)], args: &[&str]) -> Harness {
+/// Demo workers named `names`, serving `demo-model`, behind a gateway that
+/// `configure` adjusts.
+pub async fn harness(names: &[&str], configure: impl FnOnce(&mut GatewayConfig)) -> Harness {
+    let workers: Vec<_> = names.iter().map(|n| (*n, "demo-model")).collect();
+    harness_with_models(&workers, configure).await
+}
+
+/// Demo workers `(name, model)` behind a gateway with the default
+/// configuration, adjusted by `configure`, every listener on a free
+/// loopback port.
+pub async fn harness_with_models(
+    specs: &[(&str, &str)],
+    configure: impl FnOnce(&mut GatewayConfig),
+) -> Harness {
     let mut workers = Vec::new();
     for (name, model) in specs {
         let config = MockWorkerConfig {
@@ -82,19 +87,14 @@ pub async fn harness_with_models(specs: &[(&str, &str)], args: &[&str]) -> Harne
             .expect("mock worker");
         workers.push(w);
     }
-    let mut argv: Vec<String> = ["--port", "0", "--prometheus-port", "0", "--admin-port", "0"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    argv.extend(args.iter().map(|s| s.to_string()));
-    if !workers.is_empty() {
-        argv.push("--worker-urls".into());
-        argv.extend(workers.iter().map(MockWorker::url));
-    }
-    let launch = LaunchArgs::parse_with_config(argv.into_iter().map(Into::into).collect())
-        .expect("valid flags");
+    let urls: Vec<String> = workers.iter().map(MockWorker::url).collect();
+    let mut config = GatewayConfig::with_worker_urls(&urls);
+    config.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+    config.metrics_listen = config.listen;
+    config.admin_listen = config.listen;
+    configure(&mut config);
     let clock = Arc::new(ManualClock::new());
-    let gw = start_with_clock(launch, clock.clone())
+    let gw = Gateway::start_with_clock(config, clock.clone())
         .await
         .expect("gateway starts");
     let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());

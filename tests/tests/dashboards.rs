@@ -4,7 +4,7 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use balancer_tests::gateway::{CHAT, QUIET, harness};
+use balancer_tests::gateway::{CHAT, harness, quiet};
 
 fn deploy(file: &str) -> String {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -74,19 +74,13 @@ async fn dashboard_and_alerts_query_only_exported_metrics() {
         "the files query the breaker metrics: {wanted:?}"
     );
 
-    let h = harness(
-        &["a"],
-        &[
-            &[
-                "--fallback-model",
-                "demo-model=other",
-                "--token-budget",
-                "demo-model=1000000",
-            ][..],
-            QUIET,
-        ]
-        .concat(),
-    )
+    let h = harness(&["a"], |c| {
+        quiet(c);
+        c.proxy
+            .fallbacks
+            .insert("demo-model".to_owned(), "other".to_owned());
+        c.token_budgets.push(("demo-model".to_owned(), 1000000));
+    })
     .await;
     h.chat(CHAT).await;
     let exported: BTreeSet<String> = h

@@ -9,8 +9,8 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddrV4, TcpListener, TcpStream, UdpSocket
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use balancer::dataplane::{Dataplane, DataplaneError, VerdictCounts, XdpMode};
 use balancer_common::Verdict;
+use balancer_dataplane::{Dataplane, DataplaneError, VerdictCounts, XdpMode};
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::netns::{self, Namespaces, run};
 

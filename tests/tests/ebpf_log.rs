@@ -7,7 +7,7 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use balancer::dataplane::{Dataplane, EBPF_LOG_TARGET};
+use balancer_dataplane::{Dataplane, EBPF_LOG_TARGET};
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::packet;
 

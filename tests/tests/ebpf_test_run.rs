@@ -3,8 +3,8 @@
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 
-use balancer::dataplane::{Dataplane, VerdictCounts, XdpAction};
 use balancer_common::Verdict;
+use balancer_dataplane::{Dataplane, VerdictCounts, XdpAction};
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::packet::{self, Ipv4};
 

@@ -7,31 +7,23 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use balancer::breaker::{FailureReason, State};
-use balancer::mock_worker::Fault;
-use balancer_tests::gateway::{BOUND, CHAT, QUIET, STREAM, always, eventually, harness};
+use balancer_core::admission::AdmissionConfig;
+use balancer_core::breaker::{FailureReason, State};
+use balancer_core::selection::Policy;
+use balancer_mock_worker::Fault;
+use balancer_tests::gateway::{BOUND, CHAT, STREAM, always, eventually, harness, quiet};
 use http::{Method, StatusCode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[tokio::test]
 async fn failing_worker_opens_after_threshold_failed_requests_then_recovers() {
-    let h = harness(
-        &["a", "b"],
-        &[
-            &[
-                "--cb-failure-threshold",
-                "3",
-                "--cb-success-threshold",
-                "2",
-                "--cb-timeout-duration-secs",
-                "30",
-                "--policy",
-                "round_robin",
-            ][..],
-            QUIET,
-        ]
-        .concat(),
-    )
+    let h = harness(&["a", "b"], |c| {
+        quiet(c);
+        c.breaker.settings.failure_threshold = 3;
+        c.breaker.settings.success_threshold = 2;
+        c.breaker.settings.open_timeout = Duration::from_secs(30);
+        c.policy = Policy::RoundRobin;
+    })
     .await;
     let base = h.served(0);
     h.workers[0].set_fault(always(500));
@@ -84,14 +76,11 @@ async fn failing_worker_opens_after_threshold_failed_requests_then_recovers() {
 
 #[tokio::test]
 async fn pushback_429_is_retried_elsewhere_and_leaves_the_breaker_alone() {
-    let h = harness(
-        &["a", "b"],
-        &[
-            &["--cb-failure-threshold", "1", "--policy", "round_robin"][..],
-            QUIET,
-        ]
-        .concat(),
-    )
+    let h = harness(&["a", "b"], |c| {
+        quiet(c);
+        c.breaker.settings.failure_threshold = 1;
+        c.policy = Policy::RoundRobin;
+    })
     .await;
     let base = h.served(0);
     h.workers[0].set_fault(always(429));
@@ -118,14 +107,11 @@ async fn pushback_429_is_retried_elsewhere_and_leaves_the_breaker_alone() {
 
 #[tokio::test]
 async fn client_errors_are_successes_and_no_response_is_a_failure() {
-    let h = harness(
-        &["a"],
-        &[
-            &["--disable-retries", "--request-timeout-secs", "1"][..],
-            QUIET,
-        ]
-        .concat(),
-    )
+    let h = harness(&["a"], |c| {
+        quiet(c);
+        c.proxy.retry.max_attempts = 1;
+        c.proxy.request_timeout = Duration::from_secs(1);
+    })
     .await;
     for status in [400, 404] {
         h.workers[0].set_fault(always(status));
@@ -159,19 +145,11 @@ async fn client_errors_are_successes_and_no_response_is_a_failure() {
 
 #[tokio::test]
 async fn every_breaker_open_means_503_no_available_workers() {
-    let h = harness(
-        &["a", "b"],
-        &[
-            &[
-                "--cb-failure-threshold",
-                "2",
-                "--cb-timeout-duration-secs",
-                "45",
-            ][..],
-            QUIET,
-        ]
-        .concat(),
-    )
+    let h = harness(&["a", "b"], |c| {
+        quiet(c);
+        c.breaker.settings.failure_threshold = 2;
+        c.breaker.settings.open_timeout = Duration::from_secs(45);
+    })
     .await;
     h.workers[0].set_fault(always(500));
     h.workers[1].set_fault(always(503));
@@ -206,27 +184,16 @@ async fn every_breaker_open_means_503_no_available_workers() {
 
 #[tokio::test]
 async fn health_gate_and_promotion_readmit_an_open_breaker_at_once() {
-    let h = harness(
-        &["a", "b"],
-        &[
-            "--health-check-interval-secs",
-            "1",
-            "--health-failure-threshold",
-            "1",
-            "--health-success-threshold",
-            "1",
-            "--cb-failure-threshold",
-            "2",
-            "--cb-timeout-duration-secs",
-            "600",
-            "--policy",
-            "round_robin",
-            "--retry-initial-backoff-ms",
-            "1",
-            "--retry-max-backoff-ms",
-            "5",
-        ],
-    )
+    let h = harness(&["a", "b"], |c| {
+        c.health_check.interval = Duration::from_secs(1);
+        c.health.failure = 1;
+        c.health.success = 1;
+        c.breaker.settings.failure_threshold = 2;
+        c.breaker.settings.open_timeout = Duration::from_secs(600);
+        c.policy = Policy::RoundRobin;
+        c.proxy.retry.initial_backoff = Duration::from_millis(1);
+        c.proxy.retry.max_backoff = Duration::from_millis(5);
+    })
     .await;
     let worker_a =
         h.gw.registry
@@ -241,7 +208,7 @@ async fn health_gate_and_promotion_readmit_an_open_breaker_at_once() {
         ..Fault::default()
     });
     eventually("A demoted", || {
-        std::future::ready(worker_a.health() == balancer::health::Health::NotReady)
+        std::future::ready(worker_a.health() == balancer_core::health::Health::NotReady)
     })
     .await;
     let served = h.served(0);
@@ -253,7 +220,7 @@ async fn health_gate_and_promotion_readmit_an_open_breaker_at_once() {
     // Back to Ready, then open A's breaker through real failures.
     h.workers[0].clear_fault();
     eventually("A promoted", || {
-        std::future::ready(worker_a.health() == balancer::health::Health::Ready)
+        std::future::ready(worker_a.health() == balancer_core::health::Health::Ready)
     })
     .await;
     h.workers[0].set_fault(always(500));
@@ -275,12 +242,12 @@ async fn health_gate_and_promotion_readmit_an_open_breaker_at_once() {
         ..Fault::default()
     });
     eventually("A demoted again", || {
-        std::future::ready(worker_a.health() == balancer::health::Health::NotReady)
+        std::future::ready(worker_a.health() == balancer_core::health::Health::NotReady)
     })
     .await;
     h.workers[0].clear_fault();
     eventually("A promoted again", || {
-        std::future::ready(worker_a.health() == balancer::health::Health::Ready)
+        std::future::ready(worker_a.health() == balancer_core::health::Health::Ready)
     })
     .await;
     let a = h.breaker(0);
@@ -307,7 +274,10 @@ fn strip_volatile(body: &str) -> String {
 
 #[tokio::test]
 async fn streams_are_relayed_as_sent() {
-    let h = harness(&["a"], QUIET).await;
+    let h = harness(&["a"], |c| {
+        quiet(c);
+    })
+    .await;
     let direct = h
         .call(
             h.workers[0].addr(),
@@ -334,14 +304,11 @@ async fn streams_are_relayed_as_sent() {
 
 #[tokio::test]
 async fn a_stalled_stream_ends_with_an_sse_error_and_counts_as_a_stall() {
-    let h = harness(
-        &["a"],
-        &[
-            &["--stream-idle-timeout-secs", "1", "--disable-retries"][..],
-            QUIET,
-        ]
-        .concat(),
-    )
+    let h = harness(&["a"], |c| {
+        quiet(c);
+        c.proxy.stream_idle_timeout = Duration::from_secs(1);
+        c.proxy.retry.max_attempts = 1;
+    })
     .await;
     h.workers[0].set_fault(Fault {
         stall_after_chunks: Some(2),
@@ -369,7 +336,10 @@ async fn a_stalled_stream_ends_with_an_sse_error_and_counts_as_a_stall() {
 
 #[tokio::test]
 async fn a_client_disconnect_closes_the_upstream_connection() {
-    let h = harness(&["a"], QUIET).await;
+    let h = harness(&["a"], |c| {
+        quiet(c);
+    })
+    .await;
     h.workers[0].set_fault(Fault {
         token_delay_ms: Some(100),
         ..Fault::default()
@@ -409,14 +379,14 @@ async fn a_client_disconnect_closes_the_upstream_connection() {
 
 #[tokio::test]
 async fn admission_sheds_the_fourth_concurrent_request_with_429() {
-    let h = harness(
-        &["a"],
-        &[
-            &["--max-concurrent-requests", "2", "--queue-size", "1"][..],
-            QUIET,
-        ]
-        .concat(),
-    )
+    let h = harness(&["a"], |c| {
+        quiet(c);
+        c.admission = Some(AdmissionConfig {
+            max_concurrent: 2,
+            queue_size: 1,
+            queue_timeout: Duration::from_secs(60),
+        });
+    })
     .await;
     h.workers[0].set_fault(Fault {
         latency_ms: Some(1500),
@@ -453,7 +423,10 @@ async fn admission_sheds_the_fourth_concurrent_request_with_429() {
 
 #[tokio::test]
 async fn malformed_json_gets_400_and_records_nothing() {
-    let h = harness(&["a"], QUIET).await;
+    let h = harness(&["a"], |c| {
+        quiet(c);
+    })
+    .await;
     let base = h.served(0);
     let r = h.chat("{not json").await;
     assert_eq!(
@@ -467,7 +440,10 @@ async fn malformed_json_gets_400_and_records_nothing() {
 
 #[tokio::test]
 async fn admin_api_adds_inspects_overrides_and_drains() {
-    let h = harness(&["a", "b"], QUIET).await;
+    let h = harness(&["a", "b"], |c| {
+        quiet(c);
+    })
+    .await;
     // Start with only A registered; B is added through the API.
     let b_url = h.workers[1].url();
     let b = h.gw.registry.fleet().get(&b_url).unwrap().clone();
@@ -596,7 +572,11 @@ async fn admin_api_adds_inspects_overrides_and_drains() {
 
 #[tokio::test]
 async fn admin_token_is_required_when_set() {
-    let h = harness(&["a"], &[&["--admin-token", "s3cret"][..], QUIET].concat()).await;
+    let h = harness(&["a"], |c| {
+        quiet(c);
+        c.admin_token = Some("s3cret".to_owned());
+    })
+    .await;
     let r = h.admin(Method::GET, "/workers", "").await;
     assert_eq!(
         (r.status, r.code().as_str()),
@@ -617,7 +597,11 @@ async fn admin_token_is_required_when_set() {
 
 #[tokio::test]
 async fn metrics_prefix_smg_gives_the_reference_names() {
-    let h = harness(&["a"], &[&["--metrics-prefix", "smg"][..], QUIET].concat()).await;
+    let h = harness(&["a"], |c| {
+        quiet(c);
+        c.metrics_prefix = "smg".to_owned();
+    })
+    .await;
     h.chat(CHAT).await;
     let m = h.metrics().await;
     let url = h.workers[0].url();
@@ -636,14 +620,11 @@ async fn metrics_prefix_smg_gives_the_reference_names() {
 
 #[tokio::test]
 async fn readiness_reflects_routable_workers() {
-    let h = harness(
-        &["a"],
-        &[
-            &["--cb-failure-threshold", "1", "--disable-retries"][..],
-            QUIET,
-        ]
-        .concat(),
-    )
+    let h = harness(&["a"], |c| {
+        quiet(c);
+        c.breaker.settings.failure_threshold = 1;
+        c.proxy.retry.max_attempts = 1;
+    })
     .await;
     let ready = h.call(h.gw.addr, Method::GET, "/readiness", "", &[]).await;
     assert_eq!(ready.status, StatusCode::OK);
@@ -666,14 +647,11 @@ async fn readiness_reflects_routable_workers() {
 
 #[tokio::test]
 async fn a_body_over_the_replay_limit_gets_a_single_attempt() {
-    let h = harness(
-        &["a", "b"],
-        &[
-            &["--max-replay-body-bytes", "64", "--policy", "round_robin"][..],
-            QUIET,
-        ]
-        .concat(),
-    )
+    let h = harness(&["a", "b"], |c| {
+        quiet(c);
+        c.proxy.max_replay_body = 64;
+        c.policy = Policy::RoundRobin;
+    })
     .await;
     let (a0, b0) = (h.served(0), h.served(1));
     h.workers[0].set_fault(always(500));
@@ -702,16 +680,11 @@ async fn a_body_over_the_replay_limit_gets_a_single_attempt() {
 
 #[tokio::test]
 async fn worker_retry_after_sets_the_wait_before_the_next_attempt() {
-    let h = harness(
-        &["a"],
-        &[
-            "--retry-initial-backoff-ms",
-            "1",
-            "--retry-max-backoff-ms",
-            "5000",
-            "--disable-health-check",
-        ],
-    )
+    let h = harness(&["a"], |c| {
+        c.proxy.retry.initial_backoff = Duration::from_millis(1);
+        c.proxy.retry.max_backoff = Duration::from_millis(5000);
+        c.health_check.enabled = false;
+    })
     .await;
     h.workers[0].set_fault(Fault {
         status: Some(503),
@@ -735,10 +708,10 @@ async fn worker_retry_after_sets_the_wait_before_the_next_attempt() {
 
 #[tokio::test]
 async fn shutdown_lets_in_flight_requests_finish() {
-    let h = harness(
-        &["a"],
-        &[&["--shutdown-grace-period-secs", "5"][..], QUIET].concat(),
-    )
+    let h = harness(&["a"], |c| {
+        quiet(c);
+        c.shutdown_grace = Duration::from_secs(5);
+    })
     .await;
     h.workers[0].set_fault(Fault {
         latency_ms: Some(600),

@@ -27,8 +27,8 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use balancer::dataplane::XdpAction;
 use balancer_common::l4::Outcome;
+use balancer_dataplane::XdpAction;
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::l4::{Router, Steered};
 use balancer_tests::netns;

@@ -11,9 +11,9 @@ use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::Arc;
 
 use anyhow::{Context, Result, ensure};
-use balancer::clock::ManualClock;
-use balancer::config::LaunchArgs;
-use balancer::gateway::start_with_clock;
+use balancer::gateway::Gateway;
+use balancer_core::clock::ManualClock;
+use balancer_dataplane::steering::ForwardMode;
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::l4e2e::{self, Scenario};
 use balancer_tests::netns::{Namespaces, run};
@@ -84,25 +84,17 @@ fn exercise(client: &str, host: &str) -> Result<()> {
         .map(|name| runtime.worker(SocketAddr::from((HOST_IP, 0)), name))
         .collect::<Result<Vec<_>>>()?;
 
-    let mut argv = l4e2e::gateway_flags();
-    argv.extend(
-        [
-            "--xdp-iface",
-            IFACE,
-            "--l4-mode",
-            "local",
-            "--l4-service",
-            &VIP.to_string(),
-        ]
-        .map(str::to_owned),
-    );
-    argv.push("--worker-urls".into());
-    argv.extend(workers.iter().map(|w| w.url()));
-    let launch = LaunchArgs::parse_with_config(argv.into_iter().map(Into::into).collect())?;
+    let urls: Vec<String> = workers.iter().map(|w| w.url()).collect();
+    let mut config = l4e2e::gateway_config(&urls);
+    config.l4 = Some(l4e2e::l4_config(
+        vec![IFACE.to_owned()],
+        ForwardMode::Local,
+        vec![VIP],
+    ));
     let clock = Arc::new(ManualClock::new());
     let (_, tcx_before) = attachments(host)?;
     let gw = runtime
-        .run(start_with_clock(launch, clock.clone()))?
+        .run(Gateway::start_with_clock(config, clock.clone()))?
         .context("starting the gateway")?;
     let (xdp, tcx) = attachments(host)?;
     ensure!(xdp, "no XDP program on {IFACE} after start");

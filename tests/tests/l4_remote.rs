@@ -13,9 +13,9 @@ use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::Arc;
 
 use anyhow::{Context, Result, ensure};
-use balancer::clock::ManualClock;
-use balancer::config::LaunchArgs;
-use balancer::gateway::start_with_clock;
+use balancer::gateway::Gateway;
+use balancer_core::clock::ManualClock;
+use balancer_dataplane::steering::ForwardMode;
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::l4e2e::{self, Scenario};
 use balancer_tests::netns::{Namespaces, run};
@@ -148,27 +148,15 @@ fn exercise(names: &[String]) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
 
     let runtime = NsRuntime::new(balancer)?;
-    let mut argv = l4e2e::gateway_flags();
-    argv.extend(
-        [
-            "--l4-mode",
-            "remote",
-            "--l4-service",
-            &VIP.to_string(),
-            "--xdp-iface",
-            FRONT_IF,
-        ]
-        .map(str::to_owned),
-    );
-    for i in 1..=WORKERS {
-        argv.extend(["--xdp-iface".to_owned(), back_if(i)]);
-    }
-    argv.push("--worker-urls".into());
-    argv.extend(workers.iter().map(|w| w.url()));
-    let launch = LaunchArgs::parse_with_config(argv.into_iter().map(Into::into).collect())?;
+    let urls: Vec<String> = workers.iter().map(|w| w.url()).collect();
+    let mut config = l4e2e::gateway_config(&urls);
+    let ifaces = std::iter::once(FRONT_IF.to_owned())
+        .chain((1..=WORKERS).map(back_if))
+        .collect();
+    config.l4 = Some(l4e2e::l4_config(ifaces, ForwardMode::Remote, vec![VIP]));
     let clock = Arc::new(ManualClock::new());
     let gw = runtime
-        .run(start_with_clock(launch, clock.clone()))?
+        .run(Gateway::start_with_clock(config, clock.clone()))?
         .context("starting the gateway")?;
     let ifaces = gw.steering().context("no dataplane")?.interfaces();
     ensure!(ifaces.len() == 1 + WORKERS, "attached to {ifaces:?}");

@@ -11,9 +11,9 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use balancer::dataplane::{VerdictCounts, XdpAction};
 use balancer_common::Verdict;
 use balancer_common::l4::{BackendState, FlowKey, Outcome, addr_be, port_be};
+use balancer_dataplane::{VerdictCounts, XdpAction};
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::l4::{Router, Steered};
 use balancer_tests::netns;

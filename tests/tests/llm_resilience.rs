@@ -4,27 +4,21 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use balancer::breaker::{FailureReason, State};
-use balancer::mock_worker::Fault;
-use balancer_tests::gateway::{CHAT, QUIET, always, harness, harness_with_models};
+use balancer_core::breaker::DegradedSettings;
+use balancer_core::breaker::{FailureReason, State};
+use balancer_core::selection::Policy;
+use balancer_mock_worker::Fault;
+use balancer_tests::gateway::{CHAT, always, harness, harness_with_models, quiet};
 use http::StatusCode;
 
 #[tokio::test]
 async fn a_worker_answering_200_in_3s_is_isolated_with_slow_ttfb() {
-    let h = harness(
-        &["a"],
-        &[
-            &[
-                "--cb-slow-ttfb-ms",
-                "1000",
-                "--cb-failure-threshold",
-                "2",
-                "--disable-retries",
-            ][..],
-            QUIET,
-        ]
-        .concat(),
-    )
+    let h = harness(&["a"], |c| {
+        quiet(c);
+        c.breaker.slow_ttfb = Some(Duration::from_millis(1000));
+        c.breaker.settings.failure_threshold = 2;
+        c.proxy.retry.max_attempts = 1;
+    })
     .await;
     h.workers[0].set_fault(Fault {
         latency_ms: Some(3000),
@@ -60,10 +54,10 @@ async fn a_worker_answering_200_in_3s_is_isolated_with_slow_ttfb() {
 
 #[tokio::test]
 async fn a_fast_worker_is_not_slow_and_its_ttfb_is_recorded() {
-    let h = harness(
-        &["a"],
-        &[&["--cb-slow-ttfb-ms", "1000"][..], QUIET].concat(),
-    )
+    let h = harness(&["a"], |c| {
+        quiet(c);
+        c.breaker.slow_ttfb = Some(Duration::from_millis(1000));
+    })
     .await;
     for _ in 0..5 {
         assert_eq!(h.chat(CHAT).await.status, StatusCode::OK);
@@ -83,27 +77,17 @@ async fn a_fast_worker_is_not_slow_and_its_ttfb_is_recorded() {
 
 #[tokio::test]
 async fn degraded_worker_gets_its_share_of_traffic() {
-    let h = harness(
-        &["a", "b"],
-        &[
-            &[
-                "--policy",
-                "round_robin",
-                "--cb-failure-threshold",
-                "1",
-                "--cb-success-threshold",
-                "1",
-                "--cb-timeout-duration-secs",
-                "10",
-                "--cb-degraded-traffic-pct",
-                "25",
-                "--cb-degraded-duration-secs",
-                "3600",
-            ][..],
-            QUIET,
-        ]
-        .concat(),
-    )
+    let h = harness(&["a", "b"], |c| {
+        quiet(c);
+        c.policy = Policy::RoundRobin;
+        c.breaker.settings.failure_threshold = 1;
+        c.breaker.settings.success_threshold = 1;
+        c.breaker.settings.open_timeout = Duration::from_secs(10);
+        c.breaker.settings.degraded = Some(DegradedSettings {
+            traffic_pct: 25,
+            duration: Duration::from_secs(3600),
+        });
+    })
     .await;
     h.workers[0].set_fault(Fault {
         status: Some(500),
@@ -139,19 +123,13 @@ async fn degraded_worker_gets_its_share_of_traffic() {
 
 #[tokio::test]
 async fn fallback_is_taken_only_when_the_primary_has_no_eligible_worker() {
-    let h = harness_with_models(
-        &[("big", "big-model"), ("small", "small-model")],
-        &[
-            &[
-                "--fallback-model",
-                "big-model=small-model",
-                "--cb-failure-threshold",
-                "1",
-            ][..],
-            QUIET,
-        ]
-        .concat(),
-    )
+    let h = harness_with_models(&[("big", "big-model"), ("small", "small-model")], |c| {
+        quiet(c);
+        c.proxy
+            .fallbacks
+            .insert("big-model".to_owned(), "small-model".to_owned());
+        c.breaker.settings.failure_threshold = 1;
+    })
     .await;
     let big = r#"{"model":"big-model","messages":[{"role":"user","content":"hi"}]}"#;
     let r = h.chat(big).await;
@@ -197,10 +175,10 @@ async fn fallback_is_taken_only_when_the_primary_has_no_eligible_worker() {
 
 #[tokio::test]
 async fn token_budget_is_enforced_within_one_request() {
-    let h = harness(
-        &["a"],
-        &[&["--token-budget", "demo-model=100"][..], QUIET].concat(),
-    )
+    let h = harness(&["a"], |c| {
+        quiet(c);
+        c.token_budgets.push(("demo-model".to_owned(), 100));
+    })
     .await;
     let body =
         r#"{"model":"demo-model","max_tokens":10,"messages":[{"role":"user","content":"hi"}]}"#;
@@ -239,10 +217,10 @@ async fn token_budget_is_enforced_within_one_request() {
 
 #[tokio::test]
 async fn streamed_usage_counts_against_the_budget() {
-    let h = harness(
-        &["a"],
-        &[&["--token-budget", "demo-model=20"][..], QUIET].concat(),
-    )
+    let h = harness(&["a"], |c| {
+        quiet(c);
+        c.token_budgets.push(("demo-model".to_owned(), 20));
+    })
     .await;
     let body = r#"{"model":"demo-model","stream":true,"max_tokens":12,"messages":[]}"#;
     assert_eq!(h.chat(body).await.status, StatusCode::OK);
@@ -258,19 +236,13 @@ async fn streamed_usage_counts_against_the_budget() {
 
 #[tokio::test]
 async fn a_spent_budget_takes_the_fallback_model() {
-    let h = harness_with_models(
-        &[("big", "big-model"), ("small", "small-model")],
-        &[
-            &[
-                "--token-budget",
-                "big-model=5",
-                "--fallback-model",
-                "big-model=small-model",
-            ][..],
-            QUIET,
-        ]
-        .concat(),
-    )
+    let h = harness_with_models(&[("big", "big-model"), ("small", "small-model")], |c| {
+        quiet(c);
+        c.token_budgets.push(("big-model".to_owned(), 5));
+        c.proxy
+            .fallbacks
+            .insert("big-model".to_owned(), "small-model".to_owned());
+    })
     .await;
     let big = r#"{"model":"big-model","max_tokens":10,"messages":[]}"#;
     assert!(
@@ -287,20 +259,12 @@ async fn a_spent_budget_takes_the_fallback_model() {
 
 #[tokio::test]
 async fn a_slow_answer_trips_the_breaker_at_the_budget_not_at_the_answer() {
-    let h = harness(
-        &["a"],
-        &[
-            &[
-                "--cb-slow-ttfb-ms",
-                "300",
-                "--cb-failure-threshold",
-                "1",
-                "--disable-retries",
-            ][..],
-            QUIET,
-        ]
-        .concat(),
-    )
+    let h = harness(&["a"], |c| {
+        quiet(c);
+        c.breaker.slow_ttfb = Some(Duration::from_millis(300));
+        c.breaker.settings.failure_threshold = 1;
+        c.proxy.retry.max_attempts = 1;
+    })
     .await;
     h.workers[0].set_fault(Fault {
         latency_ms: Some(3000),

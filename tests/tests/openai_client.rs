@@ -15,9 +15,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
 use std::time::Duration;
 
-use balancer::config::LaunchArgs;
-use balancer::gateway::start;
-use balancer::mock_worker::{MockWorker, MockWorkerConfig};
+use balancer::config::GatewayConfig;
+use balancer::gateway::Gateway;
+use balancer_mock_worker::{MockWorker, MockWorkerConfig};
 use serde_json::Value;
 use tokio::process::Command;
 use tokio::time::Instant;
@@ -94,22 +94,13 @@ async fn openai_client_completes_and_streams_through_the_gateway() {
         .expect("mock worker");
         workers.push(worker);
     }
-    let mut argv: Vec<String> = [
-        "--port",
-        "0",
-        "--prometheus-port",
-        "0",
-        "--admin-port",
-        "0",
-        "--disable-health-check",
-        "--worker-urls",
-    ]
-    .map(String::from)
-    .to_vec();
-    argv.extend(workers.iter().map(MockWorker::url));
-    let launch = LaunchArgs::parse_with_config(argv.into_iter().map(Into::into).collect())
-        .expect("valid flags");
-    let gw = start(launch).await.expect("gateway starts");
+    let urls: Vec<String> = workers.iter().map(MockWorker::url).collect();
+    let mut config = GatewayConfig::with_worker_urls(&urls);
+    config.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+    config.metrics_listen = config.listen;
+    config.admin_listen = config.listen;
+    config.health_check.enabled = false;
+    let gw = Gateway::start(config).await.expect("gateway starts");
 
     // Requests for "demo-model" are routed once the workers' /v1/models
     // answers are in, which the gateway fetches in the background.

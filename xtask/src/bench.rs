@@ -70,11 +70,13 @@ pub fn bench(which: Which) -> Result<()> {
             .args([
                 "bench",
                 "--package",
-                "balancer",
+                "balancer-core",
                 "--bench",
                 "breaker",
                 "--bench",
                 "selection",
+                "--bench",
+                "exposition",
             ])
             .current_dir(workspace_root())),
     }

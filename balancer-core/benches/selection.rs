@@ -1,17 +1,19 @@
 //! Worker selection cost against fleet size: every policy at 8, 512 and 4096
 //! workers, with the whole fleet eligible and with half of it open.
 //!
-//! `cargo bench -p balancer --bench selection` (or `cargo xtask bench breaker`).
+//! `cargo bench -p balancer-core --bench selection` (or `cargo xtask bench breaker`).
 
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Duration;
 
-use balancer::breaker::{FailureReason, Outcome, Settings};
-use balancer::clock::{Clock, ManualClock};
-use balancer::health::HealthThresholds;
-use balancer::selection::{Policy, Selector, hash_key};
-use balancer::worker::{BreakerDefaults, Registry, RegistryConfig, WorkerSpec};
+use balancer_core::breaker::{FailureReason, Outcome, Settings};
+use balancer_core::clock::{Clock, ManualClock};
+use balancer_core::health::HealthThresholds;
+use balancer_core::registry::{Registry, RegistryConfig};
+use balancer_core::ring::hash_key;
+use balancer_core::selection::{Policy, Selector};
+use balancer_core::spec::{BreakerDefaults, WorkerSpec};
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 
 fn fleet(n: usize, clock: Arc<ManualClock>) -> Arc<Registry> {

@@ -12,6 +12,8 @@ use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::metrics::{MetricsSource, Writer};
+
 /// Why a request was shed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Shed {
@@ -114,6 +116,47 @@ impl Admission {
     /// Seconds a shed client should wait before retrying.
     pub fn retry_after_secs(&self) -> u64 {
         self.config.queue_timeout.as_secs().clamp(1, 60)
+    }
+}
+
+impl MetricsSource for Admission {
+    fn render(&self, w: &mut Writer<'_>) {
+        let s = self.stats();
+        for (name, help, v) in [
+            (
+                "admission_limit",
+                "--max-concurrent-requests.",
+                s.limit as f64,
+            ),
+            (
+                "admission_inflight",
+                "Admitted requests in flight.",
+                s.inflight as f64,
+            ),
+            (
+                "admission_queue_depth",
+                "Requests waiting for admission.",
+                s.queued as f64,
+            ),
+        ] {
+            w.family(name, "gauge", help);
+            w.sample(name, &[], v);
+        }
+        w.family(
+            "admission_rejections_total",
+            "counter",
+            "Requests shed by admission control.",
+        );
+        w.sample(
+            "admission_rejections_total",
+            &[("reason", "queue_full")],
+            s.rejected_queue_full as f64,
+        );
+        w.sample(
+            "admission_rejections_total",
+            &[("reason", "queue_timeout")],
+            s.rejected_queue_timeout as f64,
+        );
     }
 }
 

@@ -1,6 +1,6 @@
-//! The agent's handle on the XDP program.
+//! The agent's handle on the XDP program: the balancer's kernel side.
 //!
-//! This module owns the kernel side of the balancer's life: finding the
+//! This crate owns the kernel side of the balancer's life: finding the
 //! compiled eBPF object, loading it, attaching the `balancer` XDP program to
 //! interfaces (and, in local mode, the `balancer_egress` TC program to their
 //! egress), detaching them again (also on drop), reading the maps the
@@ -8,7 +8,8 @@
 //! and running the programs on crafted packets through `BPF_PROG_TEST_RUN`
 //! for tests and benchmarks.
 //!
-//! It never decides anything about routing. Which workers exist, which are
+//! It never decides anything about routing, and it is the only crate that
+//! holds `unsafe` code, aya or libc (each `unsafe` block says why it is sound). Which workers exist, which are
 //! healthy and where a connection should go is the agent's business:
 //! [`l4::L4Maps`] writes what it is told into the steering maps, and
 //! [`steering`] is the agent side that keeps them in step with the worker
@@ -27,7 +28,6 @@ use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::error::error_chain;
 use aya::maps::{MapError, PerCpuArray};
 use aya::programs::tc::SchedClassifierLinkId;
 use aya::programs::xdp::XdpLinkId;
@@ -35,6 +35,7 @@ use aya::programs::{ProgramError, SchedClassifier, TcAttachType, Xdp};
 use aya::{Ebpf, EbpfError, EbpfLoader, TestRun, TestRunOptions};
 use balancer_common::l4::{self as common, EGRESS_PROGRAM_NAME};
 use balancer_common::{PROGRAM_NAME, VERDICTS_MAP, Verdict};
+use balancer_core::error_chain;
 
 pub mod l4;
 pub mod maglev;
@@ -123,7 +124,7 @@ fn display_paths(paths: &[PathBuf]) -> String {
 }
 
 /// How to attach the XDP program.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum XdpMode {
     /// Native (driver) mode where the driver supports it, generic mode
     /// otherwise.
@@ -134,6 +135,28 @@ pub enum XdpMode {
     /// Generic mode only: runs in the stack after the socket buffer is built;
     /// works on any interface, at a fraction of native speed.
     Skb,
+}
+
+impl XdpMode {
+    pub const ALL: [XdpMode; 3] = [XdpMode::Auto, XdpMode::Driver, XdpMode::Skb];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            XdpMode::Auto => "auto",
+            XdpMode::Driver => "driver",
+            XdpMode::Skb => "skb",
+        }
+    }
+}
+
+impl std::str::FromStr for XdpMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|m| m.as_str() == s)
+            .ok_or_else(|| format!("unknown XDP mode {s:?} (auto, driver, skb)"))
+    }
 }
 
 /// Packets the program has counted, per [`Verdict`], summed over all CPUs.
@@ -641,6 +664,7 @@ struct LogReader {
     thread: Option<JoinHandle<()>>,
 }
 
+#[allow(unsafe_code)] // eventfd, poll: see the SAFETY notes.
 impl LogReader {
     /// Calls `drain` whenever `ring` has records, until the reader is
     /// dropped. `drain` owns the ring buffer, which keeps `ring` open.
@@ -688,6 +712,7 @@ impl LogReader {
     }
 }
 
+#[allow(unsafe_code)] // write to our own eventfd: see the SAFETY note.
 impl Drop for LogReader {
     fn drop(&mut self) {
         let one = 1u64.to_ne_bytes();

@@ -1,10 +1,18 @@
-//! The answers the gateway produces itself, in the OpenAI error shape.
+//! Phase: the gateway's own answers, in the OpenAI error shape.
 //!
-//! Owns the stable `code` strings and their statuses. These responses never
-//! come from a worker, so nothing here may record on a breaker.
+//! Owns the stable `code` strings and their statuses, the 503
+//! `no_available_workers` answer and its `Retry-After`, and the counting of
+//! every answer the gateway makes itself. These responses never come from a
+//! worker, so nothing here may record on a breaker.
+
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
+use http_body_util::Full;
+
+use super::body::boxed;
+use super::{Proxy, ResponseBody};
 
 /// A gateway-made error, with its stable `code`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -115,14 +123,50 @@ pub fn sse_error_event(code: &str, message: &str) -> Bytes {
     Bytes::from(format!("event: error\ndata: {data}\n\n"))
 }
 
-/// An error and its sources on one line, for log fields.
-pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut line = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        line.push_str(": ");
-        line.push_str(&cause.to_string());
-        source = cause.source();
+pub(crate) fn json_response(status: StatusCode, body: serde_json::Value) -> Response<ResponseBody> {
+    let mut r = Response::new(boxed(Full::new(Bytes::from(body.to_string()))));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+impl Proxy {
+    pub(crate) fn gateway_error(
+        &self,
+        code: ErrorCode,
+        message: &str,
+        retry_after: Option<u64>,
+    ) -> Response<ResponseBody> {
+        self.stats.gateway_response(code);
+        error_response::<Full<Bytes>>(code, message, retry_after).map(boxed)
     }
-    line
+
+    /// 503 `no_available_workers`, with `Retry-After` set to when the first
+    /// open circuit among the model's workers goes on trial.
+    pub(crate) fn no_available_workers(&self, model: Option<&str>) -> Response<ResponseBody> {
+        let fleet = self.registry.fleet();
+        let (candidates, _) = fleet.candidates(model);
+        let now = self.clock.now();
+        let soonest = candidates
+            .iter()
+            .filter_map(|w| w.breaker.snapshot().open_until)
+            .min()
+            .map(|at| {
+                Duration::from_nanos(at.saturating_sub(now))
+                    .as_secs_f64()
+                    .ceil() as u64
+            });
+        let message = match model {
+            Some(m) => format!("no available workers for model {m:?}"),
+            None => "no available workers".to_owned(),
+        };
+        self.gateway_error(
+            ErrorCode::NoAvailableWorkers,
+            &message,
+            Some(soonest.unwrap_or(1).max(1)),
+        )
+    }
 }

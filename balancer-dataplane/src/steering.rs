@@ -19,7 +19,6 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{SocketAddr, SocketAddrV4};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -32,16 +31,15 @@ use balancer_common::l4::{
 };
 use tokio::sync::broadcast::error::RecvError;
 
-use super::l4::{L4Maps, ServiceState, backend_at};
-use super::maglev::{self, Member};
-use super::{Dataplane, DataplaneError, LoadOptions, XdpMode, locate_object};
-use crate::clock::Nanos;
-use crate::error::error_chain;
-use crate::metrics::{MetricsSource, Writer};
-use crate::worker::{Registry, Worker, WorkerEvent};
+use crate::l4::{L4Maps, ServiceState, backend_at};
+use crate::maglev::{self, Member};
+use crate::{Dataplane, DataplaneError, LoadOptions, XdpMode, locate_object};
+use balancer_core::error_chain;
+use balancer_core::metrics::{Histogram, MetricsSource, Writer};
+use balancer_core::registry::{Registry, Worker, WorkerEvent};
 
 /// How steered packets reach the workers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ForwardMode {
     /// Workers run on this host, listening on an address other than
     /// loopback (the rewritten packet still arrives on the interface): XDP
@@ -54,6 +52,25 @@ pub enum ForwardMode {
     /// next hop; replies arriving here get the service address back and are
     /// redirected to the client. Needs `net.ipv4.ip_forward=1`.
     Remote,
+}
+
+impl ForwardMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ForwardMode::Local => "local",
+            ForwardMode::Remote => "remote",
+        }
+    }
+}
+
+impl std::str::FromStr for ForwardMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        [ForwardMode::Local, ForwardMode::Remote]
+            .into_iter()
+            .find(|m| m.as_str() == s)
+            .ok_or_else(|| format!("unknown L4 mode {s:?} (local, remote)"))
+    }
 }
 
 /// What `balancer launch --xdp-iface ...` asks of the dataplane.
@@ -127,7 +144,7 @@ impl Steering {
             services: Mutex::new(states),
             slots: Mutex::new(Slots::default()),
             ports: Mutex::new(HashMap::new()),
-            sync_delay: SyncHistogram::default(),
+            sync_delay: Histogram::new(SYNC_BUCKETS),
             registry: registry.clone(),
             dataplane: Mutex::new(None),
         });
@@ -173,7 +190,7 @@ impl Steering {
         })
     }
 
-    /// The dataplane's Prometheus series, for [`crate::metrics::GatewayStats::set_dataplane`].
+    /// The dataplane's Prometheus series, for the agent's exposition.
     pub fn metrics(&self) -> Arc<dyn MetricsSource> {
         self.shared.clone()
     }
@@ -268,7 +285,9 @@ struct Shared {
     slots: Mutex<Slots>,
     /// `PORTS` bits as written.
     ports: Mutex<HashMap<u16, u32>>,
-    sync_delay: SyncHistogram,
+    /// Delay from a breaker transition to the map write that made the
+    /// kernel follow it, in the registry clock's time.
+    sync_delay: Histogram,
     registry: Arc<Registry>,
     /// Set once the programs are attached; kept here so the metrics source
     /// can read the verdict counters.
@@ -475,7 +494,7 @@ async fn event_loop(
             Ok(change) => {
                 if let (true, Some(at)) = (change.written, transition_at) {
                     let now = shared.registry.clock().now();
-                    shared.sync_delay.observe(now.saturating_sub(at));
+                    shared.sync_delay.observe_nanos(now.saturating_sub(at));
                 }
                 if change.rebuild {
                     let _ = rebuilds.send(Request::Rebuild);
@@ -522,66 +541,12 @@ fn table_loop(shared: &Shared, requests: &mpsc::Receiver<Request>) {
     }
 }
 
-/// Delay from a breaker transition to the map write that made the kernel
-/// follow it, in the registry clock's nanoseconds.
-struct SyncHistogram {
-    buckets: [AtomicU64; SYNC_BUCKETS.len()],
-    count: AtomicU64,
-    sum_nanos: AtomicU64,
-}
-
-/// Seconds; the interesting range is microseconds to a millisecond.
-const SYNC_BUCKETS: [f64; 12] = [
+/// Seconds; the interesting range of the breaker-to-map delay is
+/// microseconds to a millisecond.
+const SYNC_BUCKETS: &[f64] = &[
     0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.1,
     1.0,
 ];
-
-impl Default for SyncHistogram {
-    fn default() -> Self {
-        Self {
-            buckets: Default::default(),
-            count: AtomicU64::new(0),
-            sum_nanos: AtomicU64::new(0),
-        }
-    }
-}
-
-impl SyncHistogram {
-    fn observe(&self, delay: Nanos) {
-        let secs = delay as f64 / 1e9;
-        if let Some(i) = SYNC_BUCKETS.iter().position(|&b| secs <= b) {
-            self.buckets[i].fetch_add(1, Ordering::Relaxed);
-        }
-        self.count.fetch_add(1, Ordering::Relaxed);
-        self.sum_nanos.fetch_add(delay, Ordering::Relaxed);
-    }
-
-    fn render(&self, w: &mut Writer<'_>) {
-        const NAME: &str = "dataplane_sync_seconds";
-        w.family(
-            NAME,
-            "histogram",
-            "Delay from a breaker transition to the XDP map write that makes new connections follow it.",
-        );
-        let mut cumulative = 0;
-        for (bound, bucket) in SYNC_BUCKETS.iter().zip(&self.buckets) {
-            cumulative += bucket.load(Ordering::Relaxed);
-            w.sample(
-                "dataplane_sync_seconds_bucket",
-                &[("le", &bound.to_string())],
-                cumulative as f64,
-            );
-        }
-        let count = self.count.load(Ordering::Relaxed) as f64;
-        w.sample("dataplane_sync_seconds_bucket", &[("le", "+Inf")], count);
-        w.sample(
-            "dataplane_sync_seconds_sum",
-            &[],
-            self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9,
-        );
-        w.sample("dataplane_sync_seconds_count", &[], count);
-    }
-}
 
 impl MetricsSource for Shared {
     fn render(&self, w: &mut Writer<'_>) {
@@ -617,7 +582,12 @@ impl MetricsSource for Shared {
         }
         self.render_services(w);
         self.render_backends(w);
-        self.sync_delay.render(w);
+        w.family(
+            "dataplane_sync_seconds",
+            "histogram",
+            "Delay from a breaker transition to the XDP map write that makes new connections follow it.",
+        );
+        self.sync_delay.render(w, "dataplane_sync_seconds", &[]);
     }
 }
 

@@ -10,7 +10,6 @@
 //! miss, i.e. when most candidates are out. `least_load` compares every
 //! candidate up to 64 of them and a random sample of 16 beyond.
 
-use std::hash::{BuildHasher, Hasher};
 use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -18,7 +17,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use rand::Rng;
 
 use crate::clock::Clock;
-use crate::worker::Worker;
+use crate::registry::Worker;
+use crate::ring::Ring;
 
 /// How many random probes a sampling policy makes before scanning.
 const PROBES: usize = 8;
@@ -26,8 +26,6 @@ const PROBES: usize = 8;
 const EXACT_LEAST_LOAD: usize = 64;
 /// Beyond that, it compares this many random ones.
 const LEAST_LOAD_SAMPLE: usize = 16;
-/// Virtual nodes per worker on the hash ring.
-const VNODES: usize = 64;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Policy {
@@ -67,54 +65,6 @@ impl Policy {
             Policy::LeastLoad => "least_load",
             Policy::ConsistentHash => "consistent_hash",
         }
-    }
-}
-
-/// A consistent-hash ring over a candidate list: sorted (point, index) pairs.
-#[derive(Debug, Default)]
-pub struct Ring {
-    points: Vec<(u64, u32)>,
-}
-
-fn hash_bytes(bytes: &[u8]) -> u64 {
-    // A fixed-key hasher: the ring must place a key on the same worker across
-    // restarts and across gateway replicas.
-    let mut h =
-        std::hash::BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default()
-            .build_hasher();
-    h.write(bytes);
-    h.finish()
-}
-
-/// The ring position of a routing key (`X-Session-Id` or the configured header).
-pub fn hash_key(key: &[u8]) -> u64 {
-    hash_bytes(key)
-}
-
-/// A worker's ring points: derived from its URL only, so every gateway
-/// replica places it alike.
-pub fn ring_points(url: &str) -> Box<[u64]> {
-    (0..VNODES)
-        .map(|v| hash_bytes(format!("{url}#{v}").as_bytes()))
-        .collect()
-}
-
-impl Ring {
-    pub fn build(workers: &[Arc<Worker>]) -> Self {
-        let mut points: Vec<(u64, u32)> = workers
-            .iter()
-            .enumerate()
-            .flat_map(|(i, w)| w.ring_points.iter().map(move |&p| (p, i as u32)))
-            .collect();
-        points.sort_unstable();
-        Self { points }
-    }
-
-    /// Candidate indices clockwise from `key`: each worker once, the owner first.
-    fn walk(&self, key: u64) -> impl Iterator<Item = usize> + '_ {
-        let start = self.points.partition_point(|&(p, _)| p < key);
-        let (tail, head) = self.points.split_at(start);
-        head.iter().chain(tail).map(|&(_, i)| i as usize)
     }
 }
 
@@ -235,7 +185,9 @@ mod tests {
     use crate::breaker::{FailureReason, Outcome, Settings};
     use crate::clock::ManualClock;
     use crate::health::HealthThresholds;
-    use crate::worker::{BreakerDefaults, Registry, RegistryConfig, WorkerSpec};
+    use crate::registry::{Registry, RegistryConfig};
+    use crate::ring::hash_key;
+    use crate::spec::{BreakerDefaults, WorkerSpec};
 
     const ALL: [Policy; 5] = [
         Policy::RoundRobin,

@@ -1,15 +1,15 @@
 //! The breaker's request hot path: `admit` + `record` on one worker, alone and
 //! with a second thread hammering the same breaker.
 //!
-//! `cargo bench -p balancer --bench breaker` (or `cargo xtask bench breaker`).
+//! `cargo bench -p balancer-core --bench breaker` (or `cargo xtask bench breaker`).
 
 use std::hint::black_box;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use balancer::breaker::{Breaker, Outcome, Settings};
-use balancer::clock::MonotonicClock;
+use balancer_core::breaker::{Breaker, Outcome, Settings};
+use balancer_core::clock::MonotonicClock;
 use criterion::{Criterion, criterion_group, criterion_main};
 
 fn hot_path(b: &Breaker, clock: &MonotonicClock) {

@@ -1,7 +1,7 @@
 //! Typed access to the L4 steering maps.
 //!
 //! Writes are plain map updates; what to write is the caller's business
-//! ([`super::steering`] for the agent, tests and benchmarks directly). Every
+//! ([`crate::steering`] for the agent, tests and benchmarks directly). Every
 //! map sits behind its own lock, so flipping a backend's state bit never
 //! waits for a Maglev table being written next to it.
 //!
@@ -20,7 +20,7 @@ use balancer_common::l4::{
     addr_be, port_be,
 };
 
-use super::{DataplaneError, LoadOptions};
+use crate::{DataplaneError, LoadOptions};
 
 /// The steering maps of a loaded object.
 pub struct L4Maps {

@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use arc_swap::ArcSwap;
 
 use crate::clock::Nanos;
+use crate::metrics::{MetricsSource, Writer};
 
 const SLOTS: usize = 60;
 const SECOND: Nanos = 1_000_000_000;
@@ -181,6 +182,44 @@ impl Tokens {
 
     pub fn snapshot(&self) -> Arc<HashMap<String, Arc<ModelTokens>>> {
         self.models.load_full()
+    }
+}
+
+impl MetricsSource for Tokens {
+    fn render(&self, w: &mut Writer<'_>) {
+        let models = self.snapshot();
+        let mut names: Vec<_> = models.keys().collect();
+        names.sort();
+        w.family(
+            "tokens_total",
+            "counter",
+            "Tokens reported in responses' usage, by kind.",
+        );
+        for m in &names {
+            let t = &models[*m];
+            for (kind, v) in [("prompt", &t.prompt), ("completion", &t.completion)] {
+                w.sample(
+                    "tokens_total",
+                    &[("model", m), ("kind", kind)],
+                    v.load(Ordering::Relaxed) as f64,
+                );
+            }
+        }
+        w.family(
+            "token_budget_exceeded_total",
+            "counter",
+            "Requests that found their model's token budget spent.",
+        );
+        for m in names
+            .iter()
+            .filter(|m| models[**m].budget_limit().is_some())
+        {
+            w.sample(
+                "token_budget_exceeded_total",
+                &[("model", m)],
+                models[*m].budget_exceeded.load(Ordering::Relaxed) as f64,
+            );
+        }
     }
 }
 

@@ -1,18 +1,10 @@
-//! Worker health: the Ready / NotReady state machine and its prober.
+//! Worker health: the Ready / NotReady state machine.
 //!
 //! [`HealthTracker`] is pure: it turns probe results into demotions and
-//! promotions with the failure and success thresholds. [`probe`] is the
-//! I/O around it: one `GET <endpoint>` with a timeout; the gateway runs one
-//! probing task per worker. A promotion (a real NotReady → Ready move) is what puts an open
-//! breaker on trial; this module reports it and never touches the breaker
-//! itself.
-
-use std::time::Duration;
-
-use bytes::Bytes;
-use http_body_util::{BodyExt, Empty};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
+//! promotions with the failure and success thresholds. The probes themselves
+//! (HTTP, with a timeout) are the agent's. A promotion (a real NotReady →
+//! Ready move) is what puts an open breaker on trial; this module reports it
+//! and never touches the breaker itself.
 
 /// A worker's health status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,21 +92,6 @@ impl HealthTracker {
         (self.failures, self.successes) = (0, 0);
         (was == Health::NotReady).then_some(HealthChange::Promoted)
     }
-}
-
-/// One probe: `GET uri` must answer 2xx within `timeout`, body included.
-pub async fn probe(
-    client: &Client<HttpConnector, Empty<Bytes>>,
-    uri: &http::Uri,
-    timeout: Duration,
-) -> bool {
-    let attempt = async {
-        let response = client.get(uri.clone()).await.ok()?;
-        let ok = response.status().is_success();
-        response.into_body().collect().await.ok()?;
-        Some(ok)
-    };
-    matches!(tokio::time::timeout(timeout, attempt).await, Ok(Some(true)))
 }
 
 #[cfg(test)]

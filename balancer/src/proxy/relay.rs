@@ -1,4 +1,4 @@
-//! Relaying a worker's response body to the client.
+//! Phase: relaying a worker's response to the client.
 //!
 //! Owns what happens between the response headers and the last byte: frames
 //! pass through as they arrive (never buffered whole), an idle gap longer than
@@ -17,13 +17,19 @@ use bytes::Bytes;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use tokio::time::{Instant, Sleep};
 
-use crate::admission::Permit;
-use crate::breaker::{Classifier, FailureReason, Outcome, RequestCharges, Ticket};
-use crate::clock::Clock;
-use crate::error::sse_error_event;
-use crate::metrics::GatewayStats;
-use crate::tokens::{Tokens, find_usage};
-use crate::worker::InflightGuard;
+use balancer_core::admission::Permit;
+use balancer_core::breaker::{Classifier, FailureReason, Outcome, RequestCharges, Ticket};
+use balancer_core::clock::Clock;
+use balancer_core::registry::InflightGuard;
+use balancer_core::tokens::{Tokens, find_usage};
+use http::Response;
+use http::header::{self, HeaderName, HeaderValue};
+
+use super::answer::sse_error_event;
+use super::body::boxed;
+use super::route::HOP_BY_HOP;
+use super::stats::GatewayStats;
+use super::{FALLBACK_HEADER, Proxy, ResponseBody};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -33,6 +39,10 @@ pub struct Completion {
     /// `None` once the outcome was recorded at header time (a failure or
     /// pushback status); `Some` while the body decides it.
     pub pending: Option<(Ticket, RequestCharges)>,
+    #[expect(
+        dead_code,
+        reason = "held, never read: dropping it releases the admission slot"
+    )]
     pub permit: Option<Permit>,
     pub started: std::time::Instant,
     /// When the attempt that produced this response was sent.
@@ -63,9 +73,7 @@ impl Completion {
         if let Some((ticket, mut charges)) = self.pending {
             charges.record(&worker.breaker, ticket, outcome, &*self.clock);
         }
-        self.stats
-            .request_duration
-            .observe(self.started.elapsed().as_secs_f64());
+        self.stats.request_duration.observe(self.started.elapsed());
         // `guard` and `permit` drop here: in-flight count and admission slot
         // are released after the last byte.
     }
@@ -88,7 +96,7 @@ impl Tail {
         }
     }
 
-    fn usage(&self) -> Option<crate::tokens::Usage> {
+    fn usage(&self) -> Option<balancer_core::tokens::Usage> {
         let (previous, last) = (self.previous.as_deref(), self.last.as_deref());
         last.and_then(find_usage)
             .or_else(|| previous.and_then(find_usage))
@@ -230,5 +238,33 @@ impl Drop for RelayBody {
     fn drop(&mut self) {
         // The client went away before the end: not the worker's doing.
         self.complete(Outcome::Ignored);
+    }
+}
+impl Proxy {
+    pub(crate) fn relay(
+        &self,
+        response: Response<Incoming>,
+        completion: Completion,
+        fallback: Option<String>,
+    ) -> Response<ResponseBody> {
+        let (mut parts, body) = response.into_parts();
+        if let Some(v) = fallback.and_then(|f| HeaderValue::try_from(f).ok()) {
+            parts.headers.insert(FALLBACK_HEADER, v);
+        }
+        for h in HOP_BY_HOP {
+            parts.headers.remove(h);
+        }
+        parts.headers.remove(HeaderName::from_static("keep-alive"));
+        let sse = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|ct| ct.starts_with("text/event-stream"));
+        if sse {
+            // The relay may append an error event to a cut stream.
+            parts.headers.remove(header::CONTENT_LENGTH);
+        }
+        let relay = RelayBody::new(body, sse, self.config.stream_idle_timeout, completion);
+        Response::from_parts(parts, boxed(relay))
     }
 }

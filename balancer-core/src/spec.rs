@@ -1,0 +1,217 @@
+//! Worker specs: what an operator says about a worker.
+//!
+//! Owns [`WorkerSpec`] (URL, model, labels), the per-worker [`Resilience`]
+//! overrides of the gateway document, their validation ([`SpecError`] names
+//! the field), and [`BreakerDefaults`], which merges flags and overrides into
+//! one breaker's [`Settings`] and [`Classifier`]. Pure data: it must not depend
+//! on the registry's live state or on any I/O beyond resolving a worker's
+//! host once, when its spec is validated.
+
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::breaker::{Classifier, DEFAULT_CAPACITY_CODES, DEFAULT_FAILURE_CODES, Settings};
+
+/// The per-worker `resilience` block of the gateway document. Every field is
+/// optional; a status list that is set replaces the default.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Resilience {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity_status_codes: Option<Vec<u16>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retryable_status_codes: Option<Vec<u16>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cb_failure_threshold: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cb_success_threshold: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cb_timeout_secs: Option<u64>,
+    /// Overrides `--cb-slow-ttfb-ms` for this worker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cb_slow_ttfb_ms: Option<u64>,
+}
+
+/// A spec that cannot be applied; names the field and the value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid {field}: {message}")]
+pub struct SpecError {
+    pub field: String,
+    pub message: String,
+}
+
+impl SpecError {
+    fn new(field: &str, message: impl Into<String>) -> Self {
+        Self {
+            field: field.to_owned(),
+            message: message.into(),
+        }
+    }
+}
+
+impl Resilience {
+    pub fn validate(&self) -> Result<(), SpecError> {
+        for (field, codes) in [
+            (
+                "resilience.capacity_status_codes",
+                &self.capacity_status_codes,
+            ),
+            (
+                "resilience.retryable_status_codes",
+                &self.retryable_status_codes,
+            ),
+        ] {
+            if let Some(bad) = codes.iter().flatten().find(|c| !(100..=599).contains(*c)) {
+                return Err(SpecError::new(
+                    field,
+                    format!("{bad} is not an HTTP status (100-599)"),
+                ));
+            }
+        }
+        for (field, value) in [
+            (
+                "resilience.cb_failure_threshold",
+                self.cb_failure_threshold.map(u64::from),
+            ),
+            (
+                "resilience.cb_success_threshold",
+                self.cb_success_threshold.map(u64::from),
+            ),
+            ("resilience.cb_timeout_secs", self.cb_timeout_secs),
+            ("resilience.cb_slow_ttfb_ms", self.cb_slow_ttfb_ms),
+        ] {
+            if value == Some(0) {
+                return Err(SpecError::new(field, "must be at least 1"));
+            }
+        }
+        Ok(())
+    }
+
+    /// `patch` over `self`: fields the patch sets win.
+    pub fn merged(&self, patch: &Resilience) -> Resilience {
+        Resilience {
+            capacity_status_codes: patch
+                .capacity_status_codes
+                .clone()
+                .or_else(|| self.capacity_status_codes.clone()),
+            retryable_status_codes: patch
+                .retryable_status_codes
+                .clone()
+                .or_else(|| self.retryable_status_codes.clone()),
+            cb_failure_threshold: patch.cb_failure_threshold.or(self.cb_failure_threshold),
+            cb_success_threshold: patch.cb_success_threshold.or(self.cb_success_threshold),
+            cb_timeout_secs: patch.cb_timeout_secs.or(self.cb_timeout_secs),
+            cb_slow_ttfb_ms: patch.cb_slow_ttfb_ms.or(self.cb_slow_ttfb_ms),
+        }
+    }
+}
+
+/// What the flags say about every breaker, before per-worker overrides.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BreakerDefaults {
+    pub settings: Settings,
+    /// `--disable-circuit-breaker`: the failure threshold is raised to its
+    /// maximum unless a worker sets its own.
+    pub disabled: bool,
+    /// `--cb-slow-ttfb-ms`.
+    pub slow_ttfb: Option<Duration>,
+}
+
+impl BreakerDefaults {
+    pub fn resolve(&self, r: &Resilience) -> (Settings, Classifier) {
+        let base = self.settings;
+        let default_failure = if self.disabled {
+            u32::MAX
+        } else {
+            base.failure_threshold
+        };
+        let settings = Settings {
+            failure_threshold: r.cb_failure_threshold.unwrap_or(default_failure),
+            success_threshold: r.cb_success_threshold.unwrap_or(base.success_threshold),
+            open_timeout: r
+                .cb_timeout_secs
+                .map_or(base.open_timeout, Duration::from_secs),
+            ..base
+        };
+        let classifier = Classifier::new(
+            r.capacity_status_codes
+                .as_deref()
+                .unwrap_or(DEFAULT_CAPACITY_CODES),
+            r.retryable_status_codes
+                .as_deref()
+                .unwrap_or(DEFAULT_FAILURE_CODES),
+        )
+        .with_slow_ttfb(
+            r.cb_slow_ttfb_ms
+                .map(Duration::from_millis)
+                .or(self.slow_ttfb),
+        );
+        (settings, classifier)
+    }
+}
+
+/// A worker as an operator describes it (`--worker-urls`, config file, or
+/// `POST /workers`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerSpec {
+    pub url: String,
+    /// The model it serves; learned from its `/v1/models` when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default)]
+    pub resilience: Resilience,
+}
+
+impl WorkerSpec {
+    pub fn from_url(url: &str) -> Self {
+        Self {
+            url: url.to_owned(),
+            ..Self::default()
+        }
+    }
+
+    /// Checks the spec and splits its URL into the parts the proxy needs.
+    pub fn validate(&self) -> Result<WorkerAddress, SpecError> {
+        self.resilience.validate()?;
+        WorkerAddress::parse(&self.url)
+    }
+}
+
+/// Where a worker is: its normalised base URL and, when it resolves, its
+/// socket address (the XDP dataplane steers to it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerAddress {
+    pub base: String,
+    pub authority: http::uri::Authority,
+    pub socket: Option<SocketAddr>,
+}
+
+impl WorkerAddress {
+    pub fn parse(url: &str) -> Result<Self, SpecError> {
+        let bad = |m: &str| SpecError::new("url", format!("{url:?}: {m}"));
+        let uri: http::Uri = url.parse().map_err(|_| bad("not a URL"))?;
+        if uri.scheme_str() != Some("http") {
+            return Err(bad("only http:// workers are supported"));
+        }
+        let authority = uri.authority().cloned().ok_or_else(|| bad("no host"))?;
+        if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+            return Err(bad("a worker URL is scheme://host:port, without a path"));
+        }
+        let port = authority.port_u16().unwrap_or(80);
+        let socket = (authority.host().trim_matches(['[', ']']), port)
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut addrs| addrs.next());
+        Ok(Self {
+            base: format!("http://{authority}"),
+            authority,
+            socket,
+        })
+    }
+}

@@ -1,0 +1,826 @@
+//! The gateway's command line and config file, mapped onto [`GatewayConfig`].
+//!
+//! Owns flag names, their defaults and per-flag validation; the checks that
+//! span settings are [`GatewayConfig::validate`]'s. Names and defaults follow the
+//! reference gateway (`smg launch`) so operators can reuse their flags. Every
+//! flag can also come from a TOML file (`--config PATH`, keys are flag names
+//! with `_` or `-`), and flags on the command line win. Bad values fail at
+//! start with the flag and the value named.
+
+use std::ffi::OsString;
+use std::net::{IpAddr, SocketAddr, SocketAddrV4};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::{Args, CommandFactory, Parser};
+
+use balancer_common::l4::{DEFAULT_CONNTRACK_SIZE, DEFAULT_TABLE_SIZE};
+use balancer_core::admission::AdmissionConfig;
+use balancer_core::breaker::{DegradedSettings, Settings, WindowSettings};
+use balancer_core::health::HealthThresholds;
+use balancer_core::selection::Policy;
+use balancer_core::spec::{BreakerDefaults, WorkerSpec};
+use balancer_dataplane::XdpMode;
+use balancer_dataplane::steering::{ForwardMode, L4Config};
+use http::HeaderName;
+
+use crate::config::GatewayConfig;
+use crate::proxy::{HealthCheckConfig, ProxyConfig, RetryPolicy};
+
+fn positive_f64(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 1.0 => Ok(v),
+        _ => Err(format!("{s} is not a number >= 1.0")),
+    }
+}
+
+fn fraction(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        _ => Err(format!("{s} is not a number between 0 and 1")),
+    }
+}
+
+fn split_pair(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() && !v.is_empty() => Ok((k.to_owned(), v.to_owned())),
+        _ => Err(format!("{s:?} is not MODEL=VALUE")),
+    }
+}
+
+fn model_budget(s: &str) -> Result<(String, u64), String> {
+    let (model, tokens) = split_pair(s)?;
+    match tokens.parse::<u64>() {
+        Ok(n) if n > 0 => Ok((model, n)),
+        _ => Err(format!(
+            "{s:?}: the budget must be a positive number of tokens per minute"
+        )),
+    }
+}
+
+fn endpoint_path(s: &str) -> Result<String, String> {
+    if s.starts_with('/') {
+        Ok(s.to_owned())
+    } else {
+        Err(format!("{s:?} must start with '/'"))
+    }
+}
+
+/// How the consecutive failure count is kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum FailureMode {
+    /// Consecutive failed requests (the gateway document; the default).
+    Consecutive,
+    /// Failed requests within `--cb-window-duration-secs`, once at least
+    /// `--cb-window-min-calls` requests were seen in the window.
+    Window,
+}
+
+/// `balancer launch`: run the gateway.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "balancer launch")]
+pub struct LaunchArgs {
+    /// TOML file with any of these flags as keys (`cb_failure_threshold = 5`)
+    /// and `[[workers]]` tables (url, model, labels, resilience). Flags given
+    /// on the command line win.
+    #[arg(long, value_name = "PATH")]
+    pub config: Option<PathBuf>,
+
+    /// Address the HTTP gateway listens on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    /// Port of the HTTP gateway.
+    #[arg(long, default_value_t = 30000)]
+    pub port: u16,
+    /// Worker base URLs (http://host:port).
+    #[arg(long, num_args = 1.., value_name = "URL")]
+    pub worker_urls: Vec<String>,
+    /// Start N built-in demo workers on loopback and route to them
+    /// (what `cargo xtask run` does).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub demo_workers: u16,
+    /// Load-balancing policy: round_robin, random, power_of_two, least_load,
+    /// consistent_hash.
+    #[arg(long, default_value = "power_of_two")]
+    pub policy: Policy,
+    /// Header whose value is the routing key of `consistent_hash`.
+    #[arg(long, default_value = "x-session-id")]
+    pub routing_key_header: String,
+
+    /// Address of the Prometheus metrics listener.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub prometheus_host: IpAddr,
+    #[arg(long, default_value_t = 29000)]
+    pub prometheus_port: u16,
+    /// Prefix of every metric name (`smg` makes the reference gateway's
+    /// dashboards and alerts work unchanged).
+    #[arg(long, default_value = "balancer")]
+    pub metrics_prefix: String,
+
+    /// Address of the admin API (never served on the public port).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub admin_host: IpAddr,
+    #[arg(long, default_value_t = 29100)]
+    pub admin_port: u16,
+    /// Require `Authorization: Bearer <TOKEN>` on the admin API.
+    #[arg(long, env = "BALANCER_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+
+    /// Per-attempt timeout to the first response byte, in seconds.
+    #[arg(long, default_value_t = 1800, value_parser = clap::value_parser!(u64).range(1..))]
+    pub request_timeout_secs: u64,
+    /// Timeout for opening a connection to a worker, in seconds.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    pub connect_timeout_secs: u64,
+    /// A streamed response that sends nothing for this long is cut (an SSE
+    /// error event ends it) and counted as a breaker failure.
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
+    pub stream_idle_timeout_secs: u64,
+    /// Request bodies up to this size are kept for replay on retries; larger
+    /// ones get a single attempt.
+    #[arg(long, default_value_t = 8 << 20)]
+    pub max_replay_body_bytes: usize,
+    /// Threads serving the HTTP port, each with its own runtime, socket and
+    /// worker connections (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    pub serving_threads: usize,
+    /// In-flight requests get this long to finish after SIGTERM.
+    #[arg(long, default_value_t = 180)]
+    pub shutdown_grace_period_secs: u64,
+
+    /// Log level (error, warn, info, debug, trace) or a tracing filter.
+    #[arg(long, default_value = "info")]
+    pub log_level: String,
+    /// Log as JSON lines.
+    #[arg(long)]
+    pub log_json: bool,
+
+    /// Attempts per request, the first included.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    pub retry_max_retries: u32,
+    #[arg(long, default_value_t = 50)]
+    pub retry_initial_backoff_ms: u64,
+    #[arg(long, default_value_t = 30000)]
+    pub retry_max_backoff_ms: u64,
+    #[arg(long, default_value_t = 1.5, value_parser = positive_f64)]
+    pub retry_backoff_multiplier: f64,
+    #[arg(long, default_value_t = 0.2, value_parser = fraction)]
+    pub retry_jitter_factor: f64,
+    /// One attempt per request.
+    #[arg(long)]
+    pub disable_retries: bool,
+
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub health_check_interval_secs: u64,
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    pub health_check_timeout_secs: u64,
+    #[arg(long, default_value = "/health", value_parser = endpoint_path)]
+    pub health_check_endpoint: String,
+    /// Consecutive failed probes that demote a worker to NotReady.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    pub health_failure_threshold: u32,
+    /// Consecutive passing probes that promote it back to Ready.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    pub health_success_threshold: u32,
+    #[arg(long)]
+    pub disable_health_check: bool,
+
+    /// Requests running at once; the rest queue (off when absent).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_concurrent_requests: Option<u64>,
+    #[arg(long, default_value_t = 100)]
+    pub queue_size: usize,
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub queue_timeout_secs: u64,
+
+    /// MODEL=OTHER: when no worker serving MODEL is eligible (or MODEL's
+    /// token budget is spent), the request goes to OTHER's workers with the
+    /// body's `model` rewritten, and the response names the fallback in an
+    /// `x-balancer-fallback` header. Repeatable; chains allowed, cycles refused.
+    #[arg(long, value_name = "MODEL=OTHER", value_parser = split_pair)]
+    pub fallback_model: Vec<(String, String)>,
+    /// MODEL=TOKENS: tokens per rolling minute (from the responses' `usage`).
+    /// Past it, requests for MODEL take its fallback model, or get 429
+    /// `token_budget_exceeded` with Retry-After. Repeatable.
+    #[arg(long, value_name = "MODEL=TOKENS", value_parser = model_budget)]
+    pub token_budget: Vec<(String, u64)>,
+
+    /// Attach the XDP program to IFACE and steer new TCP connections of the
+    /// `--l4-service`s over the workers at line rate, skipping workers whose
+    /// breaker is open, that are not ready or that drain. Repeatable: in
+    /// remote mode, name the interfaces where clients' packets and the
+    /// workers' replies arrive. Without it nothing is attached and the
+    /// gateway is L7 only. Needs root and the eBPF object
+    /// (`cargo xtask build-ebpf`, or BALANCER_EBPF_OBJECT).
+    #[arg(long, value_name = "IFACE")]
+    pub xdp_iface: Vec<String>,
+    /// How to attach the XDP program: auto (native, else generic), driver
+    /// (native only), skb (generic).
+    #[arg(long, default_value = "auto")]
+    pub xdp_mode: XdpMode,
+    /// VIP:PORT whose TCP connections are balanced over the workers (at the
+    /// IPv4 address and port of their URLs). Repeatable.
+    #[arg(long, value_name = "VIP:PORT")]
+    pub l4_service: Vec<SocketAddrV4>,
+    /// How steered packets reach the workers (NAT both ways, no tunnel).
+    #[arg(long, default_value = "local")]
+    pub l4_mode: ForwardMode,
+    /// Slots of each service's Maglev table; must be prime, and about 100
+    /// times the number of workers keeps their shares within 1% of even.
+    #[arg(long, default_value_t = DEFAULT_TABLE_SIZE, value_parser = clap::value_parser!(u32).range(3..))]
+    pub l4_table_size: u32,
+    /// Entries of the LRU connection table (each connection takes two).
+    #[arg(long, default_value_t = DEFAULT_CONNTRACK_SIZE, value_parser = clap::value_parser!(u32).range(64..))]
+    pub l4_conntrack_size: u32,
+
+    #[command(flatten)]
+    pub breaker: BreakerArgs,
+
+    #[command(flatten)]
+    pub compat: CompatArgs,
+
+    /// Worker specs from the config file's `[[workers]]` tables.
+    #[arg(skip)]
+    pub worker_specs: Vec<WorkerSpec>,
+}
+
+/// Flags of the reference gateway that have no meaning here (cache-aware
+/// routing, start-up waits, ...). They are accepted so that an existing
+/// `smg launch` command line starts this gateway unchanged, and each one
+/// given is named in a warning at start.
+#[derive(Debug, Clone, Default, Args)]
+pub struct CompatArgs {
+    #[arg(long, hide = true)]
+    pub worker_startup_timeout_secs: Option<String>,
+    #[arg(long, hide = true)]
+    pub worker_startup_check_interval: Option<String>,
+    #[arg(long, hide = true)]
+    pub cache_threshold: Option<String>,
+    #[arg(long, hide = true)]
+    pub balance_abs_threshold: Option<String>,
+    #[arg(long, hide = true)]
+    pub balance_rel_threshold: Option<String>,
+    #[arg(long, hide = true)]
+    pub eviction_interval: Option<String>,
+    #[arg(long, hide = true)]
+    pub max_tree_size: Option<String>,
+    #[arg(long, hide = true)]
+    pub max_payload_size: Option<String>,
+    #[arg(long, hide = true)]
+    pub log_dir: Option<String>,
+    #[arg(long, hide = true, num_args = 1..)]
+    pub request_id_headers: Vec<String>,
+    #[arg(long, hide = true, num_args = 1..)]
+    pub cors_allowed_origins: Vec<String>,
+}
+
+impl CompatArgs {
+    /// The flags given that this gateway ignores.
+    pub fn ignored(&self) -> Vec<&'static str> {
+        let single = [
+            (
+                "--worker-startup-timeout-secs",
+                &self.worker_startup_timeout_secs,
+            ),
+            (
+                "--worker-startup-check-interval",
+                &self.worker_startup_check_interval,
+            ),
+            ("--cache-threshold", &self.cache_threshold),
+            ("--balance-abs-threshold", &self.balance_abs_threshold),
+            ("--balance-rel-threshold", &self.balance_rel_threshold),
+            ("--eviction-interval", &self.eviction_interval),
+            ("--max-tree-size", &self.max_tree_size),
+            ("--max-payload-size", &self.max_payload_size),
+            ("--log-dir", &self.log_dir),
+        ];
+        let lists = [
+            ("--request-id-headers", &self.request_id_headers),
+            ("--cors-allowed-origins", &self.cors_allowed_origins),
+        ];
+        single
+            .into_iter()
+            .filter(|(_, v)| v.is_some())
+            .map(|(f, _)| f)
+            .chain(
+                lists
+                    .into_iter()
+                    .filter(|(_, v)| !v.is_empty())
+                    .map(|(f, _)| f),
+            )
+            .collect()
+    }
+}
+
+/// The `--cb-*` flags.
+#[derive(Debug, Clone, Args)]
+pub struct BreakerArgs {
+    /// Failed requests that open a worker's circuit.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    pub cb_failure_threshold: u32,
+    /// Consecutive half-open successes that close it.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    pub cb_success_threshold: u32,
+    /// Seconds an open circuit waits before a half-open trial.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub cb_timeout_duration_secs: u64,
+    /// Window of `--cb-failure-mode window`; validated (> 0) and otherwise
+    /// unused in the default consecutive mode, as in the reference gateway.
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
+    pub cb_window_duration_secs: u64,
+    /// `consecutive` (default) or `window`.
+    #[arg(long, value_enum, default_value_t = FailureMode::Consecutive)]
+    pub cb_failure_mode: FailureMode,
+    /// In window mode, fewer requests than this in the window never open the circuit.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    pub cb_window_min_calls: u32,
+    /// At most N requests in flight to a half-open worker (0: no limit, as in
+    /// the reference gateway).
+    #[arg(long, default_value_t = 0)]
+    pub cb_half_open_max_inflight: u32,
+    /// Breakers never open (unless a worker sets its own cb_failure_threshold);
+    /// outcomes are still counted.
+    #[arg(long)]
+    pub disable_circuit_breaker: bool,
+    /// A response whose first byte (for a stream: its first chunk after the
+    /// headers) comes later than this counts as a breaker failure with reason
+    /// `slow`, even with a 2xx status. The response still reaches the client.
+    /// Off when absent.
+    #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub cb_slow_ttfb_ms: Option<u64>,
+    /// After a successful half-open trial, keep the worker degraded: it gets
+    /// about this percentage of the traffic it would otherwise get, a failure
+    /// reopens the circuit, and `--cb-degraded-duration-secs` without one
+    /// closes it (state gauge 3). Off when absent.
+    #[arg(long, value_name = "PCT", value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub cb_degraded_traffic_pct: Option<u32>,
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub cb_degraded_duration_secs: u64,
+    /// In half-open, admit at most one request per this many milliseconds,
+    /// so the trial is spread in time rather than a burst (0: no spacing).
+    #[arg(long, default_value_t = 0, value_name = "MS")]
+    pub cb_half_open_probe_interval_ms: u64,
+}
+
+impl BreakerArgs {
+    pub fn defaults(&self) -> BreakerDefaults {
+        BreakerDefaults {
+            settings: Settings {
+                failure_threshold: self.cb_failure_threshold,
+                success_threshold: self.cb_success_threshold,
+                open_timeout: Duration::from_secs(self.cb_timeout_duration_secs),
+                half_open_max_inflight: self.cb_half_open_max_inflight,
+                window: (self.cb_failure_mode == FailureMode::Window).then(|| WindowSettings {
+                    duration: Duration::from_secs(self.cb_window_duration_secs),
+                    min_calls: self.cb_window_min_calls,
+                }),
+                degraded: self.cb_degraded_traffic_pct.map(|pct| DegradedSettings {
+                    traffic_pct: pct,
+                    duration: Duration::from_secs(self.cb_degraded_duration_secs),
+                }),
+                half_open_probe_interval: Duration::from_millis(
+                    self.cb_half_open_probe_interval_ms,
+                ),
+            },
+            disabled: self.disable_circuit_breaker,
+            slow_ttfb: self.cb_slow_ttfb_ms.map(Duration::from_millis),
+        }
+    }
+}
+
+impl LaunchArgs {
+    /// Parses `balancer launch` arguments, merging `--config` underneath.
+    pub fn parse_with_config(args: Vec<OsString>) -> anyhow::Result<Self> {
+        let config_path = find_config_flag(&args);
+        let mut merged = vec![OsString::from("balancer launch")];
+        let mut specs = Vec::new();
+        if let Some(path) = &config_path {
+            let (flags, workers) = config_file_args(path, &args)?;
+            merged.extend(flags);
+            specs = workers;
+        }
+        merged.extend(args);
+        let mut parsed = match LaunchArgs::try_parse_from(merged) {
+            Ok(p) => p,
+            Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelp => e.exit(),
+            Err(e) => bail!("{e}"),
+        };
+        parsed.worker_specs = specs;
+        parsed.to_config()?;
+        Ok(parsed)
+    }
+
+    /// The typed configuration these flags describe, checked.
+    pub fn to_config(&self) -> anyhow::Result<GatewayConfig> {
+        for url in &self.worker_urls {
+            GatewayConfig::check_worker_url(url)?;
+        }
+        let mut fallbacks = std::collections::HashMap::new();
+        for (from, to) in &self.fallback_model {
+            if fallbacks.insert(from.clone(), to.clone()).is_some() {
+                bail!(
+                    "invalid value '{from}={to}' for '--fallback-model': {from} already has a fallback"
+                );
+            }
+        }
+        let routing_key_header = HeaderName::try_from(self.routing_key_header.as_str())
+            .with_context(|| {
+                format!(
+                    "invalid value '{}' for '--routing-key-header'",
+                    self.routing_key_header
+                )
+            })?;
+        let mut workers: Vec<WorkerSpec> = self
+            .worker_urls
+            .iter()
+            .map(|u| WorkerSpec::from_url(u))
+            .collect();
+        workers.extend(self.worker_specs.iter().cloned());
+        let config = GatewayConfig {
+            listen: SocketAddr::new(self.host, self.port),
+            metrics_listen: SocketAddr::new(self.prometheus_host, self.prometheus_port),
+            admin_listen: SocketAddr::new(self.admin_host, self.admin_port),
+            admin_token: self.admin_token.clone(),
+            metrics_prefix: self.metrics_prefix.clone(),
+            workers,
+            policy: self.policy,
+            proxy: ProxyConfig {
+                retry: RetryPolicy {
+                    max_attempts: if self.disable_retries {
+                        1
+                    } else {
+                        self.retry_max_retries
+                    },
+                    initial_backoff: Duration::from_millis(self.retry_initial_backoff_ms),
+                    max_backoff: Duration::from_millis(self.retry_max_backoff_ms),
+                    multiplier: self.retry_backoff_multiplier,
+                    jitter: self.retry_jitter_factor,
+                },
+                request_timeout: Duration::from_secs(self.request_timeout_secs),
+                connect_timeout: Duration::from_secs(self.connect_timeout_secs),
+                stream_idle_timeout: Duration::from_secs(self.stream_idle_timeout_secs),
+                max_replay_body: self.max_replay_body_bytes,
+                routing_key_header,
+                fallbacks,
+            },
+            breaker: self.breaker.defaults(),
+            health: HealthThresholds {
+                failure: self.health_failure_threshold,
+                success: self.health_success_threshold,
+            },
+            health_check: HealthCheckConfig {
+                enabled: !self.disable_health_check,
+                endpoint: self.health_check_endpoint.clone(),
+                interval: Duration::from_secs(self.health_check_interval_secs),
+                timeout: Duration::from_secs(self.health_check_timeout_secs),
+            },
+            admission: self.max_concurrent_requests.map(|max| AdmissionConfig {
+                max_concurrent: max as usize,
+                queue_size: self.queue_size,
+                queue_timeout: Duration::from_secs(self.queue_timeout_secs),
+            }),
+            token_budgets: self.token_budget.clone(),
+            l4: self.l4_config()?,
+            serving_threads: self.serving_threads,
+            shutdown_grace: Duration::from_secs(self.shutdown_grace_period_secs),
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// What the XDP dataplane is to do; `None` without either L4 flag.
+    fn l4_config(&self) -> anyhow::Result<Option<L4Config>> {
+        if self.xdp_iface.is_empty() && self.l4_service.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(L4Config {
+            ifaces: self.xdp_iface.clone(),
+            xdp_mode: self.xdp_mode,
+            mode: self.l4_mode,
+            services: self.l4_service.clone(),
+            table_size: self.l4_table_size,
+            conntrack_size: self.l4_conntrack_size,
+        }))
+    }
+}
+
+fn find_config_flag(args: &[OsString]) -> Option<PathBuf> {
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let a = a.to_string_lossy();
+        if a == "--config" {
+            return it.next().map(PathBuf::from);
+        }
+        if let Some(p) = a.strip_prefix("--config=") {
+            return Some(PathBuf::from(p));
+        }
+    }
+    None
+}
+
+/// Turns a TOML config file into flags, plus its `[[workers]]` specs. Keys
+/// the command line also sets are left out, so the command line wins even
+/// for list flags, which would otherwise accumulate.
+fn config_file_args(
+    path: &Path,
+    cli: &[OsString],
+) -> anyhow::Result<(Vec<OsString>, Vec<WorkerSpec>)> {
+    let on_cli = |flag: &str| {
+        cli.iter().any(|a| {
+            let a = a.to_string_lossy();
+            a.strip_prefix("--")
+                .is_some_and(|rest| rest == flag || rest.starts_with(&format!("{flag}=")))
+        })
+    };
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read config file {}", path.display()))?;
+    let mut table: toml::Table = text
+        .parse()
+        .with_context(|| format!("config file {} is not valid TOML", path.display()))?;
+    let workers = match table.remove("workers") {
+        Some(v) => v
+            .try_into::<Vec<WorkerSpec>>()
+            .with_context(|| format!("config file {}: invalid [[workers]]", path.display()))?,
+        None => Vec::new(),
+    };
+    let command = LaunchArgs::command();
+    let mut flags = Vec::new();
+    for (key, value) in table {
+        let flag = key.replace('_', "-");
+        let known = command
+            .get_arguments()
+            .any(|a| a.get_long() == Some(flag.as_str()));
+        if !known || flag == "config" {
+            bail!("config file {}: unknown key '{key}'", path.display());
+        }
+        if on_cli(&flag) {
+            continue;
+        }
+        let scalar = |v: &toml::Value| -> anyhow::Result<String> {
+            Ok(match v {
+                toml::Value::String(s) => s.clone(),
+                toml::Value::Integer(i) => i.to_string(),
+                toml::Value::Float(f) => f.to_string(),
+                other => bail!(
+                    "config file {}: key '{key}' has an unsupported value {other}",
+                    path.display()
+                ),
+            })
+        };
+        match &value {
+            toml::Value::Boolean(true) => flags.push(format!("--{flag}").into()),
+            toml::Value::Boolean(false) => {}
+            // One flag per item: single-value list flags (`--fallback-model`)
+            // take one value per occurrence.
+            toml::Value::Array(items) => {
+                for item in items {
+                    flags.push(format!("--{flag}").into());
+                    flags.push(scalar(item)?.into());
+                }
+            }
+            v => {
+                flags.push(format!("--{flag}").into());
+                flags.push(scalar(v)?.into());
+            }
+        }
+    }
+    Ok((flags, workers))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> anyhow::Result<LaunchArgs> {
+        LaunchArgs::parse_with_config(args.iter().map(OsString::from).collect())
+    }
+
+    #[test]
+    fn defaults_match_the_reference_gateway() {
+        let a = parse(&[]).unwrap();
+        assert_eq!((a.port, a.prometheus_port), (30000, 29000));
+        let d = a.breaker.defaults();
+        assert_eq!(d.settings, Settings::default());
+        assert!(!d.disabled);
+        let c = a.to_config().unwrap();
+        assert_eq!(c.proxy.retry.max_attempts, 5);
+        assert_eq!(a.request_timeout_secs, 1800);
+        assert_eq!(a.policy, Policy::PowerOfTwo);
+        assert!(c.admission.is_none());
+    }
+
+    #[test]
+    fn no_flag_means_the_typed_default_configuration() {
+        assert_eq!(
+            parse(&[]).unwrap().to_config().unwrap(),
+            GatewayConfig::default()
+        );
+    }
+
+    #[test]
+    fn reference_gateway_command_lines_start_unchanged() {
+        let a = parse(&[
+            "--policy",
+            "cache_aware",
+            "--cache-threshold",
+            "0.5",
+            "--worker-startup-timeout-secs",
+            "30",
+            "--cors-allowed-origins",
+            "a",
+            "b",
+        ])
+        .unwrap();
+        assert_eq!(a.policy, Policy::PowerOfTwo);
+        assert_eq!(
+            a.compat.ignored(),
+            [
+                "--worker-startup-timeout-secs",
+                "--cache-threshold",
+                "--cors-allowed-origins"
+            ]
+        );
+    }
+
+    #[test]
+    fn fallback_chains_are_accepted_and_cycles_refused() {
+        let a = parse(&[
+            "--fallback-model",
+            "big=mid",
+            "--fallback-model",
+            "mid=small",
+        ])
+        .unwrap();
+        assert_eq!(a.fallback_model.len(), 2);
+        let err = parse(&["--fallback-model", "a=b", "--fallback-model", "b=a"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--fallback-model") && err.contains("cycle"),
+            "{err}"
+        );
+        let err = parse(&["--token-budget", "m=lots"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--token-budget") && err.contains("m=lots"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn bad_values_name_the_flag_and_the_value() {
+        for (flag, value) in [
+            ("--cb-failure-threshold", "0"),
+            ("--cb-success-threshold", "0"),
+            ("--cb-timeout-duration-secs", "0"),
+            ("--cb-window-duration-secs", "0"),
+            ("--retry-jitter-factor", "2"),
+            ("--policy", "fastest"),
+            ("--worker-urls", "ftp://x"),
+        ] {
+            let err = parse(&[flag, value]).unwrap_err();
+            let msg = format!("{err:#}");
+            assert!(
+                msg.contains(flag) && msg.contains(value),
+                "{flag} {value}: {msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn config_file_fills_in_and_flags_win() {
+        let dir = std::env::temp_dir().join(format!("balancer-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("c.toml");
+        std::fs::write(
+            &path,
+            r#"
+cb_failure_threshold = 4
+cb-timeout-duration-secs = 7
+worker_urls = ["http://127.0.0.1:9001", "http://127.0.0.1:9003"]
+disable_retries = true
+
+[[workers]]
+url = "http://127.0.0.1:9002"
+model = "m"
+resilience = { capacity_status_codes = [429, 503], cb_failure_threshold = 2 }
+"#,
+        )
+        .unwrap();
+        let p = path.to_str().unwrap();
+        let a = parse(&["--config", p, "--cb-failure-threshold", "6"]).unwrap();
+        assert_eq!(a.breaker.cb_failure_threshold, 6, "the flag wins");
+        let b = parse(&["--config", p, "--worker-urls", "http://127.0.0.1:9009"]).unwrap();
+        assert_eq!(
+            b.worker_urls,
+            vec!["http://127.0.0.1:9009"],
+            "a list flag replaces the file's list"
+        );
+        assert_eq!(a.breaker.cb_timeout_duration_secs, 7);
+        assert!(a.disable_retries);
+        let specs = a.to_config().unwrap().workers;
+        assert_eq!(specs.len(), 3);
+        assert_eq!(specs[2].resilience.cb_failure_threshold, Some(2));
+
+        std::fs::write(&path, "cb_failure_treshold = 4\n").unwrap();
+        let err = parse(&["--config", p]).unwrap_err().to_string();
+        assert!(err.contains("cb_failure_treshold"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn l4_flags_are_checked_together() {
+        assert!(parse(&[]).unwrap().to_config().unwrap().l4.is_none());
+        let a = parse(&[
+            "--xdp-iface",
+            "eth0",
+            "--xdp-iface",
+            "eth1",
+            "--l4-service",
+            "10.0.0.1:80",
+            "--l4-mode",
+            "remote",
+            "--xdp-mode",
+            "skb",
+            "--l4-table-size",
+            "251",
+        ])
+        .unwrap();
+        let l4 = a.to_config().unwrap().l4.unwrap();
+        assert_eq!(l4.ifaces, ["eth0", "eth1"]);
+        assert_eq!(l4.mode, ForwardMode::Remote);
+        assert_eq!(l4.xdp_mode, XdpMode::Skb);
+        assert_eq!(l4.table_size, 251);
+        assert_eq!(
+            l4.services,
+            ["10.0.0.1:80".parse::<SocketAddrV4>().unwrap()]
+        );
+        for (args, needle) in [
+            (&["--xdp-iface", "eth0"][..], "--l4-service"),
+            (&["--l4-service", "10.0.0.1:80"][..], "--xdp-iface"),
+            (
+                &[
+                    "--xdp-iface",
+                    "e",
+                    "--l4-service",
+                    "10.0.0.1:80",
+                    "--l4-table-size",
+                    "65536",
+                ][..],
+                "prime",
+            ),
+            (
+                &[
+                    "--xdp-iface",
+                    "e",
+                    "--l4-service",
+                    "10.0.0.1:80",
+                    "--l4-service",
+                    "10.0.0.1:80",
+                ][..],
+                "twice",
+            ),
+            (&["--l4-mode", "tunnel"][..], "--l4-mode"),
+        ] {
+            let err = format!("{:#}", parse(args).unwrap_err());
+            assert!(err.contains(needle), "{args:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn disable_circuit_breaker_keeps_per_worker_threshold() {
+        let a = parse(&["--disable-circuit-breaker"]).unwrap();
+        let d = a.breaker.defaults();
+        let (s, _) = d.resolve(&Default::default());
+        assert_eq!(s.failure_threshold, u32::MAX);
+        let own = balancer_core::spec::Resilience {
+            cb_failure_threshold: Some(3),
+            ..Default::default()
+        };
+        assert_eq!(d.resolve(&own).0.failure_threshold, 3);
+    }
+
+    #[test]
+    fn backoff_grows_caps_and_honours_retry_after() {
+        let p = RetryPolicy {
+            max_attempts: 5,
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_millis(1000),
+            multiplier: 2.0,
+            jitter: 0.0,
+        };
+        assert_eq!(p.backoff(1, None), Duration::from_millis(100));
+        assert_eq!(p.backoff(3, None), Duration::from_millis(400));
+        assert_eq!(p.backoff(10, None), Duration::from_millis(1000));
+        assert_eq!(
+            p.backoff(1, Some(Duration::from_millis(500))),
+            Duration::from_millis(500)
+        );
+        assert_eq!(
+            p.backoff(1, Some(Duration::from_secs(60))),
+            Duration::from_millis(1000)
+        );
+    }
+}

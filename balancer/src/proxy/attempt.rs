@@ -1,0 +1,246 @@
+//! Phase: attempts and retries.
+//!
+//! Owns the retry loop of one request: an attempt per selected worker, each
+//! outcome classified for that worker's breaker (one charge per worker per
+//! request, through `RequestCharges`), backoff with jitter and the worker's
+//! `Retry-After`, and the hand-over of the chosen response to the relay. A
+//! gateway answer (no worker, exhausted retries) records nothing.
+
+use std::time::{Duration, Instant};
+
+use http::header::{self, HeaderMap};
+use http::{Request, Response, Uri};
+use http_body_util::Full;
+use hyper::body::Incoming;
+
+use balancer_core::admission::Permit;
+use balancer_core::breaker::{FailureReason, Outcome, RequestCharges};
+use balancer_core::error_chain;
+use balancer_core::registry::Worker;
+
+use super::answer::ErrorCode;
+use super::body::{RequestBody, boxed, chain};
+use super::relay::Completion;
+use super::route::Outgoing;
+use super::{Proxy, ResponseBody, UpstreamBody, UpstreamClient};
+
+/// Retry schedule, from the `--retry-*` flags.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RetryPolicy {
+    pub max_attempts: u32,
+    pub initial_backoff: Duration,
+    pub max_backoff: Duration,
+    pub multiplier: f64,
+    pub jitter: f64,
+}
+
+impl RetryPolicy {
+    /// The wait before attempt `attempt + 1` (attempt counts from 1), with
+    /// jitter; a worker's `Retry-After` wins when it is longer, capped at the
+    /// maximum backoff.
+    pub fn backoff(&self, attempt: u32, retry_after: Option<Duration>) -> Duration {
+        let exp = self.multiplier.powi(attempt.saturating_sub(1) as i32);
+        let base = (self.initial_backoff.as_secs_f64() * exp).min(self.max_backoff.as_secs_f64());
+        let spread = if self.jitter > 0.0 {
+            rand::Rng::random_range(&mut rand::rng(), -self.jitter..=self.jitter)
+        } else {
+            0.0
+        };
+        let wait = Duration::from_secs_f64((base * (1.0 + spread)).max(0.0));
+        match retry_after {
+            Some(ra) if ra > wait => ra.min(self.max_backoff),
+            _ => wait,
+        }
+    }
+}
+
+/// Statuses after which an attempt is retried. Deliberately not the
+/// per-worker failure list: the document says `retryable_status_codes` does
+/// not change which responses the gateway retries.
+const RETRY_STATUSES: [u16; 6] = [408, 429, 500, 502, 503, 504];
+
+/// How an attempt ended, when it did not produce a response to relay.
+enum AttemptError {
+    Timeout,
+    Unreachable(String),
+}
+
+impl Proxy {
+    /// The retry loop.
+    pub(crate) async fn attempts(
+        &self,
+        client: &UpstreamClient,
+        mut req: Outgoing,
+        body: RequestBody,
+        permit: Option<Permit>,
+        started: Instant,
+    ) -> Response<ResponseBody> {
+        let mut charges = RequestCharges::default();
+        let mut tried: Vec<u64> = Vec::new();
+        let (max_attempts, mut body) = match body {
+            RequestBody::Replayable(b) => (
+                self.config.retry.max_attempts,
+                Some(RequestBody::Replayable(b)),
+            ),
+            streaming => (1, Some(streaming)),
+        };
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let last = attempt >= max_attempts;
+            let Some((worker, ticket)) = self.select(&req, &tried) else {
+                if self.take_fallback(&mut req, &mut body) {
+                    // Finding no worker was not an attempt.
+                    attempt -= 1;
+                    continue;
+                }
+                return self.no_available_workers(req.model.as_deref());
+            };
+            let attempt_started = Instant::now();
+            tried.push(worker.breaker.id());
+            let guard = worker.start_request();
+            let upstream_body = match body.take() {
+                Some(RequestBody::Replayable(b)) => {
+                    body = Some(RequestBody::Replayable(b.clone()));
+                    boxed(Full::new(b))
+                }
+                Some(RequestBody::Streaming(prefix, rest)) => chain(prefix, rest),
+                None => unreachable!("a streaming body gets exactly one attempt"),
+            };
+            let classifier = worker.classifier();
+            let send = self.send(client, &worker, &req, upstream_body);
+            // `None` once the ticket was handed back to the breaker.
+            let mut ticket = Some(ticket);
+            let result = match classifier.slow_ttfb() {
+                None => send.await,
+                Some(budget) => {
+                    tokio::pin!(send);
+                    tokio::select! {
+                        r = &mut send => r,
+                        () = tokio::time::sleep(budget) => {
+                            // Slow is already certain: charge it now, so the
+                            // breaker reacts at the budget rather than when
+                            // the worker finally answers. The answer still
+                            // goes to the client.
+                            if let Some(t) = ticket.take() {
+                                let slow = Outcome::Failure(FailureReason::Slow);
+                                charges.record(&worker.breaker, t, slow, &*self.clock);
+                            }
+                            send.await
+                        }
+                    }
+                }
+            };
+            let failure = match result {
+                Ok(response) => {
+                    let status = response.status().as_u16();
+                    let outcome = classifier.classify(status);
+                    let retryable = RETRY_STATUSES.contains(&status);
+                    if retryable && !last {
+                        let retry_after = retry_after(response.headers());
+                        if let Some(t) = ticket {
+                            charges.record(&worker.breaker, t, outcome, &*self.clock);
+                        }
+                        drop(response);
+                        self.stats.retry();
+                        tokio::time::sleep(self.config.retry.backoff(attempt, retry_after)).await;
+                        continue;
+                    }
+                    if retryable {
+                        self.stats.retries_exhausted();
+                    }
+                    self.stats.ttfb.observe(started.elapsed());
+                    self.stats.upstream_response(status);
+                    let pending = match ticket {
+                        Some(t) if outcome == Outcome::Success => Some((t, charges)),
+                        Some(t) => {
+                            charges.record(&worker.breaker, t, outcome, &*self.clock);
+                            None
+                        }
+                        None => None,
+                    };
+                    let completion = Completion {
+                        guard,
+                        pending,
+                        permit,
+                        started,
+                        attempt_started,
+                        headers_after: attempt_started.elapsed(),
+                        classifier,
+                        tokens: req.model.clone().map(|m| (self.tokens.clone(), m)),
+                        stats: self.stats.clone(),
+                        clock: self.clock.clone(),
+                    };
+                    let fallback = req
+                        .fallback_from
+                        .as_ref()
+                        .zip(req.model.as_ref())
+                        .map(|(from, to)| format!("{from}->{to}"));
+                    return self.relay(response, completion, fallback);
+                }
+                Err(e) => e,
+            };
+            let reason = match failure {
+                AttemptError::Timeout => FailureReason::Timeout,
+                AttemptError::Unreachable(_) => FailureReason::Connect,
+            };
+            if let Some(t) = ticket {
+                charges.record(&worker.breaker, t, Outcome::Failure(reason), &*self.clock);
+            }
+            drop(guard);
+            if !last {
+                self.stats.retry();
+                tokio::time::sleep(self.config.retry.backoff(attempt, None)).await;
+                continue;
+            }
+            self.stats.retries_exhausted();
+            return match failure {
+                AttemptError::Timeout => self.gateway_error(
+                    ErrorCode::UpstreamTimeout,
+                    "the worker did not answer within the request timeout",
+                    None,
+                ),
+                AttemptError::Unreachable(e) => self.gateway_error(
+                    ErrorCode::UpstreamUnreachable,
+                    &format!("the worker could not be reached: {e}"),
+                    None,
+                ),
+            };
+        }
+    }
+
+    async fn send(
+        &self,
+        client: &UpstreamClient,
+        worker: &Worker,
+        req: &Outgoing,
+        body: UpstreamBody,
+    ) -> Result<Response<Incoming>, AttemptError> {
+        let uri = Uri::builder()
+            .scheme("http")
+            .authority(worker.address.authority.clone())
+            .path_and_query(req.path.as_str())
+            .build()
+            .map_err(|e| AttemptError::Unreachable(e.to_string()))?;
+        let mut upstream = Request::new(body);
+        *upstream.method_mut() = req.method.clone();
+        *upstream.uri_mut() = uri;
+        *upstream.headers_mut() = req.headers.clone();
+        match tokio::time::timeout(self.config.request_timeout, client.request(upstream)).await {
+            Ok(Ok(response)) => Ok(response),
+            Ok(Err(e)) => Err(AttemptError::Unreachable(error_chain(&e))),
+            Err(_) => Err(AttemptError::Timeout),
+        }
+    }
+}
+
+fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    let secs: f64 = headers
+        .get(header::RETRY_AFTER)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs))
+}

@@ -1,0 +1,125 @@
+//! Background probes: each worker's health check and model discovery.
+//!
+//! Owns the I/O around the pure health state machine of `balancer-core`: one
+//! `GET <endpoint>` per interval with a timeout, fed to the registry (which
+//! turns a promotion into a breaker trial), and the worker's `/v1/models`
+//! until its models are known. It never records on a breaker itself.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use balancer_core::registry::{Registry, Worker};
+
+type ProbeClient = Client<HttpConnector, Empty<Bytes>>;
+
+/// How each worker's background task probes it.
+#[derive(Clone)]
+pub struct Prober {
+    registry: Arc<Registry>,
+    client: ProbeClient,
+    config: HealthCheckConfig,
+}
+
+/// `--health-check-*`: how workers are probed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HealthCheckConfig {
+    /// Probes run at all (`--disable-health-check` turns them off; models
+    /// are still learned).
+    pub enabled: bool,
+    pub endpoint: String,
+    pub interval: Duration,
+    pub timeout: Duration,
+}
+
+impl Default for HealthCheckConfig {
+    /// The reference gateway's defaults.
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            endpoint: "/health".to_owned(),
+            interval: Duration::from_secs(60),
+            timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+impl Prober {
+    pub fn new(registry: Arc<Registry>, config: HealthCheckConfig) -> Self {
+        Self {
+            registry,
+            client: Client::builder(TokioExecutor::new()).build(HttpConnector::new()),
+            config,
+        }
+    }
+
+    /// Starts probing `worker` until it is removed.
+    pub fn spawn(&self, worker: &Arc<Worker>) {
+        let (this, weak) = (self.clone(), Arc::downgrade(worker));
+        let task = tokio::spawn(async move {
+            loop {
+                let Some(worker) = weak.upgrade() else { return };
+                if worker.models().is_empty()
+                    && let Some(models) = this.fetch_models(&worker).await
+                {
+                    this.registry.learn_models(&worker, models);
+                }
+                if this.config.enabled {
+                    let uri = format!("{}{}", worker.url, this.config.endpoint)
+                        .parse()
+                        .expect("a validated worker URL plus an absolute path");
+                    let passed = probe(&this.client, &uri, this.config.timeout).await;
+                    this.registry.observe_health(&worker, passed);
+                } else if !worker.models().is_empty() {
+                    return;
+                }
+                drop(worker);
+                tokio::time::sleep(this.config.interval).await;
+            }
+        });
+        worker.add_task(task.abort_handle());
+    }
+
+    /// The model ids a worker reports on `/v1/models`.
+    async fn fetch_models(&self, worker: &Worker) -> Option<Vec<String>> {
+        #[derive(serde::Deserialize)]
+        struct Models {
+            data: Vec<Model>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Model {
+            id: String,
+        }
+        let uri = format!("{}/v1/models", worker.url).parse().ok()?;
+        let fetch = async {
+            let response = self.client.get(uri).await.ok()?;
+            if !response.status().is_success() {
+                return None;
+            }
+            let body = response.into_body().collect().await.ok()?.to_bytes();
+            let models: Models = serde_json::from_slice(&body).ok()?;
+            Some(models.data.into_iter().map(|m| m.id).collect::<Vec<_>>())
+        };
+        tokio::time::timeout(self.config.timeout, fetch)
+            .await
+            .ok()
+            .flatten()
+            .filter(|m| !m.is_empty())
+    }
+}
+
+/// One probe: `GET uri` must answer 2xx within `timeout`, body included.
+async fn probe(client: &ProbeClient, uri: &http::Uri, timeout: Duration) -> bool {
+    let attempt = async {
+        let response = client.get(uri.clone()).await.ok()?;
+        let ok = response.status().is_success();
+        response.into_body().collect().await.ok()?;
+        Some(ok)
+    };
+    matches!(tokio::time::timeout(timeout, attempt).await, Ok(Some(true)))
+}
