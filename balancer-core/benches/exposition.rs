@@ -1,7 +1,8 @@
-//! One scrape of the registry's series, written by hand (what the agent
-//! serves) against the `prometheus` crate doing the same: the state lives in
-//! the workers' atomics, so the crate's path copies it into its metric
-//! families at scrape time and then encodes them.
+//! One scrape of the same five per-worker families over 64 workers, written
+//! by hand with the agent's `Writer` against the `prometheus` crate: the
+//! state lives in the workers' atomics, so the crate's path copies it into
+//! its metric families at scrape time and then encodes them. A third row is
+//! the registry's whole exposition, for scale.
 //!
 //! `cargo bench -p balancer-core --bench exposition` (or `cargo xtask bench breaker`).
 
@@ -111,18 +112,78 @@ impl Crate {
     }
 }
 
+/// The same five families as [`Crate`], through the agent's writer.
+fn by_hand(fleet: &Registry) -> String {
+    let mut out = String::with_capacity(16 * 1024);
+    let mut w = Writer::new(&mut out, "p");
+    let fleet = fleet.fleet();
+    let snaps: Vec<_> = fleet
+        .workers
+        .iter()
+        .map(|wk| (wk, wk.breaker.snapshot()))
+        .collect();
+    w.family("worker_cb_state", "gauge", "help");
+    for (wk, s) in &snaps {
+        w.sample(
+            "worker_cb_state",
+            &[("worker", &wk.url)],
+            s.state.gauge() as f64,
+        );
+    }
+    w.family("worker_cb_outcomes_total", "counter", "help");
+    for (wk, s) in &snaps {
+        for (outcome, n) in [("success", s.successes), ("failure", s.failures_total())] {
+            w.sample(
+                "worker_cb_outcomes_total",
+                &[("worker", &wk.url), ("outcome", outcome)],
+                n as f64,
+            );
+        }
+    }
+    w.family("worker_cb_failures_total", "counter", "help");
+    for (wk, s) in &snaps {
+        for reason in FailureReason::ALL {
+            w.sample(
+                "worker_cb_failures_total",
+                &[("worker", &wk.url), ("reason", reason.as_str())],
+                s.failures[reason as usize] as f64,
+            );
+        }
+    }
+    w.family("worker_cb_consecutive_failures", "gauge", "help");
+    for (wk, s) in &snaps {
+        w.sample(
+            "worker_cb_consecutive_failures",
+            &[("worker", &wk.url)],
+            f64::from(s.consecutive_failures),
+        );
+    }
+    w.family("worker_requests_inflight", "gauge", "help");
+    for (wk, _) in &snaps {
+        w.sample(
+            "worker_requests_inflight",
+            &[("worker", &wk.url)],
+            f64::from(wk.inflight()),
+        );
+    }
+    out
+}
+
 fn bench(c: &mut Criterion) {
     let registry = fleet();
-    c.bench_function("scrape 64 workers/hand-written writer", |b| {
+    c.bench_function("scrape 5 families x 64 workers/hand-written writer", |b| {
+        b.iter(|| black_box(by_hand(&registry)))
+    });
+    let via_crate = Crate::new();
+    c.bench_function("scrape 5 families x 64 workers/prometheus crate", |b| {
+        b.iter(|| black_box(via_crate.scrape(&registry)))
+    });
+    c.bench_function("scrape 64 workers/whole registry exposition", |b| {
         b.iter(|| {
-            let mut out = String::with_capacity(16 * 1024);
+            let mut out = String::with_capacity(64 * 1024);
             registry.render(&mut Writer::new(&mut out, "p"));
             black_box(out)
         })
-    });
-    let via_crate = Crate::new();
-    c.bench_function("scrape 64 workers/prometheus crate", |b| {
-        b.iter(|| black_box(via_crate.scrape(&registry)))
     });
 }
 

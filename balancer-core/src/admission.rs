@@ -17,17 +17,25 @@ use crate::metrics::{MetricsSource, Writer};
 /// Why a request was shed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Shed {
+    /// The queue already held `queue_size` requests (the agent answers 429 `admission_queue_full`).
     QueueFull,
+    /// No permit came within `queue_timeout` (the agent answers 503 `admission_queue_timeout`).
     QueueTimeout,
 }
 
+/// Admission limits, from `--max-concurrent-requests`, `--queue-size` and `--queue-timeout-secs`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AdmissionConfig {
+    /// Requests running at once (`--max-concurrent-requests`).
     pub max_concurrent: usize,
+    /// Requests that may wait for a permit; one more is shed with [`Shed::QueueFull`]
+    /// (`--queue-size`).
     pub queue_size: usize,
+    /// Longest wait in the queue before [`Shed::QueueTimeout`] (`--queue-timeout-secs`).
     pub queue_timeout: Duration,
 }
 
+/// The concurrency limit, its bounded FIFO wait queue, and the shed counters.
 #[derive(Debug)]
 pub struct Admission {
     permits: Arc<Semaphore>,
@@ -44,10 +52,15 @@ pub struct Permit(#[allow(dead_code)] OwnedSemaphorePermit);
 /// Counters for the metrics layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AdmissionStats {
+    /// The concurrency limit (`admission_limit`).
     pub limit: usize,
+    /// Permits held now (`admission_inflight`).
     pub inflight: usize,
+    /// Requests waiting for a permit now (`admission_queue_depth`).
     pub queued: usize,
+    /// Requests shed with [`Shed::QueueFull`] since start.
     pub rejected_queue_full: u64,
+    /// Requests shed with [`Shed::QueueTimeout`] since start.
     pub rejected_queue_timeout: u64,
 }
 
@@ -62,6 +75,7 @@ impl Drop for Waiting<'_> {
 }
 
 impl Admission {
+    /// Admission with all `max_concurrent` permits free and an empty queue.
     pub fn new(config: AdmissionConfig) -> Self {
         Self {
             permits: Arc::new(Semaphore::new(config.max_concurrent)),
@@ -72,6 +86,8 @@ impl Admission {
         }
     }
 
+    /// Takes a permit at once when one is free; otherwise waits in the queue for at most
+    /// `queue_timeout`, or is shed at once when the queue is full.
     pub async fn admit(&self) -> Result<Permit, Shed> {
         if let Ok(p) = self.permits.clone().try_acquire_owned() {
             return Ok(Permit(p));
@@ -103,6 +119,7 @@ impl Admission {
         }
     }
 
+    /// The limit, current occupancy and shed counters, for the `admission_*` series.
     pub fn stats(&self) -> AdmissionStats {
         AdmissionStats {
             limit: self.config.max_concurrent,

@@ -36,8 +36,12 @@ use crate::clock::{Clock, Nanos, nanos};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum State {
+    /// Requests flow; failures count toward the failure threshold. Gauge value 0.
     Closed = 0,
+    /// No requests until the open timeout passes or a promotion to Ready. Gauge value 1.
     Open = 1,
+    /// On trial: `success_threshold` successes close it (or degrade it, when the degraded state is
+    /// on), one failure reopens it. Gauge value 2.
     HalfOpen = 2,
     /// After a successful trial, with `--cb-degraded-traffic-pct`: takes a
     /// share of its traffic until `--cb-degraded-duration-secs` pass without
@@ -46,9 +50,11 @@ pub enum State {
 }
 
 impl State {
+    /// Every state in gauge order, which is also the index order of [`Snapshot::transitions`].
     pub const ALL: [State; 4] = [State::Closed, State::Open, State::HalfOpen, State::Degraded];
     const COUNT: usize = Self::ALL.len();
 
+    /// The `snake_case` name used in log events and the `from` / `to` metric labels.
     pub fn as_str(self) -> &'static str {
         match self {
             State::Closed => "closed",
@@ -99,6 +105,7 @@ pub enum TransitionReason {
 }
 
 impl TransitionReason {
+    /// The `snake_case` name logged as a transition's `reason`.
     pub fn as_str(self) -> &'static str {
         match self {
             TransitionReason::FailureThreshold => "failure_threshold",
@@ -115,9 +122,13 @@ impl TransitionReason {
 /// One state change, as observers see it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Transition {
+    /// The state left.
     pub from: State,
+    /// The state entered.
     pub to: State,
+    /// What caused the move.
     pub reason: TransitionReason,
+    /// When it happened by the breaker's clock, in nanoseconds.
     pub at: Nanos,
 }
 
@@ -125,6 +136,8 @@ pub struct Transition {
 /// is held: implementations must be quick and must not call back into the
 /// same breaker's mutating methods.
 pub trait TransitionObserver: Send + Sync {
+    /// Called once per transition, after the new state is stored and before the transition lock is
+    /// released.
     fn on_transition(&self, transition: &Transition);
 }
 
@@ -198,15 +211,26 @@ pub struct Ticket {
 /// A consistent-enough copy of a breaker's counters, for metrics and the admin API.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Snapshot {
+    /// The state as stored: an open circuit whose timeout has passed still reads open until
+    /// something polls it.
     pub state: State,
+    /// Failures since the last success: the document's trip counter. Kept when the circuit opens,
+    /// reset by any other transition and by a promotion.
     pub consecutive_failures: u32,
+    /// Successes since the last failure or transition; in half-open, the trial's progress toward
+    /// the success threshold.
     pub consecutive_successes: u32,
+    /// Successes recorded since the breaker was created
+    /// (`worker_cb_outcomes_total{outcome="success"}`).
     pub successes: u64,
     /// Indexed like [`FailureReason::ALL`].
     pub failures: [u64; 5],
     /// `transitions[from][to]`, indexed by `State as usize`.
     pub transitions: [[u64; State::COUNT]; State::COUNT],
+    /// Open → half-open moves caused by a promotion back to Ready
+    /// (`worker_cb_health_readmissions_total`).
     pub health_readmissions: u64,
+    /// Half-open probe slots held now; always 0 without a `half_open_max_inflight` limit.
     pub half_open_inflight: u32,
     /// When the circuit leaves the open state by timeout, if it is open.
     pub open_until: Option<Nanos>,
@@ -216,10 +240,12 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
+    /// Failures of every reason (`worker_cb_outcomes_total{outcome="failure"}`).
     pub fn failures_total(&self) -> u64 {
         self.failures.iter().sum()
     }
 
+    /// Transitions of every kind since the breaker was created.
     pub fn transitions_total(&self) -> u64 {
         self.transitions.iter().flatten().sum()
     }
@@ -322,6 +348,7 @@ impl Breaker {
         breaker
     }
 
+    /// The worker URL this breaker was created for; it labels the log events.
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -352,6 +379,8 @@ impl Breaker {
         self.windowed.store(s.window.is_some(), Ordering::Relaxed);
     }
 
+    /// The tunables in force, as clamped by [`Breaker::set_settings`]: thresholds at least 1, the
+    /// degraded share within 1..=100.
     pub fn settings(&self) -> Settings {
         Settings {
             failure_threshold: self.failure_threshold.load(Ordering::Relaxed),
@@ -512,6 +541,8 @@ impl Breaker {
         }
     }
 
+    /// Reads the counters for metrics and the admin API, without moving any state (an expired open
+    /// circuit stays open).
     pub fn snapshot(&self) -> Snapshot {
         let word = self.word.load(Ordering::Acquire);
         let state = State::from_bits(word);

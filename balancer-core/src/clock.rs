@@ -13,6 +13,7 @@ pub type Nanos = u64;
 
 /// A monotonic time source.
 pub trait Clock: Send + Sync + std::fmt::Debug {
+    /// The current reading, in nanoseconds since this clock's origin.
     fn now(&self) -> Nanos;
 
     /// The real instant at which this clock reads `at`, for arming a timer;
@@ -29,6 +30,7 @@ pub struct MonotonicClock {
 }
 
 impl MonotonicClock {
+    /// A clock whose origin (reading 0) is the moment of this call.
     pub fn new() -> Self {
         Self {
             origin: Instant::now(),
@@ -60,14 +62,17 @@ pub struct ManualClock {
 }
 
 impl ManualClock {
+    /// A clock reading 0 until it is advanced or set.
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// Moves the clock forward by `by`.
     pub fn advance(&self, by: Duration) {
         self.now.fetch_add(by.as_nanos() as u64, Ordering::SeqCst);
     }
 
+    /// Sets the reading to `at` nanoseconds outright (it may move backwards).
     pub fn set(&self, at: Nanos) {
         self.now.store(at, Ordering::SeqCst);
     }

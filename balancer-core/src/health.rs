@@ -9,11 +9,14 @@
 /// A worker's health status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Health {
+    /// Probes pass (or it was forced Ready): it may take new traffic, its breaker permitting.
     Ready,
+    /// Demoted by failed probes: no new traffic until a promotion.
     NotReady,
 }
 
 impl Health {
+    /// The status as the admin API reports it: `ready` or `not_ready`.
     pub fn as_str(self) -> &'static str {
         match self {
             Health::Ready => "ready",
@@ -35,10 +38,14 @@ pub enum HealthChange {
 /// `--health-success-threshold`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HealthThresholds {
+    /// Consecutive failed probes that demote a Ready worker (`--health-failure-threshold`).
     pub failure: u32,
+    /// Consecutive passing probes that promote a NotReady worker (`--health-success-threshold`).
     pub success: u32,
 }
 
+/// One worker's health state machine: counts consecutive probe results against its
+/// [`HealthThresholds`] and reports each [`HealthChange`].
 #[derive(Debug, Clone)]
 pub struct HealthTracker {
     status: Health,
@@ -48,6 +55,7 @@ pub struct HealthTracker {
 }
 
 impl HealthTracker {
+    /// A tracker that starts in `initial` with no probe counted.
     pub fn new(initial: Health, thresholds: HealthThresholds) -> Self {
         Self {
             status: initial,
@@ -57,6 +65,7 @@ impl HealthTracker {
         }
     }
 
+    /// The status after the last probe result or [`HealthTracker::force_ready`].
     pub fn status(&self) -> Health {
         self.status
     }

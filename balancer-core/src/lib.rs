@@ -12,6 +12,7 @@
 //! drive this crate. Cargo enforces the layering; `unsafe` is forbidden.
 
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod admission;
 pub mod breaker;

@@ -22,6 +22,7 @@ use std::time::Duration;
 /// Series kept by one layer, read at scrape time and written under the
 /// gateway's prefix.
 pub trait MetricsSource: Send + Sync {
+    /// Appends this source's families and samples to `w`.
     fn render(&self, w: &mut Writer<'_>);
 }
 
@@ -59,11 +60,14 @@ impl Histogram {
         }
     }
 
+    /// Records one duration, saturating at `u64::MAX` nanoseconds.
     #[inline]
     pub fn observe(&self, d: Duration) {
         self.observe_nanos(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
     }
 
+    /// Records one duration in nanoseconds; past the last bound it counts only in `+Inf`, `_sum`
+    /// and `_count`.
     #[inline]
     pub fn observe_nanos(&self, nanos: u64) {
         let secs = nanos as f64 / 1e9;
@@ -74,6 +78,7 @@ impl Histogram {
         self.sum_nanos.fetch_add(nanos, Ordering::Relaxed);
     }
 
+    /// Observations recorded so far.
     pub fn count(&self) -> u64 {
         self.count.load(Ordering::Relaxed)
     }
@@ -106,10 +111,13 @@ pub struct Writer<'a> {
 }
 
 impl<'a> Writer<'a> {
+    /// A writer appending to `out`; every name is written as `{prefix}_{name}`.
     pub fn new(out: &'a mut String, prefix: &'a str) -> Self {
         Self { out, prefix }
     }
 
+    /// Writes the `# HELP` and `# TYPE` lines of a family; `kind` is `counter`, `gauge` or
+    /// `histogram`.
     pub fn family(&mut self, name: &str, kind: &str, help: &str) {
         let p = self.prefix;
         let _ = writeln!(
@@ -118,6 +126,7 @@ impl<'a> Writer<'a> {
         );
     }
 
+    /// Writes one sample line, escaping backslashes, quotes and newlines in label values.
     pub fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: f64) {
         let _ = write!(self.out, "{}_{name}", self.prefix);
         if !labels.is_empty() {

@@ -8,7 +8,7 @@
 //! breaker needs (the end of an open or degraded period), so that an idle
 //! worker recovers on time. It does no network I/O: probing and proxying
 //! belong to the agent, kernel maps to the dataplane. Its metric series live
-//! in [`metrics`](self::metrics), next to the state they read.
+//! in its `metrics` submodule, next to the state they read.
 
 mod metrics;
 
@@ -29,20 +29,31 @@ use crate::spec::{BreakerDefaults, Resilience, SpecError, WorkerAddress, WorkerS
 /// Something the dataplane and other subscribers react to.
 #[derive(Debug, Clone)]
 pub enum WorkerEvent {
+    /// Joined the fleet.
     Added(Arc<Worker>),
     /// Stopped taking new traffic; in-flight requests continue.
     Draining(Arc<Worker>),
+    /// Left the fleet; its `worker_cb_state` gauge now reads -1.
     Removed(Arc<Worker>),
+    /// Its breaker changed state.
     Breaker(Arc<Worker>, Transition),
+    /// It was demoted or promoted.
     Health(Arc<Worker>, HealthChange),
 }
 
 /// One worker and its live state.
 pub struct Worker {
+    /// Registry-assigned id (`w1`, `w2`, ...), never reused while the registry lives.
     pub id: String,
+    /// Normalised base URL ([`WorkerAddress::base`]): unique in the fleet, and the `worker` label
+    /// of its series.
     pub url: Arc<str>,
+    /// Where to connect: the authority the proxy uses and the socket address the dataplane steers
+    /// to.
     pub address: WorkerAddress,
+    /// The spec's labels, as the admin API shows them.
     pub labels: BTreeMap<String, String>,
+    /// This worker's circuit breaker.
     pub breaker: Breaker,
     /// This worker's points on a consistent-hash ring, computed once.
     pub ring_points: Box<[u64]>,
@@ -86,37 +97,46 @@ impl Worker {
             && self.breaker.state() != State::Open
     }
 
+    /// Whether `model` is among the models it serves.
     #[inline]
     pub fn serves(&self, model: &str) -> bool {
         self.models.load().iter().any(|m| m == model)
     }
 
+    /// The models it serves: the spec's, or those learned with [`Registry::learn_models`]; empty
+    /// while unknown.
     pub fn models(&self) -> Arc<Vec<String>> {
         self.models.load_full()
     }
 
+    /// Its status classifier, per-worker overrides applied.
     #[inline]
     pub fn classifier(&self) -> Classifier {
         **self.classifier.load()
     }
 
+    /// Its `resilience` overrides, with every patch merged in.
     pub fn resilience(&self) -> Resilience {
         self.resilience.lock().unwrap().clone()
     }
 
+    /// Its health status, from probes or [`Registry::force_ready`].
     pub fn health(&self) -> Health {
         self.health.lock().unwrap().status()
     }
 
+    /// Whether it drains: it takes no new requests while in-flight ones finish.
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::Acquire)
     }
 
+    /// Requests in flight to it now: the live [`InflightGuard`]s.
     #[inline]
     pub fn inflight(&self) -> u32 {
         self.inflight.load(Ordering::Relaxed)
     }
 
+    /// Requests started on it since it was added (`worker_selected_total`).
     pub fn selected_total(&self) -> u64 {
         self.selected.load(Ordering::Relaxed)
     }
@@ -129,6 +149,8 @@ impl Worker {
         InflightGuard(self.clone())
     }
 
+    /// Ties a background task (prober, breaker timer) to the worker so that [`Registry::remove`]
+    /// aborts it; prunes finished tasks.
     pub fn add_task(&self, task: tokio::task::AbortHandle) {
         let mut tasks = self.tasks.lock().unwrap();
         tasks.retain(|t| !t.is_finished());
@@ -141,6 +163,7 @@ impl Worker {
 pub struct InflightGuard(Arc<Worker>);
 
 impl InflightGuard {
+    /// The worker this request counts against.
     pub fn worker(&self) -> &Arc<Worker> {
         &self.0
     }
@@ -155,6 +178,7 @@ impl Drop for InflightGuard {
 /// An immutable view of the fleet, swapped whole on every change.
 #[derive(Debug, Default)]
 pub struct Fleet {
+    /// Every worker, draining ones included, in the order they were added.
     pub workers: Vec<Arc<Worker>>,
     by_model: HashMap<String, Vec<Arc<Worker>>>,
     with_rings: bool,
@@ -191,6 +215,7 @@ impl Fleet {
         }
     }
 
+    /// The worker whose id or normalised URL is `id_or_url`.
     pub fn get(&self, id_or_url: &str) -> Option<&Arc<Worker>> {
         self.workers
             .iter()
@@ -216,7 +241,9 @@ impl Fleet {
 /// Registry-wide settings fixed at start.
 #[derive(Debug, Clone, Copy)]
 pub struct RegistryConfig {
+    /// Breaker settings from the flags; each worker's overrides win over them.
     pub breaker: BreakerDefaults,
+    /// Probe thresholds of every worker's health tracker.
     pub health: HealthThresholds,
     /// Keep consistent-hash rings over the fleet (`consistent_hash` policy).
     pub hash_rings: bool,
@@ -225,14 +252,19 @@ pub struct RegistryConfig {
 /// Why a registry call could not be applied. Nothing changed.
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
+    /// The spec or patch failed validation.
     #[error(transparent)]
     Invalid(#[from] SpecError),
+    /// The normalised URL is already in the fleet, or twice in one batch.
     #[error("a worker with url {0} already exists")]
     Duplicate(String),
+    /// No worker has this id or URL.
     #[error("no worker {0}")]
     NotFound(String),
 }
 
+/// The live fleet: lock-free reads of the current [`Fleet`], serialised mutations, and a
+/// [`WorkerEvent`] stream.
 pub struct Registry {
     fleet: ArcSwap<Fleet>,
     /// Serialises mutations; never taken on the request path.
@@ -245,6 +277,7 @@ pub struct Registry {
 }
 
 impl Registry {
+    /// An empty registry; `clock` drives its breakers and their timers.
     pub fn new(config: RegistryConfig, clock: Arc<dyn Clock>) -> Arc<Self> {
         Arc::new(Self {
             fleet: ArcSwap::from_pointee(Fleet::default()),
@@ -257,11 +290,13 @@ impl Registry {
         })
     }
 
+    /// The current fleet snapshot, read without a lock; later changes do not show in it.
     #[inline]
     pub fn fleet(&self) -> arc_swap::Guard<Arc<Fleet>> {
         self.fleet.load()
     }
 
+    /// The clock its breakers and timers run on.
     pub fn clock(&self) -> &Arc<dyn Clock> {
         &self.clock
     }
@@ -276,6 +311,7 @@ impl Registry {
         self.removed.lock().unwrap().clone()
     }
 
+    /// Adds one worker: [`Registry::add_all`] with a single spec.
     pub fn add(self: &Arc<Self>, spec: &WorkerSpec) -> Result<Arc<Worker>, RegistryError> {
         let mut added = self.add_all(std::slice::from_ref(spec))?;
         Ok(added.remove(0))
@@ -398,6 +434,9 @@ impl Registry {
         Ok(worker)
     }
 
+    /// Takes the worker out of the fleet, aborts its background tasks and publishes
+    /// [`WorkerEvent::Removed`]; from then on its `worker_cb_state` reads -1. Does nothing when it
+    /// is not in the fleet.
     pub fn remove(&self, worker: &Arc<Worker>) {
         let _write = self.write.lock().unwrap();
         let fleet = self.fleet.load_full();

@@ -27,12 +27,21 @@ const EXACT_LEAST_LOAD: usize = 64;
 /// Beyond that, it compares this many random ones.
 const LEAST_LOAD_SAMPLE: usize = 16;
 
+/// A load-balancing policy (`--policy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Policy {
+    /// The next eligible worker after a shared cursor.
     RoundRobin,
+    /// A uniformly random eligible worker.
     Random,
+    /// The less loaded (fewer in flight) of two random eligible workers; `cache_aware` selects it
+    /// too.
     PowerOfTwo,
+    /// The eligible worker with the fewest requests in flight; over more than 64 candidates, the
+    /// least loaded of a random sample.
     LeastLoad,
+    /// The first eligible worker clockwise from the routing key's hash on the ring; round robin for
+    /// a request without a key.
     ConsistentHash,
 }
 
@@ -57,6 +66,7 @@ impl FromStr for Policy {
 }
 
 impl Policy {
+    /// The name `--policy` accepts for it.
     pub fn as_str(self) -> &'static str {
         match self {
             Policy::RoundRobin => "round_robin",
@@ -76,6 +86,7 @@ pub struct Selector {
 }
 
 impl Selector {
+    /// A selector for `policy`, its round-robin cursor at the first candidate.
     pub fn new(policy: Policy) -> Self {
         Self {
             policy,
@@ -83,6 +94,7 @@ impl Selector {
         }
     }
 
+    /// The policy it applies.
     pub fn policy(&self) -> Policy {
         self.policy
     }

@@ -20,14 +20,19 @@ use crate::breaker::{Classifier, DEFAULT_CAPACITY_CODES, DEFAULT_FAILURE_CODES, 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Resilience {
+    /// Statuses that are capacity pushback and record nothing; replaces the default `[429]`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capacity_status_codes: Option<Vec<u16>>,
+    /// Statuses that count as failures; replaces the default `[408, 429, 500, 502, 503, 504]`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retryable_status_codes: Option<Vec<u16>>,
+    /// Overrides `--cb-failure-threshold`, even under `--disable-circuit-breaker`; at least 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cb_failure_threshold: Option<u32>,
+    /// Overrides `--cb-success-threshold` for this worker; at least 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cb_success_threshold: Option<u32>,
+    /// Overrides `--cb-timeout-duration-secs`, the open timeout in seconds; at least 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cb_timeout_secs: Option<u64>,
     /// Overrides `--cb-slow-ttfb-ms` for this worker.
@@ -39,7 +44,9 @@ pub struct Resilience {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid {field}: {message}")]
 pub struct SpecError {
+    /// The offending field, as a path (`url`, `resilience.cb_timeout_secs`).
     pub field: String,
+    /// What is wrong with its value.
     pub message: String,
 }
 
@@ -53,6 +60,7 @@ impl SpecError {
 }
 
 impl Resilience {
+    /// Checks that status codes are in 100..=599 and thresholds and durations at least 1.
     pub fn validate(&self) -> Result<(), SpecError> {
         for (field, codes) in [
             (
@@ -112,6 +120,7 @@ impl Resilience {
 /// What the flags say about every breaker, before per-worker overrides.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BreakerDefaults {
+    /// Breaker tunables from the `--cb-*` flags.
     pub settings: Settings,
     /// `--disable-circuit-breaker`: the failure threshold is raised to its
     /// maximum unless a worker sets its own.
@@ -121,6 +130,8 @@ pub struct BreakerDefaults {
 }
 
 impl BreakerDefaults {
+    /// Merges a worker's overrides over these defaults into its breaker settings and classifier;
+    /// unset status lists take the document's defaults.
     pub fn resolve(&self, r: &Resilience) -> (Settings, Classifier) {
         let base = self.settings;
         let default_failure = if self.disabled {
@@ -158,17 +169,22 @@ impl BreakerDefaults {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerSpec {
+    /// `http://host[:port]`, without a path or query; [`WorkerSpec::validate`] normalises it into a
+    /// [`WorkerAddress`].
     pub url: String,
     /// The model it serves; learned from its `/v1/models` when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// Free-form labels, shown by the admin API.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub labels: BTreeMap<String, String>,
+    /// Overrides of the breaker flags and status lists for this worker.
     #[serde(default)]
     pub resilience: Resilience,
 }
 
 impl WorkerSpec {
+    /// A spec with only a URL: no model, labels or overrides.
     pub fn from_url(url: &str) -> Self {
         Self {
             url: url.to_owned(),
@@ -187,12 +203,19 @@ impl WorkerSpec {
 /// socket address (the XDP dataplane steers to it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerAddress {
+    /// `http://` and the authority as written, without a trailing slash: the worker's identity in
+    /// the fleet.
     pub base: String,
+    /// The `host[:port]` the proxy puts in request URIs.
     pub authority: http::uri::Authority,
+    /// The first address the host resolved to at validation (port 80 when none is given); `None`
+    /// when it did not resolve.
     pub socket: Option<SocketAddr>,
 }
 
 impl WorkerAddress {
+    /// Parses and normalises an `http://host[:port]` URL, resolving the host once; other schemes,
+    /// paths and queries are refused.
     pub fn parse(url: &str) -> Result<Self, SpecError> {
         let bad = |m: &str| SpecError::new("url", format!("{url:?}: {m}"));
         let uri: http::Uri = url.parse().map_err(|_| bad("not a URL"))?;

@@ -21,11 +21,14 @@ const SECOND: Nanos = 1_000_000_000;
 /// Tokens reported by one response.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Usage {
+    /// `usage.prompt_tokens`; 0 when the body omits it.
     pub prompt: u64,
+    /// `usage.completion_tokens`.
     pub completion: u64,
 }
 
 impl Usage {
+    /// Prompt plus completion tokens: what a budget is charged.
     pub fn total(&self) -> u64 {
         self.prompt + self.completion
     }
@@ -106,13 +109,17 @@ impl Budget {
 /// One model's counters.
 #[derive(Debug, Default)]
 pub struct ModelTokens {
+    /// Prompt tokens recorded for the model (`tokens_total{kind="prompt"}`).
     pub prompt: AtomicU64,
+    /// Completion tokens recorded for the model (`tokens_total{kind="completion"}`).
     pub completion: AtomicU64,
+    /// Requests that found the model's budget spent (`token_budget_exceeded_total`).
     pub budget_exceeded: AtomicU64,
     budget: Option<Budget>,
 }
 
 impl ModelTokens {
+    /// The model's `--token-budget`, in tokens per rolling minute; `None` when it has none.
     pub fn budget_limit(&self) -> Option<u64> {
         self.budget.as_ref().map(|b| b.limit)
     }
@@ -126,6 +133,8 @@ pub struct Tokens {
 }
 
 impl Tokens {
+    /// Counters for the budgeted models, given as `(model, tokens per minute)`; other models get
+    /// counters when first recorded.
     pub fn new(budgets: &[(String, u64)]) -> Self {
         let models = budgets
             .iter()
@@ -171,6 +180,8 @@ impl Tokens {
         Some(wait.max(1))
     }
 
+    /// Adds one response's usage to `model`'s counters and, when it has a budget, to the current
+    /// second of its minute.
     pub fn record(&self, model: &str, usage: Usage, now: Nanos) {
         let t = self.entry(model);
         t.prompt.fetch_add(usage.prompt, Ordering::Relaxed);
@@ -180,6 +191,8 @@ impl Tokens {
         }
     }
 
+    /// Every model's counters, for metrics: the counters stay live, but models first recorded later
+    /// are not in the map.
     pub fn snapshot(&self) -> Arc<HashMap<String, Arc<ModelTokens>>> {
         self.models.load_full()
     }

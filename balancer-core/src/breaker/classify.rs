@@ -27,6 +27,8 @@ pub enum FailureReason {
 }
 
 impl FailureReason {
+    /// Every reason in discriminant order, which is also the index order of
+    /// [`Snapshot::failures`](super::Snapshot::failures).
     pub const ALL: [FailureReason; 5] = [
         FailureReason::Status,
         FailureReason::Connect,
@@ -35,6 +37,7 @@ impl FailureReason {
         FailureReason::Stall,
     ];
 
+    /// The `reason` label of `worker_cb_failures_total`.
     pub fn as_str(self) -> &'static str {
         match self {
             FailureReason::Status => "status",
@@ -49,7 +52,10 @@ impl FailureReason {
 /// What one request did to a worker's breaker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
+    /// The worker answered well (a status in neither list, within any first-byte budget): ends the
+    /// failure run and, in half-open, counts toward closing.
     Success,
+    /// Counts toward opening the circuit, and reopens a half-open or degraded one at once.
     Failure(FailureReason),
     /// Capacity pushback (429 by default), or a request cancelled by its
     /// client: no sample in either direction.
@@ -62,6 +68,7 @@ pub enum Outcome {
 pub struct StatusSet([u64; 10]);
 
 impl StatusSet {
+    /// The set with no codes.
     pub const fn empty() -> Self {
         Self([0; 10])
     }
@@ -76,17 +83,20 @@ impl StatusSet {
         set
     }
 
+    /// Adds `code`; codes outside 100..=599 are ignored.
     pub fn insert(&mut self, code: u16) {
         if (100..=599).contains(&code) {
             self.0[usize::from(code) / 64] |= 1 << (code % 64);
         }
     }
 
+    /// Whether `code` is in the set, as one bit test.
     #[inline]
     pub fn contains(&self, code: u16) -> bool {
         code < 640 && self.0[usize::from(code) / 64] & (1 << (code % 64)) != 0
     }
 
+    /// The members, ascending, in a new `Vec`.
     pub fn codes(&self) -> Vec<u16> {
         (100..=599).filter(|&c| self.contains(c)).collect()
     }
@@ -118,6 +128,8 @@ impl Default for Classifier {
 }
 
 impl Classifier {
+    /// Classifies by the capacity list (`capacity_status_codes`, records nothing) and the failure
+    /// list (`retryable_status_codes`), with no first-byte budget.
     pub fn new(capacity: &[u16], failure: &[u16]) -> Self {
         Self {
             capacity: StatusSet::from_codes(capacity),
@@ -131,6 +143,7 @@ impl Classifier {
         Self { slow_ttfb, ..self }
     }
 
+    /// The first-byte budget past which a success becomes a `slow` failure; `None` when off.
     pub fn slow_ttfb(&self) -> Option<std::time::Duration> {
         self.slow_ttfb
     }
@@ -160,14 +173,17 @@ impl Classifier {
         }
     }
 
+    /// Whether `status` is capacity pushback (429 by default): no breaker sample.
     pub fn is_capacity(&self, status: u16) -> bool {
         self.capacity.contains(status)
     }
 
+    /// The capacity list (`capacity_status_codes`), ascending.
     pub fn capacity_codes(&self) -> Vec<u16> {
         self.capacity.codes()
     }
 
+    /// The failure list (`retryable_status_codes`), ascending.
     pub fn failure_codes(&self) -> Vec<u16> {
         self.failure.codes()
     }
@@ -177,22 +193,39 @@ impl Classifier {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(i32)]
 pub enum GrpcCode {
+    /// `OK`: maps to 200.
     Ok = 0,
+    /// `CANCELLED`: maps to 499.
     Cancelled = 1,
+    /// `UNKNOWN`: maps to 500.
     Unknown = 2,
+    /// `INVALID_ARGUMENT`: maps to 400, a success in the document's table.
     InvalidArgument = 3,
+    /// `DEADLINE_EXCEEDED`: maps to 504, a failure in the document's table.
     DeadlineExceeded = 4,
+    /// `NOT_FOUND`: maps to 404.
     NotFound = 5,
+    /// `ALREADY_EXISTS`: maps to 409.
     AlreadyExists = 6,
+    /// `PERMISSION_DENIED`: maps to 403.
     PermissionDenied = 7,
+    /// `RESOURCE_EXHAUSTED`: maps to 429, capacity pushback in the document's table.
     ResourceExhausted = 8,
+    /// `FAILED_PRECONDITION`: maps to 400.
     FailedPrecondition = 9,
+    /// `ABORTED`: maps to 409.
     Aborted = 10,
+    /// `OUT_OF_RANGE`: maps to 400.
     OutOfRange = 11,
+    /// `UNIMPLEMENTED`: maps to 501.
     Unimplemented = 12,
+    /// `INTERNAL`: maps to 500.
     Internal = 13,
+    /// `UNAVAILABLE`: maps to 503, a failure in the document's table.
     Unavailable = 14,
+    /// `DATA_LOSS`: maps to 500.
     DataLoss = 15,
+    /// `UNAUTHENTICATED`: maps to 401.
     Unauthenticated = 16,
 }
 
