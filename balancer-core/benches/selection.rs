@@ -26,6 +26,7 @@ fn fleet(n: usize, clock: Arc<ManualClock>) -> Arc<Registry> {
                 },
                 disabled: false,
                 slow_ttfb: None,
+                stream_failures: false,
             },
             health: HealthThresholds {
                 failure: 3,

@@ -198,15 +198,31 @@ impl Default for Settings {
     }
 }
 
-/// Proof that a request was admitted, to be handed back to [`Breaker::record`].
-/// It remembers whether it holds one of the limited half-open probe slots, so
-/// the slot is returned exactly once.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[must_use = "a ticket must be handed back through Breaker::record"]
+/// Proof that a request was admitted, to be handed back exactly once: with
+/// its outcome to [`Breaker::record`], or without one to [`Breaker::cancel`].
+/// It remembers the state epoch it was admitted in (only outcomes of that
+/// epoch decide a transition) and whether it holds one of the limited
+/// half-open probe slots, so the slot is returned exactly once. Neither
+/// `Copy` nor `Clone`: a ticket cannot be handed back twice. The request path
+/// holds it inside `registry::Attempt`, which cancels it when dropped.
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "a ticket must be handed back through Breaker::record or Breaker::cancel"]
 pub struct Ticket {
     epoch: u32,
     probe: bool,
 }
+
+impl Ticket {
+    /// The state epoch the request was admitted in; every transition starts
+    /// a new one.
+    pub fn epoch(&self) -> u32 {
+        self.epoch
+    }
+}
+
+/// The largest `--cb-half-open-max-inflight`: the in-flight count shares a
+/// word with the state and the epoch, and has 24 bits of it.
+pub const MAX_HALF_OPEN_INFLIGHT: u32 = 0x00ff_ffff;
 
 /// A consistent-enough copy of a breaker's counters, for metrics and the admin API.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -224,7 +240,7 @@ pub struct Snapshot {
     /// (`worker_cb_outcomes_total{outcome="success"}`).
     pub successes: u64,
     /// Indexed like [`FailureReason::ALL`].
-    pub failures: [u64; 5],
+    pub failures: [u64; FailureReason::ALL.len()],
     /// `transitions[from][to]`, indexed by `State as usize`.
     pub transitions: [[u64; State::COUNT]; State::COUNT],
     /// Open → half-open moves caused by a promotion back to Ready
@@ -293,9 +309,12 @@ pub struct Breaker {
     probe_interval: AtomicU64,
 
     successes: AtomicU64,
-    failures: [AtomicU64; 5],
+    failures: [AtomicU64; FailureReason::ALL.len()],
     transitions: [[AtomicU64; State::COUNT]; State::COUNT],
     readmissions: AtomicU64,
+    /// The worker is NotReady: an open circuit waits for the promotion
+    /// instead of its timeout, so the promotion is the one move to half-open.
+    held_open: AtomicBool,
 
     /// Serialises transitions (and the optional window), never taken by a
     /// closed-state admission or a plain success.
@@ -341,6 +360,7 @@ impl Breaker {
             failures: Default::default(),
             transitions: Default::default(),
             readmissions: AtomicU64::new(0),
+            held_open: AtomicBool::new(false),
             transition_lock: Mutex::new(None),
             observer,
         };
@@ -363,8 +383,12 @@ impl Breaker {
             .store(s.success_threshold.max(1), Ordering::Relaxed);
         self.open_timeout
             .store(nanos(s.open_timeout), Ordering::Relaxed);
-        self.half_open_max_inflight
-            .store(s.half_open_max_inflight, Ordering::Relaxed);
+        // Clamped so that the count can never carry into the epoch bits;
+        // configuration refuses larger values before they get here.
+        self.half_open_max_inflight.store(
+            s.half_open_max_inflight.min(MAX_HALF_OPEN_INFLIGHT),
+            Ordering::Relaxed,
+        );
         let (pct, duration) = s
             .degraded
             .map_or((0, 0), |d| (d.traffic_pct.clamp(1, 100), nanos(d.duration)));
@@ -427,9 +451,11 @@ impl Breaker {
                         return false;
                     }
                 }
+                // Eligible: the traffic share is applied once per admission
+                // ([`Breaker::admit`]), however many times a policy checks.
                 State::Degraded => {
                     if !self.try_leave_degraded(word, clock) {
-                        return self.degraded_share();
+                        return true;
                     }
                 }
             }
@@ -450,15 +476,15 @@ impl Breaker {
                 State::Closed => return Some(ticket),
                 State::HalfOpen => {
                     let max = self.half_open_max_inflight.load(Ordering::Relaxed);
-                    if max != 0 && inflight_of(word) >= max {
-                        return None;
-                    }
-                    if !self.take_probe_slot(clock) {
-                        return None;
-                    }
                     if max == 0 {
-                        return Some(ticket);
+                        return self.take_probe_slot(clock).then_some(ticket);
                     }
+                    if inflight_of(word) >= max || !self.probe_due(clock) {
+                        return None;
+                    }
+                    // The in-flight slot first, the interval's probe second:
+                    // a lost compare-and-swap then costs a retry, never the
+                    // interval's probe.
                     if self
                         .word
                         .compare_exchange_weak(
@@ -469,10 +495,14 @@ impl Breaker {
                         )
                         .is_ok()
                     {
-                        return Some(Ticket {
-                            probe: true,
-                            ..ticket
-                        });
+                        if self.take_probe_slot(clock) {
+                            return Some(Ticket {
+                                probe: true,
+                                ..ticket
+                            });
+                        }
+                        self.release_probe(ticket.epoch);
+                        return None;
                     }
                 }
                 State::Open => {
@@ -480,11 +510,11 @@ impl Breaker {
                         return None;
                     }
                 }
-                // The traffic share was applied when selection checked
-                // `is_available`; applying it again here would square it.
+                // The share is taken here, once per admission, so that every
+                // policy gives a degraded worker the same share of requests.
                 State::Degraded => {
                     if !self.try_leave_degraded(word, clock) {
-                        return Some(ticket);
+                        return self.degraded_share().then_some(ticket);
                     }
                 }
             }
@@ -493,15 +523,37 @@ impl Breaker {
 
     /// Records what an admitted request did and gives its ticket back.
     #[inline]
+    /// Every outcome counts in the totals; only one of the epoch the ticket
+    /// was admitted in moves the state machine, so a long stream admitted
+    /// while closed cannot close a half-open circuit that no trial request
+    /// passed, nor reopen one.
     pub fn record(&self, ticket: Ticket, outcome: Outcome, clock: &dyn Clock) {
         if ticket.probe {
             self.release_probe(ticket.epoch);
         }
         match outcome {
-            Outcome::Success => self.on_success(clock),
-            Outcome::Failure(reason) => self.on_failure(reason, clock),
+            Outcome::Success => self.on_success(ticket.epoch, clock),
+            Outcome::Failure(reason) => self.on_failure(reason, ticket.epoch, clock),
             Outcome::Ignored => {}
         }
+    }
+
+    /// Gives back a ticket whose request ended without an outcome (the
+    /// client left, the attempt was cancelled): its probe slot is returned
+    /// and nothing is recorded.
+    pub fn cancel(&self, ticket: Ticket) {
+        if ticket.probe {
+            self.release_probe(ticket.epoch);
+        }
+    }
+
+    /// Holds an open circuit open until [`Breaker::promote`] while the worker
+    /// is NotReady (`true`), or lets the open timeout run again (`false`).
+    /// The health gate excludes the worker either way; holding makes the
+    /// promotion, not the timer, the move to half-open, as the reference
+    /// gateway shows it.
+    pub fn hold_open(&self, held: bool) {
+        self.held_open.store(held, Ordering::Release);
     }
 
     /// Moves an expired open circuit to half-open, and otherwise says when it
@@ -510,6 +562,8 @@ impl Breaker {
     pub fn poll(&self, clock: &dyn Clock) -> Option<Nanos> {
         let word = self.word.load(Ordering::Acquire);
         match State::from_bits(word) {
+            // Held open: the promotion ends it, no timer needs to run.
+            State::Open if self.held_open.load(Ordering::Acquire) => None,
             State::Open if !self.try_leave_open(word, clock) => Some(self.open_until()),
             State::Degraded if !self.try_leave_degraded(word, clock) => Some(self.degraded_until()),
             _ => None,
@@ -619,7 +673,7 @@ impl Breaker {
     /// concurrent one), false while it must stay open.
     fn try_leave_open(&self, word: u64, clock: &dyn Clock) -> bool {
         let now = clock.now();
-        if now < self.open_until() {
+        if now < self.open_until() || self.held_open.load(Ordering::Acquire) {
             return false;
         }
         self.transition(word, State::HalfOpen, TransitionReason::OpenTimeout, now);
@@ -636,15 +690,18 @@ impl Breaker {
             });
     }
 
-    fn on_success(&self, clock: &dyn Clock) {
+    fn on_success(&self, epoch: u32, clock: &dyn Clock) {
         self.successes.fetch_add(1, Ordering::Relaxed);
+        let word = self.word.load(Ordering::Acquire);
+        if epoch_of(word) != epoch {
+            return;
+        }
         // Skip the store when already zero: the common case stays a read of a
         // shared cache line rather than a write to it.
         if self.consecutive_failures.load(Ordering::Relaxed) != 0 {
             self.consecutive_failures.store(0, Ordering::Release);
         }
-        let successes = self.consecutive_successes.fetch_add(1, Ordering::AcqRel) + 1;
-        let word = self.word.load(Ordering::Acquire);
+        let successes = saturating_increment(&self.consecutive_successes);
         match State::from_bits(word) {
             State::HalfOpen => {
                 if successes >= self.success_threshold.load(Ordering::Relaxed) {
@@ -666,11 +723,14 @@ impl Breaker {
         }
     }
 
-    fn on_failure(&self, reason: FailureReason, clock: &dyn Clock) {
+    fn on_failure(&self, reason: FailureReason, epoch: u32, clock: &dyn Clock) {
         self.failures[reason as usize].fetch_add(1, Ordering::Relaxed);
-        self.consecutive_successes.store(0, Ordering::Release);
-        let failures = self.consecutive_failures.fetch_add(1, Ordering::AcqRel) + 1;
         let word = self.word.load(Ordering::Acquire);
+        if epoch_of(word) != epoch {
+            return;
+        }
+        self.consecutive_successes.store(0, Ordering::Release);
+        let failures = saturating_increment(&self.consecutive_failures);
         match State::from_bits(word) {
             State::Closed => {
                 let threshold = self.failure_threshold.load(Ordering::Relaxed);
@@ -769,12 +829,25 @@ impl Breaker {
     }
 }
 
+/// Adds one to a run counter, stopping at `u32::MAX` instead of wrapping (a
+/// run that long happens with `--disable-circuit-breaker`); returns the new
+/// value.
+#[inline]
+fn saturating_increment(counter: &AtomicU32) -> u32 {
+    match counter.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_add(1)) {
+        Ok(previous) => previous + 1,
+        Err(max) => max,
+    }
+}
+
 /// Per-request failure accounting: however many attempts of one request fail
-/// on the same worker, that worker is charged one failure. The retry loop
+/// on the same worker within one state epoch, that worker is charged one
+/// failure. A retry that lands on the same worker after a transition (closed,
+/// then half-open) is charged again: "any failure reopens it". The retry loop
 /// keeps one of these per request and records through it.
 #[derive(Debug, Default)]
 pub struct RequestCharges {
-    charged: Vec<u64>,
+    charged: Vec<(u64, u32)>,
 }
 
 impl RequestCharges {
@@ -788,10 +861,11 @@ impl RequestCharges {
         outcome: Outcome,
         clock: &dyn Clock,
     ) {
+        let key = (breaker.id(), ticket.epoch);
         let outcome = match outcome {
-            Outcome::Failure(_) if self.charged.contains(&breaker.id()) => Outcome::Ignored,
+            Outcome::Failure(_) if self.charged.contains(&key) => Outcome::Ignored,
             Outcome::Failure(_) => {
-                self.charged.push(breaker.id());
+                self.charged.push(key);
                 outcome
             }
             other => other,

@@ -19,7 +19,9 @@ use std::sync::{Arc, Mutex, Weak};
 use arc_swap::ArcSwap;
 use tokio::sync::broadcast;
 
-use crate::breaker::{Breaker, Classifier, State, Transition, TransitionObserver};
+use crate::breaker::{
+    Breaker, Classifier, Outcome, RequestCharges, State, Ticket, Transition, TransitionObserver,
+};
 use crate::clock::Clock;
 use crate::health::{Health, HealthChange, HealthThresholds, HealthTracker};
 use crate::metrics::Histogram;
@@ -67,8 +69,11 @@ pub struct Worker {
     selected: AtomicU64,
     /// Time to first byte of the attempts that went through.
     pub ttfb: Histogram,
-    /// Background tasks (prober, breaker timer) that must stop with the worker.
+    /// Background tasks (the prober) that must stop with the worker.
     tasks: Mutex<Vec<tokio::task::AbortHandle>>,
+    /// The timer that ends the current open or degraded period; replaced
+    /// (the old one aborted) whenever the deadline may have moved.
+    timer: Mutex<Option<tokio::task::AbortHandle>>,
 }
 
 impl std::fmt::Debug for Worker {
@@ -130,7 +135,7 @@ impl Worker {
         self.draining.load(Ordering::Acquire)
     }
 
-    /// Requests in flight to it now: the live [`InflightGuard`]s.
+    /// Attempts in flight to it now: the live [`Attempt`]s.
     #[inline]
     pub fn inflight(&self) -> u32 {
         self.inflight.load(Ordering::Relaxed)
@@ -141,15 +146,21 @@ impl Worker {
         self.selected.load(Ordering::Relaxed)
     }
 
-    /// Counts a request against this worker until the guard drops.
+    /// Admits one attempt through the breaker, or says no (open, a full
+    /// half-open trial, a degraded worker's share spent). An admitted
+    /// attempt counts in flight until it is dropped.
     #[inline]
-    pub fn start_request(self: &Arc<Self>) -> InflightGuard {
+    pub fn try_attempt(self: &Arc<Self>, clock: &dyn Clock) -> Option<Attempt> {
+        let ticket = self.breaker.admit(clock)?;
         self.inflight.fetch_add(1, Ordering::Relaxed);
         self.selected.fetch_add(1, Ordering::Relaxed);
-        InflightGuard(self.clone())
+        Some(Attempt {
+            worker: self.clone(),
+            ticket: Some(ticket),
+        })
     }
 
-    /// Ties a background task (prober, breaker timer) to the worker so that [`Registry::remove`]
+    /// Ties a background task (the prober) to the worker so that [`Registry::remove`]
     /// aborts it; prunes finished tasks.
     pub fn add_task(&self, task: tokio::task::AbortHandle) {
         let mut tasks = self.tasks.lock().unwrap();
@@ -158,20 +169,48 @@ impl Worker {
     }
 }
 
-/// Decrements a worker's in-flight count when the request ends, however it ends.
+/// One attempt of a request on a worker: it holds the breaker's admission
+/// until an outcome is recorded, and counts in the worker's in-flight gauge
+/// until it is dropped (after the response's last byte).
+///
+/// However the attempt ends without an outcome (the client disconnects or
+/// resets the stream, the future is dropped at an `.await`, a timeout, a
+/// panic), dropping it gives a half-open probe slot back and records
+/// nothing: a client's departure is never charged to a worker and never
+/// leaks the trial's slots.
 #[derive(Debug)]
-pub struct InflightGuard(Arc<Worker>);
+pub struct Attempt {
+    worker: Arc<Worker>,
+    ticket: Option<Ticket>,
+}
 
-impl InflightGuard {
-    /// The worker this request counts against.
+impl Attempt {
+    /// The worker this attempt went to.
     pub fn worker(&self) -> &Arc<Worker> {
-        &self.0
+        &self.worker
+    }
+
+    /// Whether no outcome was recorded yet.
+    pub fn is_pending(&self) -> bool {
+        self.ticket.is_some()
+    }
+
+    /// Records the attempt's outcome on the worker's breaker through the
+    /// request's `charges` (one failure per worker and state epoch per
+    /// request). Only the first call records; later ones do nothing.
+    pub fn record(&mut self, charges: &mut RequestCharges, outcome: Outcome, clock: &dyn Clock) {
+        if let Some(ticket) = self.ticket.take() {
+            charges.record(&self.worker.breaker, ticket, outcome, clock);
+        }
     }
 }
 
-impl Drop for InflightGuard {
+impl Drop for Attempt {
     fn drop(&mut self) {
-        self.0.inflight.fetch_sub(1, Ordering::Relaxed);
+        if let Some(ticket) = self.ticket.take() {
+            self.worker.breaker.cancel(ticket);
+        }
+        self.worker.inflight.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -380,6 +419,7 @@ impl Registry {
                 selected: AtomicU64::new(0),
                 ttfb: Histogram::default(),
                 tasks: Mutex::new(Vec::new()),
+                timer: Mutex::new(None),
             }
         })
     }
@@ -404,6 +444,11 @@ impl Registry {
         worker.classifier.store(Arc::new(classifier));
         *current = merged;
         drop(current);
+        // A new `cb_timeout_secs` moves the end of an open period: the timer
+        // must wake at the new deadline, not the old one.
+        if matches!(worker.breaker.state(), State::Open | State::Degraded) {
+            arm_state_timer(&worker, &self.clock);
+        }
         tracing::info!(worker = %worker.url, "resilience overrides updated");
         Ok(worker)
     }
@@ -452,6 +497,9 @@ impl Registry {
         for task in worker.tasks.lock().unwrap().drain(..) {
             task.abort();
         }
+        if let Some(timer) = worker.timer.lock().unwrap().take() {
+            timer.abort();
+        }
         self.publish(workers);
         self.removed.lock().unwrap().push(worker.url.clone());
         tracing::info!(worker = %worker.url, "worker removed");
@@ -479,11 +527,14 @@ impl Registry {
         match change {
             HealthChange::Demoted => {
                 worker.ready.store(false, Ordering::Release);
+                // While NotReady, an open circuit waits for the promotion.
+                worker.breaker.hold_open(true);
                 tracing::warn!(worker = %worker.url, "worker demoted to not_ready");
             }
             HealthChange::Promoted => {
                 worker.ready.store(true, Ordering::Release);
                 tracing::info!(worker = %worker.url, "worker promoted to ready");
+                worker.breaker.hold_open(false);
                 worker.breaker.promote(&*self.clock);
             }
         }
@@ -514,18 +565,26 @@ impl TransitionObserver for BreakerEvents {
         };
         // Open and degraded states end on a deadline that traffic may never
         // check; a timer makes sure they end on time.
-        let timed = matches!(t.to, State::Open | State::Degraded);
-        if timed
-            && let (Ok(runtime), Some(_)) = (
-                tokio::runtime::Handle::try_current(),
-                self.clock.deadline(t.at),
-            )
-        {
-            let (weak, clock) = (self.worker.clone(), self.clock.clone());
-            let task = runtime.spawn(state_timer(weak, clock));
-            worker.add_task(task.abort_handle());
+        if matches!(t.to, State::Open | State::Degraded) {
+            arm_state_timer(&worker, &self.clock);
         }
         let _ = self.events.send(WorkerEvent::Breaker(worker, *t));
+    }
+}
+
+/// (Re)starts the timer that ends `worker`'s open or degraded period,
+/// aborting the previous one. Needs a tokio runtime and a clock with real
+/// deadlines; with a manual clock, tests move time themselves.
+fn arm_state_timer(worker: &Arc<Worker>, clock: &Arc<dyn Clock>) {
+    let (Ok(runtime), Some(_)) = (
+        tokio::runtime::Handle::try_current(),
+        clock.deadline(clock.now()),
+    ) else {
+        return;
+    };
+    let task = runtime.spawn(state_timer(Arc::downgrade(worker), clock.clone()));
+    if let Some(old) = worker.timer.lock().unwrap().replace(task.abort_handle()) {
+        old.abort();
     }
 }
 

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use rand::Rng;
 
 use crate::clock::Clock;
-use crate::registry::Worker;
+use crate::registry::{Attempt, Worker};
 use crate::ring::Ring;
 
 /// How many random probes a sampling policy makes before scanning.
@@ -110,16 +110,56 @@ impl Selector {
         tried: &[u64],
         clock: &dyn Clock,
     ) -> Option<Arc<Worker>> {
-        let fresh = |w: &Worker| w.is_eligible(clock) && !tried.contains(&w.breaker.id());
+        self.select_excluding(candidates, ring, key, tried, &[], clock)
+            .map(|i| candidates[i].clone())
+    }
+
+    /// Picks a worker and admits the attempt on its breaker. A worker whose
+    /// breaker refuses (a race for a limited half-open slot lost, a degraded
+    /// worker's share spent) is excluded for this pick and another one is
+    /// tried, so the degraded share is the same under every policy: one
+    /// share decision per admitted attempt, however often a policy checked
+    /// eligibility.
+    pub fn attempt(
+        &self,
+        candidates: &[Arc<Worker>],
+        ring: Option<&Ring>,
+        key: Option<u64>,
+        tried: &[u64],
+        clock: &dyn Clock,
+    ) -> Option<Attempt> {
+        // Allocated only when a breaker refuses.
+        let mut refused = Vec::new();
+        // Each refusal excludes one candidate, so this ends.
+        loop {
+            let i = self.select_excluding(candidates, ring, key, tried, &refused, clock)?;
+            if let Some(attempt) = candidates[i].try_attempt(clock) {
+                return Some(attempt);
+            }
+            refused.push(candidates[i].breaker.id());
+        }
+    }
+
+    /// `select`, never returning a worker in `refused`.
+    fn select_excluding(
+        &self,
+        candidates: &[Arc<Worker>],
+        ring: Option<&Ring>,
+        key: Option<u64>,
+        tried: &[u64],
+        refused: &[u64],
+        clock: &dyn Clock,
+    ) -> Option<usize> {
+        let eligible =
+            |w: &Worker| w.is_eligible(clock) && !refused.contains(&w.breaker.id());
+        let fresh = |w: &Worker| eligible(w) && !tried.contains(&w.breaker.id());
         if let Some(i) = self.pick(candidates, ring, key, &fresh) {
-            return Some(candidates[i].clone());
+            return Some(i);
         }
         if tried.is_empty() {
             return None;
         }
-        let any = |w: &Worker| w.is_eligible(clock);
-        self.pick(candidates, ring, key, &any)
-            .map(|i| candidates[i].clone())
+        self.pick(candidates, ring, key, &eligible)
     }
 
     fn pick(
@@ -220,6 +260,7 @@ mod tests {
                     },
                     disabled: false,
                     slow_ttfb: None,
+                    stream_failures: false,
                 },
                 health: HealthThresholds {
                     failure: 1,

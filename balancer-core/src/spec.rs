@@ -38,6 +38,10 @@ pub struct Resilience {
     /// Overrides `--cb-slow-ttfb-ms` for this worker.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cb_slow_ttfb_ms: Option<u64>,
+    /// Overrides `--cb-stream-failures` for this worker: a response body
+    /// that breaks off or stalls is a failure instead of its status's outcome.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cb_stream_failures: Option<bool>,
 }
 
 /// A spec that cannot be applied; names the field and the value.
@@ -113,6 +117,7 @@ impl Resilience {
             cb_success_threshold: patch.cb_success_threshold.or(self.cb_success_threshold),
             cb_timeout_secs: patch.cb_timeout_secs.or(self.cb_timeout_secs),
             cb_slow_ttfb_ms: patch.cb_slow_ttfb_ms.or(self.cb_slow_ttfb_ms),
+            cb_stream_failures: patch.cb_stream_failures.or(self.cb_stream_failures),
         }
     }
 }
@@ -127,6 +132,9 @@ pub struct BreakerDefaults {
     pub disabled: bool,
     /// `--cb-slow-ttfb-ms`.
     pub slow_ttfb: Option<Duration>,
+    /// `--cb-stream-failures`: a broken or stalled response body is a
+    /// failure; off, the status decides (the document).
+    pub stream_failures: bool,
 }
 
 impl BreakerDefaults {
@@ -159,7 +167,8 @@ impl BreakerDefaults {
             r.cb_slow_ttfb_ms
                 .map(Duration::from_millis)
                 .or(self.slow_ttfb),
-        );
+        )
+        .with_stream_failures(r.cb_stream_failures.unwrap_or(self.stream_failures));
         (settings, classifier)
     }
 }

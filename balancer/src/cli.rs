@@ -17,7 +17,9 @@ use clap::{Args, CommandFactory, Parser};
 
 use balancer_common::l4::{DEFAULT_CONNTRACK_SIZE, DEFAULT_TABLE_SIZE};
 use balancer_core::admission::AdmissionConfig;
-use balancer_core::breaker::{DegradedSettings, Settings, WindowSettings};
+use balancer_core::breaker::{
+    DegradedSettings, MAX_HALF_OPEN_INFLIGHT, Settings, WindowSettings,
+};
 use balancer_core::health::HealthThresholds;
 use balancer_core::selection::Policy;
 use balancer_core::spec::{BreakerDefaults, WorkerSpec};
@@ -134,7 +136,8 @@ pub struct LaunchArgs {
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     pub connect_timeout_secs: u64,
     /// A streamed response that sends nothing for this long is cut (an SSE
-    /// error event ends it) and counted as a breaker failure.
+    /// error event ends it, never `data: [DONE]`); a breaker failure only
+    /// with `--cb-stream-failures`.
     #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
     pub stream_idle_timeout_secs: u64,
     /// Request bodies up to this size are kept for replay on retries; larger
@@ -336,9 +339,15 @@ pub struct BreakerArgs {
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
     pub cb_window_min_calls: u32,
     /// At most N requests in flight to a half-open worker (0: no limit, as in
-    /// the reference gateway).
-    #[arg(long, default_value_t = 0)]
+    /// the reference gateway; at most 16777215).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=i64::from(MAX_HALF_OPEN_INFLIGHT)))]
     pub cb_half_open_max_inflight: u32,
+    /// Charge a response body that breaks off or stalls (cut at
+    /// `--stream-idle-timeout-secs`) as a breaker failure with reason
+    /// `broken` or `stall`. Off: the status decides, as in the reference
+    /// gateway (a 2xx is a success); the client still sees the cut.
+    #[arg(long)]
+    pub cb_stream_failures: bool,
     /// Breakers never open (unless a worker sets its own cb_failure_threshold);
     /// outcomes are still counted.
     #[arg(long)]
@@ -385,6 +394,7 @@ impl BreakerArgs {
             },
             disabled: self.disable_circuit_breaker,
             slow_ttfb: self.cb_slow_ttfb_ms.map(Duration::from_millis),
+            stream_failures: self.cb_stream_failures,
         }
     }
 }

@@ -24,17 +24,20 @@ pub enum FailureReason {
     Slow = 3,
     /// A streamed response stopped producing chunks for the idle timeout.
     Stall = 4,
+    /// A response broke off mid-body (with `--cb-stream-failures`).
+    Broken = 5,
 }
 
 impl FailureReason {
     /// Every reason in discriminant order, which is also the index order of
     /// [`Snapshot::failures`](super::Snapshot::failures).
-    pub const ALL: [FailureReason; 5] = [
+    pub const ALL: [FailureReason; 6] = [
         FailureReason::Status,
         FailureReason::Connect,
         FailureReason::Timeout,
         FailureReason::Slow,
         FailureReason::Stall,
+        FailureReason::Broken,
     ];
 
     /// The `reason` label of `worker_cb_failures_total`.
@@ -45,6 +48,7 @@ impl FailureReason {
             FailureReason::Timeout => "timeout",
             FailureReason::Slow => "slow",
             FailureReason::Stall => "stall",
+            FailureReason::Broken => "broken",
         }
     }
 }
@@ -119,6 +123,7 @@ pub struct Classifier {
     capacity: StatusSet,
     failure: StatusSet,
     slow_ttfb: Option<std::time::Duration>,
+    stream_failures: bool,
 }
 
 impl Default for Classifier {
@@ -135,6 +140,50 @@ impl Classifier {
             capacity: StatusSet::from_codes(capacity),
             failure: StatusSet::from_codes(failure),
             slow_ttfb: None,
+            stream_failures: false,
+        }
+    }
+
+    /// Charges a response body that breaks off or stalls as a failure
+    /// (`--cb-stream-failures`); off, the status alone decides, as in the
+    /// gateway document.
+    pub fn with_stream_failures(self, stream_failures: bool) -> Self {
+        Self {
+            stream_failures,
+            ..self
+        }
+    }
+
+    /// Whether a broken or stalled body is a failure rather than its status's outcome.
+    pub fn stream_failures(&self) -> bool {
+        self.stream_failures
+    }
+
+    /// The outcome of an attempt that got no response: classified as the
+    /// status the gateway answers for it (502 for a connection that could
+    /// not be made or broke, 504 for a timeout), through this worker's
+    /// capacity and failure lists, and charged with `reason` when it fails.
+    #[inline]
+    pub fn classify_no_response(&self, reason: FailureReason) -> Outcome {
+        let status = match reason {
+            FailureReason::Timeout => 504,
+            _ => 502,
+        };
+        match self.classify(status) {
+            Outcome::Failure(_) => Outcome::Failure(reason),
+            other => other,
+        }
+    }
+
+    /// The outcome of a response whose body broke off (`Broken`) or went
+    /// silent (`Stall`) after a status classified as `status_outcome`: that
+    /// outcome by default, the failure with `--cb-stream-failures`.
+    #[inline]
+    pub fn classify_cut(&self, status_outcome: Outcome, reason: FailureReason) -> Outcome {
+        if self.stream_failures {
+            Outcome::Failure(reason)
+        } else {
+            status_outcome
         }
     }
 

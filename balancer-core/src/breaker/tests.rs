@@ -21,20 +21,21 @@ fn settings(failure: u32, success: u32, timeout_secs: u64) -> Settings {
     }
 }
 
-/// A ticket as an in-flight request holds it, whatever the state is now.
-fn inflight() -> Ticket {
+/// A ticket as a request admitted in the breaker's current state holds it
+/// (without taking a probe slot).
+fn inflight(b: &Breaker) -> Ticket {
     Ticket {
-        epoch: 0,
+        epoch: epoch_of(b.word.load(Ordering::Acquire)),
         probe: false,
     }
 }
 
 fn fail(b: &Breaker, c: &ManualClock) {
-    b.record(inflight(), Outcome::Failure(FailureReason::Status), c);
+    b.record(inflight(b), Outcome::Failure(FailureReason::Status), c);
 }
 
 fn succeed(b: &Breaker, c: &ManualClock) {
-    b.record(inflight(), Outcome::Success, c);
+    b.record(inflight(b), Outcome::Success, c);
 }
 
 #[derive(Default)]
@@ -141,11 +142,11 @@ fn per_request_counting_still_records_successes_after_a_failure() {
     let mut charges = RequestCharges::default();
     charges.record(
         &a,
-        inflight(),
+        inflight(&a),
         Outcome::Failure(FailureReason::Status),
         &clock,
     );
-    charges.record(&a, inflight(), Outcome::Success, &clock);
+    charges.record(&a, inflight(&a), Outcome::Success, &clock);
     let snap = a.snapshot();
     assert_eq!(
         (
@@ -241,7 +242,7 @@ fn half_open_any_failure_reopens_for_a_full_timeout() {
     assert!(b.is_available(&clock));
     succeed(&b, &clock);
     succeed(&b, &clock);
-    b.record(inflight(), Outcome::Failure(FailureReason::Timeout), &clock);
+    b.record(inflight(&b), Outcome::Failure(FailureReason::Timeout), &clock);
     assert_eq!(b.state(), State::Open);
     clock.advance(19 * SECOND);
     assert!(
@@ -260,7 +261,7 @@ fn half_open_pushback_records_nothing_and_cannot_close() {
     assert!(b.is_available(&clock));
     let before = b.snapshot();
     for _ in 0..10 {
-        b.record(inflight(), Outcome::Ignored, &clock);
+        b.record(inflight(&b), Outcome::Ignored, &clock);
     }
     assert_eq!(b.state(), State::HalfOpen);
     assert_eq!(b.snapshot(), before);
@@ -272,7 +273,7 @@ fn pushback_records_nothing_in_closed_state() {
     let b = Breaker::new("w", settings(2, 1, 1), None);
     fail(&b, &clock);
     let before = b.snapshot();
-    b.record(inflight(), Outcome::Ignored, &clock);
+    b.record(inflight(&b), Outcome::Ignored, &clock);
     assert_eq!(
         b.snapshot(),
         before,
@@ -511,7 +512,7 @@ fn concurrent_checks_make_exactly_one_open_to_half_open_per_timeout() {
                     barrier.wait();
                     // Every thread drives the breaker open, ...
                     for _ in 0..3 {
-                        b.record(inflight(), Outcome::Failure(FailureReason::Status), &*clock);
+                        b.record(inflight(&b), Outcome::Failure(FailureReason::Status), &*clock);
                     }
                     barrier.wait();
                     if i == 0 {
@@ -524,8 +525,8 @@ fn concurrent_checks_make_exactly_one_open_to_half_open_per_timeout() {
                     }
                     barrier.wait();
                     if round % 2 == 0 {
-                        b.record(inflight(), Outcome::Success, &*clock);
-                        b.record(inflight(), Outcome::Success, &*clock);
+                        b.record(inflight(&b), Outcome::Success, &*clock);
+                        b.record(inflight(&b), Outcome::Success, &*clock);
                     }
                 }
             })
@@ -646,15 +647,18 @@ fn degraded_failure_reopens_the_circuit() {
 }
 
 #[test]
-fn degraded_admits_its_share_of_checks() {
+fn degraded_admits_its_share_of_admissions_not_of_checks() {
     for pct in [10, 25, 50, 90] {
         let clock = ManualClock::new();
         let b = Breaker::new("w", degraded(pct, 3600), None);
         to_degraded(&b, &clock);
-        let admitted = (0..1000).filter(|_| b.is_available(&clock)).count();
+        let admitted = (0..1000)
+            .filter(|_| b.admit(&clock).map(|t| b.cancel(t)).is_some())
+            .count();
         assert_eq!(admitted, pct as usize * 10, "{pct}%");
-        // Admission itself does not apply the share a second time.
-        assert!((0..10).all(|_| b.admit(&clock).is_some()));
+        // Eligibility checks spend no share: a policy may check any number
+        // of times per request.
+        assert!((0..10).all(|_| b.is_available(&clock)));
     }
 }
 
@@ -702,11 +706,18 @@ fn slow_successes_are_failures_with_reason_slow() {
 
 // ---- property test against a reference model ----
 
+/// What a request does to the breaker: admitted now, then ended later (in
+/// any order with other requests) with an outcome or cancelled without one.
 #[derive(Debug, Clone)]
 enum Op {
-    Success,
-    Failure,
-    Pushback,
+    /// A request asks for admission; admitted ones join the bag in flight.
+    Admit,
+    /// The in-flight request at this index (modulo the bag) ends so.
+    Success(usize),
+    Failure(usize),
+    Pushback(usize),
+    /// The client left: the ticket is handed back without an outcome.
+    Cancel(usize),
     Advance(u64),
     Promote,
     Poll,
@@ -716,9 +727,11 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => Just(Op::Success),
-        4 => Just(Op::Failure),
-        1 => Just(Op::Pushback),
+        6 => Just(Op::Admit),
+        4 => any::<usize>().prop_map(Op::Success),
+        4 => any::<usize>().prop_map(Op::Failure),
+        1 => any::<usize>().prop_map(Op::Pushback),
+        2 => any::<usize>().prop_map(Op::Cancel),
         3 => (0u64..8_000).prop_map(Op::Advance),
         1 => Just(Op::Promote),
         1 => Just(Op::Poll),
@@ -727,10 +740,24 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// The document's rules written as plainly as possible.
+/// The half-open in-flight limit the model runs with.
+const MODEL_MAX_INFLIGHT: u32 = 2;
+
+/// A request in flight, as the model sees it.
+#[derive(Debug, Clone, Copy)]
+struct ModelTicket {
+    epoch: u64,
+    probe: bool,
+}
+
+/// The document's rules written as plainly as possible, plus epochs (only
+/// an outcome admitted in the current state decides) and the half-open
+/// in-flight limit (a slot comes back once, on outcome or cancellation).
 #[derive(Debug)]
 struct Model {
     state: State,
+    epoch: u64,
+    inflight: u32,
     cf: u32,
     cs: u32,
     opened_at: u64,
@@ -744,6 +771,24 @@ struct Model {
 }
 
 impl Model {
+    fn new() -> Self {
+        Self {
+            state: State::Closed,
+            epoch: 0,
+            inflight: 0,
+            cf: 0,
+            cs: 0,
+            opened_at: 0,
+            failure_threshold: 3,
+            success_threshold: 2,
+            timeout_ms: 2000,
+            transitions: [[0; 4]; 4],
+            readmissions: 0,
+            successes: 0,
+            failures: 0,
+        }
+    }
+
     fn go(&mut self, to: State, now_ms: u64) {
         self.transitions[self.state as usize][to as usize] += 1;
         match to {
@@ -751,6 +796,8 @@ impl Model {
             State::Open => (self.cs, self.opened_at) = (0, now_ms),
         }
         self.state = to;
+        self.epoch += 1;
+        self.inflight = 0;
     }
 
     fn check(&mut self, now_ms: u64) {
@@ -759,45 +806,67 @@ impl Model {
         }
     }
 
-    fn apply(&mut self, op: &Op, now_ms: u64) {
-        match *op {
-            Op::Success => {
-                self.successes += 1;
-                self.cf = 0;
-                self.cs += 1;
-                if self.state == State::HalfOpen && self.cs >= self.success_threshold {
-                    self.go(State::Closed, now_ms);
-                }
+    fn admit(&mut self, now_ms: u64) -> Option<ModelTicket> {
+        self.check(now_ms);
+        match self.state {
+            State::Open => None,
+            State::HalfOpen if self.inflight >= MODEL_MAX_INFLIGHT => None,
+            State::HalfOpen => {
+                self.inflight += 1;
+                Some(ModelTicket {
+                    epoch: self.epoch,
+                    probe: true,
+                })
             }
-            Op::Failure => {
-                self.failures += 1;
-                self.cs = 0;
-                self.cf += 1;
-                match self.state {
-                    State::Closed if self.cf >= self.failure_threshold => {
-                        self.go(State::Open, now_ms)
-                    }
-                    State::HalfOpen => self.go(State::Open, now_ms),
-                    _ => {}
-                }
+            _ => Some(ModelTicket {
+                epoch: self.epoch,
+                probe: false,
+            }),
+        }
+    }
+
+    fn release(&mut self, t: ModelTicket) {
+        if t.probe && t.epoch == self.epoch {
+            self.inflight -= 1;
+        }
+    }
+
+    fn success(&mut self, t: ModelTicket, now_ms: u64) {
+        self.release(t);
+        self.successes += 1;
+        if t.epoch != self.epoch {
+            return;
+        }
+        self.cf = 0;
+        self.cs += 1;
+        if self.state == State::HalfOpen && self.cs >= self.success_threshold {
+            self.go(State::Closed, now_ms);
+        }
+    }
+
+    fn failure(&mut self, t: ModelTicket, now_ms: u64) {
+        self.release(t);
+        self.failures += 1;
+        if t.epoch != self.epoch {
+            return;
+        }
+        self.cs = 0;
+        self.cf += 1;
+        match self.state {
+            State::Closed if self.cf >= self.failure_threshold => self.go(State::Open, now_ms),
+            State::HalfOpen => self.go(State::Open, now_ms),
+            _ => {}
+        }
+    }
+
+    fn promote(&mut self, now_ms: u64) {
+        match self.state {
+            State::Open => {
+                self.readmissions += 1;
+                self.go(State::HalfOpen, now_ms);
             }
-            Op::Promote => match self.state {
-                State::Open => {
-                    self.readmissions += 1;
-                    self.go(State::HalfOpen, now_ms);
-                }
-                State::Closed => self.cf = 0,
-                State::HalfOpen | State::Degraded => {}
-            },
-            Op::Poll | Op::Check => self.check(now_ms),
-            Op::Override(f, s, t) => {
-                (
-                    self.failure_threshold,
-                    self.success_threshold,
-                    self.timeout_ms,
-                ) = (f, s, t * 1000)
-            }
-            Op::Pushback | Op::Advance(_) => {}
+            State::Closed => self.cf = 0,
+            State::HalfOpen | State::Degraded => {}
         }
     }
 }
@@ -807,35 +876,84 @@ proptest! {
     #[test]
     fn breaker_matches_reference_model(ops in proptest::collection::vec(op(), 1..200)) {
         let clock = ManualClock::new();
-        let b = Breaker::new("w", settings(3, 2, 2), None);
-        let mut m = Model {
-            state: State::Closed, cf: 0, cs: 0, opened_at: 0,
-            failure_threshold: 3, success_threshold: 2, timeout_ms: 2000,
-            transitions: [[0; 4]; 4], readmissions: 0, successes: 0, failures: 0,
-        };
+        let b = Breaker::new(
+            "w",
+            Settings { half_open_max_inflight: MODEL_MAX_INFLIGHT, ..settings(3, 2, 2) },
+            None,
+        );
+        let mut m = Model::new();
+        // Requests in flight: the breaker's tickets beside the model's.
+        let mut bag: Vec<(Ticket, ModelTicket)> = Vec::new();
         let mut now_ms = 0;
         for op in &ops {
             match *op {
-                Op::Success => b.record(inflight(), Outcome::Success, &clock),
-                Op::Failure => b.record(inflight(), Outcome::Failure(FailureReason::Status), &clock),
-                Op::Pushback => b.record(inflight(), Outcome::Ignored, &clock),
+                Op::Admit => {
+                    let real = b.admit(&clock);
+                    let model = m.admit(now_ms);
+                    prop_assert_eq!(real.is_some(), model.is_some(), "admission");
+                    if let (Some(r), Some(t)) = (real, model) {
+                        prop_assert_eq!(u64::from(r.epoch), t.epoch & u64::from(u32::MAX));
+                        prop_assert_eq!(r.probe, t.probe);
+                        bag.push((r, t));
+                    }
+                }
+                Op::Success(i) | Op::Failure(i) | Op::Pushback(i) | Op::Cancel(i) => {
+                    if bag.is_empty() {
+                        continue;
+                    }
+                    let (real, model) = bag.swap_remove(i % bag.len());
+                    match *op {
+                        Op::Success(_) => {
+                            b.record(real, Outcome::Success, &clock);
+                            m.success(model, now_ms);
+                        }
+                        Op::Failure(_) => {
+                            b.record(real, Outcome::Failure(FailureReason::Status), &clock);
+                            m.failure(model, now_ms);
+                        }
+                        Op::Pushback(_) => {
+                            b.record(real, Outcome::Ignored, &clock);
+                            m.release(model);
+                        }
+                        _ => {
+                            b.cancel(real);
+                            m.release(model);
+                        }
+                    }
+                }
                 Op::Advance(ms) => {
                     now_ms += ms;
                     clock.advance(Duration::from_millis(ms));
                 }
-                Op::Promote => b.promote(&clock),
-                Op::Poll => { b.poll(&clock); }
+                Op::Promote => {
+                    b.promote(&clock);
+                    m.promote(now_ms);
+                }
+                Op::Poll => {
+                    b.poll(&clock);
+                    m.check(now_ms);
+                }
                 Op::Check => {
                     let available = b.is_available(&clock);
-                    m.apply(op, now_ms);
-                    prop_assert_eq!(available, m.state != State::Open);
-                    continue;
+                    m.check(now_ms);
+                    let expected = match m.state {
+                        State::Open => false,
+                        State::HalfOpen => m.inflight < MODEL_MAX_INFLIGHT,
+                        _ => true,
+                    };
+                    prop_assert_eq!(available, expected);
                 }
-                Op::Override(f, s, t) => b.set_settings(settings(f, s, t)),
+                Op::Override(f, s, t) => {
+                    b.set_settings(Settings {
+                        half_open_max_inflight: MODEL_MAX_INFLIGHT,
+                        ..settings(f, s, t)
+                    });
+                    (m.failure_threshold, m.success_threshold, m.timeout_ms) = (f, s, t * 1000);
+                }
             }
-            m.apply(op, now_ms);
             let snap = b.snapshot();
             prop_assert_eq!(snap.state, m.state);
+            prop_assert_eq!(snap.half_open_inflight, m.inflight, "probe slots");
             prop_assert_eq!(snap.consecutive_failures, m.cf);
             prop_assert_eq!(snap.consecutive_successes, m.cs);
             prop_assert_eq!(snap.transitions, m.transitions);
@@ -844,4 +962,176 @@ proptest! {
             prop_assert_eq!(snap.failures_total(), m.failures);
         }
     }
+}
+
+// ---- cancellation, epochs and edges ----
+
+fn half_open_with_limit(max: u32) -> (Breaker, ManualClock) {
+    let clock = ManualClock::new();
+    let s = Settings {
+        half_open_max_inflight: max,
+        ..settings(1, 3, 1)
+    };
+    let b = Breaker::new("w", s, None);
+    fail(&b, &clock);
+    clock.advance(SECOND);
+    assert!(b.is_available(&clock));
+    (b, clock)
+}
+
+#[test]
+fn ticket_cancelled_without_outcome_returns_its_probe_slot_and_records_nothing() {
+    let (b, clock) = half_open_with_limit(1);
+    let before = b.snapshot();
+    for _ in 0..10 {
+        // A client that disconnects before its worker answers.
+        let probe = b.admit(&clock).expect("the slot is free again");
+        assert!(!b.is_available(&clock), "the only slot is taken");
+        b.cancel(probe);
+    }
+    assert_eq!(b.snapshot(), before, "no sample, no leaked slot");
+    assert_eq!(b.state(), State::HalfOpen);
+}
+
+#[test]
+fn outcome_admitted_in_an_older_epoch_counts_but_decides_nothing() {
+    let clock = ManualClock::new();
+    let b = Breaker::new("w", settings(1, 1, 1), None);
+    // Long streams admitted while closed.
+    let (ok, bad) = (b.admit(&clock).unwrap(), b.admit(&clock).unwrap());
+    fail(&b, &clock);
+    clock.advance(SECOND);
+    assert!(b.is_available(&clock));
+    assert_eq!(b.state(), State::HalfOpen);
+    b.record(ok, Outcome::Success, &clock);
+    assert_eq!(b.state(), State::HalfOpen, "no trial request passed yet");
+    b.record(bad, Outcome::Failure(FailureReason::Status), &clock);
+    assert_eq!(b.state(), State::HalfOpen, "nor did one fail");
+    let snap = b.snapshot();
+    assert_eq!((snap.successes, snap.failures_total()), (1, 2), "totals keep both");
+    let trial = b.admit(&clock).unwrap();
+    b.record(trial, Outcome::Success, &clock);
+    assert_eq!(b.state(), State::Closed, "the trial's own success closes it");
+}
+
+#[test]
+fn retry_on_the_same_worker_after_a_transition_is_charged_again() {
+    let clock = ManualClock::new();
+    let b = Breaker::new("w", settings(1, 2, 1), None);
+    let mut charges = RequestCharges::default();
+    // Charged while closed (and opening the circuit) ...
+    let t = b.admit(&clock).unwrap();
+    charges.record(&b, t, Outcome::Failure(FailureReason::Status), &clock);
+    assert_eq!(b.state(), State::Open);
+    clock.advance(SECOND);
+    // ... then retried onto the now half-open worker, failing there.
+    let t = b.admit(&clock).expect("half-open admits");
+    charges.record(&b, t, Outcome::Failure(FailureReason::Status), &clock);
+    assert_eq!(b.state(), State::Open, "any failure reopens it");
+    assert_eq!(b.snapshot().transitions[2][1], 1);
+}
+
+#[test]
+fn consecutive_counters_saturate_instead_of_overflowing() {
+    let clock = ManualClock::new();
+    // `--disable-circuit-breaker`: the threshold is u32::MAX.
+    let b = Breaker::new("w", settings(u32::MAX, 1, 1), None);
+    b.consecutive_failures.store(u32::MAX - 1, Ordering::Relaxed);
+    for _ in 0..3 {
+        fail(&b, &clock);
+    }
+    assert_eq!(b.snapshot().consecutive_failures, u32::MAX);
+    assert_eq!(b.state(), State::Open, "the maximum is reached, not wrapped");
+    let b = Breaker::new("w", settings(3, 1, 1), None);
+    b.consecutive_successes.store(u32::MAX, Ordering::Relaxed);
+    succeed(&b, &clock);
+    assert_eq!(b.snapshot().consecutive_successes, u32::MAX);
+}
+
+#[test]
+fn half_open_max_inflight_cannot_spill_into_the_epoch_bits() {
+    let b = Breaker::new(
+        "w",
+        Settings {
+            half_open_max_inflight: u32::MAX,
+            ..settings(1, 1, 1)
+        },
+        None,
+    );
+    assert_eq!(b.settings().half_open_max_inflight, MAX_HALF_OPEN_INFLIGHT);
+    assert_eq!(
+        u64::from(MAX_HALF_OPEN_INFLIGHT) * INFLIGHT_ONE,
+        INFLIGHT_MASK & !(INFLIGHT_ONE - 1),
+        "the largest count fills the field exactly"
+    );
+}
+
+#[test]
+fn losing_the_inflight_race_keeps_the_intervals_probe() {
+    const THREADS: usize = 4;
+    const ROUNDS: usize = 3000;
+    let clock = Arc::new(ManualClock::new());
+    let s = Settings {
+        half_open_max_inflight: 2,
+        half_open_probe_interval: Duration::from_millis(100),
+        ..settings(1, u32::MAX, 1)
+    };
+    let b = Arc::new(Breaker::new("w", s, None));
+    fail(&b, &clock);
+    clock.advance(SECOND);
+    assert!(b.is_available(&*clock));
+    let barrier = Arc::new(std::sync::Barrier::new(THREADS + 1));
+    let probes = Arc::new(StdMutex::new(Vec::<Ticket>::new()));
+    let handles: Vec<_> = (0..THREADS)
+        .map(|_| {
+            let (b, clock, barrier, probes) =
+                (b.clone(), clock.clone(), barrier.clone(), probes.clone());
+            std::thread::spawn(move || {
+                for _ in 0..ROUNDS {
+                    barrier.wait();
+                    if let Some(t) = b.admit(&*clock) {
+                        probes.lock().unwrap().push(t);
+                    }
+                    barrier.wait();
+                }
+            })
+        })
+        .collect();
+    for round in 0..ROUNDS {
+        clock.advance(Duration::from_millis(100));
+        // Last round's probe ends while the others race for this one, so
+        // their compare-and-swap on the state word can lose.
+        let previous = probes.lock().unwrap().pop();
+        barrier.wait();
+        if let Some(t) = previous {
+            b.record(t, Outcome::Ignored, &*clock);
+        }
+        barrier.wait();
+        assert_eq!(
+            probes.lock().unwrap().len(),
+            1,
+            "round {round}: exactly one probe per interval"
+        );
+    }
+    for h in handles {
+        h.join().unwrap();
+    }
+    for t in probes.lock().unwrap().drain(..) {
+        b.cancel(t);
+    }
+    assert_eq!(b.snapshot().half_open_inflight, 0);
+}
+
+#[test]
+fn held_open_circuit_waits_for_the_promotion_not_the_timeout() {
+    let (b, clock) = open_breaker(1, 1, 1);
+    b.hold_open(true);
+    clock.advance(10 * SECOND);
+    assert!(!b.is_available(&clock), "NotReady: the timer does not readmit");
+    assert_eq!(b.poll(&clock), None, "no timer needs to run");
+    assert_eq!(b.state(), State::Open);
+    b.hold_open(false);
+    b.promote(&clock);
+    assert_eq!(b.state(), State::HalfOpen);
+    assert_eq!(b.snapshot().health_readmissions, 1, "the promotion did it");
 }

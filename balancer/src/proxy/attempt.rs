@@ -88,7 +88,7 @@ impl Proxy {
         loop {
             attempt += 1;
             let last = attempt >= max_attempts;
-            let Some((worker, ticket)) = self.select(&req, &tried) else {
+            let Some(mut admitted) = self.select(&req, &tried) else {
                 if self.take_fallback(&mut req, &mut body) {
                     // Finding no worker was not an attempt.
                     attempt -= 1;
@@ -96,9 +96,9 @@ impl Proxy {
                 }
                 return self.no_available_workers(req.model.as_deref());
             };
+            let worker = admitted.worker().clone();
             let attempt_started = Instant::now();
             tried.push(worker.breaker.id());
-            let guard = worker.start_request();
             let upstream_body = match body.take() {
                 Some(RequestBody::Replayable(b)) => {
                     body = Some(RequestBody::Replayable(b.clone()));
@@ -109,8 +109,6 @@ impl Proxy {
             };
             let classifier = worker.classifier();
             let send = self.send(client, &worker, &req, upstream_body);
-            // `None` once the ticket was handed back to the breaker.
-            let mut ticket = Some(ticket);
             let result = match classifier.slow_ttfb() {
                 None => send.await,
                 Some(budget) => {
@@ -122,10 +120,8 @@ impl Proxy {
                             // breaker reacts at the budget rather than when
                             // the worker finally answers. The answer still
                             // goes to the client.
-                            if let Some(t) = ticket.take() {
-                                let slow = Outcome::Failure(FailureReason::Slow);
-                                charges.record(&worker.breaker, t, slow, &*self.clock);
-                            }
+                            let slow = Outcome::Failure(FailureReason::Slow);
+                            admitted.record(&mut charges, slow, &*self.clock);
                             send.await
                         }
                     }
@@ -138,9 +134,8 @@ impl Proxy {
                     let retryable = RETRY_STATUSES.contains(&status);
                     if retryable && !last {
                         let retry_after = retry_after(response.headers());
-                        if let Some(t) = ticket {
-                            charges.record(&worker.breaker, t, outcome, &*self.clock);
-                        }
+                        admitted.record(&mut charges, outcome, &*self.clock);
+                        drop(admitted);
                         drop(response);
                         self.stats.retry();
                         tokio::time::sleep(self.config.retry.backoff(attempt, retry_after)).await;
@@ -151,17 +146,14 @@ impl Proxy {
                     }
                     self.stats.ttfb.observe(started.elapsed());
                     self.stats.upstream_response(status);
-                    let pending = match ticket {
-                        Some(t) if outcome == Outcome::Success => Some((t, charges)),
-                        Some(t) => {
-                            charges.record(&worker.breaker, t, outcome, &*self.clock);
-                            None
-                        }
-                        None => None,
-                    };
+                    // A success waits for the body; anything else is decided
+                    // by the status.
+                    if outcome != Outcome::Success {
+                        admitted.record(&mut charges, outcome, &*self.clock);
+                    }
                     let completion = Completion {
-                        guard,
-                        pending,
+                        attempt: admitted,
+                        charges,
                         permit,
                         started,
                         attempt_started,
@@ -184,10 +176,10 @@ impl Proxy {
                 AttemptError::Timeout => FailureReason::Timeout,
                 AttemptError::Unreachable(_) => FailureReason::Connect,
             };
-            if let Some(t) = ticket {
-                charges.record(&worker.breaker, t, Outcome::Failure(reason), &*self.clock);
-            }
-            drop(guard);
+            // Recorded as the 502 or 504 the gateway answers for it.
+            let outcome = classifier.classify_no_response(reason);
+            admitted.record(&mut charges, outcome, &*self.clock);
+            drop(admitted);
             if !last {
                 self.stats.retry();
                 tokio::time::sleep(self.config.retry.backoff(attempt, None)).await;

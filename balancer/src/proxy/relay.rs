@@ -2,9 +2,11 @@
 //!
 //! Owns what happens between the response headers and the last byte: frames
 //! pass through as they arrive (never buffered whole), an idle gap longer than
-//! the stream idle timeout cuts the stream, and when the body ends, breaks or
-//! is dropped by a departing client, the attempt's outcome is recorded on the
-//! worker's breaker and the admission permit and in-flight count are released.
+//! the stream idle timeout cuts the stream, and when the body ends or breaks,
+//! the attempt's outcome is recorded on the worker's breaker (the status
+//! decides, unless `--cb-stream-failures` charges a cut as `stall` or
+//! `broken`); a body dropped by a departing client records nothing. Then the
+//! admission permit and in-flight count are released.
 //! A cut SSE stream ends with an SSE `error` event and never with
 //! `data: [DONE]`.
 
@@ -18,9 +20,9 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 use tokio::time::{Instant, Sleep};
 
 use balancer_core::admission::Permit;
-use balancer_core::breaker::{Classifier, FailureReason, Outcome, RequestCharges, Ticket};
+use balancer_core::breaker::{Classifier, FailureReason, Outcome, RequestCharges};
 use balancer_core::clock::Clock;
-use balancer_core::registry::InflightGuard;
+use balancer_core::registry::Attempt;
 use balancer_core::tokens::{Tokens, find_usage};
 use http::Response;
 use http::header::{self, HeaderName, HeaderValue};
@@ -35,10 +37,12 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Everything that must happen exactly once when a response ends.
 pub struct Completion {
-    pub guard: InflightGuard,
-    /// `None` once the outcome was recorded at header time (a failure or
-    /// pushback status); `Some` while the body decides it.
-    pub pending: Option<(Ticket, RequestCharges)>,
+    /// The attempt: still pending when its status was a success, so the
+    /// body decides; recorded at header time otherwise. In flight until the
+    /// last byte.
+    pub attempt: Attempt,
+    /// The request's breaker charges, for the body's outcome.
+    pub charges: RequestCharges,
     #[expect(
         dead_code,
         reason = "held, never read: dropping it releases the admission slot"
@@ -59,8 +63,8 @@ pub struct Completion {
 impl Completion {
     /// `first_byte`: time to the first body chunk for streams (the first
     /// token), the headers otherwise.
-    fn finish(self, outcome: Outcome, first_byte: Duration, tail: &Tail) {
-        let worker = self.guard.worker();
+    fn finish(mut self, outcome: Outcome, first_byte: Duration, tail: &Tail) {
+        let worker = self.attempt.worker().clone();
         let outcome = if outcome == Outcome::Success {
             worker.ttfb.observe(first_byte);
             if let (Some((tokens, model)), Some(usage)) = (&self.tokens, tail.usage()) {
@@ -70,11 +74,10 @@ impl Completion {
         } else {
             outcome
         };
-        if let Some((ticket, mut charges)) = self.pending {
-            charges.record(&worker.breaker, ticket, outcome, &*self.clock);
-        }
+        self.attempt
+            .record(&mut self.charges, outcome, &*self.clock);
         self.stats.request_duration.observe(self.started.elapsed());
-        // `guard` and `permit` drop here: in-flight count and admission slot
+        // `attempt` and `permit` drop here: in-flight count and admission slot
         // are released after the last byte.
     }
 }
@@ -160,7 +163,15 @@ impl RelayBody {
         code: &str,
         message: &str,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        self.complete(Outcome::Failure(reason));
+        // The status was a success (anything else was recorded at header
+        // time): it stands, unless `--cb-stream-failures` charges the cut.
+        let outcome = self
+            .completion
+            .as_ref()
+            .map_or(Outcome::Ignored, |c| {
+                c.classifier.classify_cut(Outcome::Success, reason)
+            });
+        self.complete(outcome);
         tracing::warn!(code, message, "upstream stream cut");
         self.done = true;
         if self.sse {
@@ -200,7 +211,7 @@ impl Body for RelayBody {
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => this.cut(
-                FailureReason::Connect,
+                FailureReason::Broken,
                 "upstream_stream_broken",
                 &format!("the worker's response broke off: {e}"),
             ),

@@ -5,14 +5,11 @@
 //! fallback model; and the choice of a worker with its breaker admission. It
 //! reads the fleet and admits on breakers; it records no outcome.
 
-use std::sync::Arc;
-
 use bytes::Bytes;
 use http::Method;
 use http::header::{self, HeaderMap, HeaderName};
 
-use balancer_core::breaker::Ticket;
-use balancer_core::registry::Worker;
+use balancer_core::registry::Attempt;
 
 use super::Proxy;
 use super::body::RequestBody;
@@ -64,23 +61,13 @@ impl Proxy {
         true
     }
 
-    /// Picks an eligible worker and reserves its breaker admission. A lost
-    /// race for a limited half-open slot just moves on to another worker.
-    pub(crate) fn select(&self, req: &Outgoing, tried: &[u64]) -> Option<(Arc<Worker>, Ticket)> {
+    /// Picks an eligible worker for the request's model and admits the
+    /// attempt on its breaker.
+    pub(crate) fn select(&self, req: &Outgoing, tried: &[u64]) -> Option<Attempt> {
         let fleet = self.registry.fleet();
         let (candidates, ring) = fleet.candidates(req.model.as_deref());
-        // Copied only when a race for a limited half-open slot is lost.
-        let mut skip = std::borrow::Cow::Borrowed(tried);
-        for _ in 0..4 {
-            let worker = self
-                .selector
-                .select(candidates, ring, req.key, &skip, &*self.clock)?;
-            if let Some(ticket) = worker.breaker.admit(&*self.clock) {
-                return Some((worker, ticket));
-            }
-            skip.to_mut().push(worker.breaker.id());
-        }
-        None
+        self.selector
+            .attempt(candidates, ring, req.key, tried, &*self.clock)
     }
 }
 
