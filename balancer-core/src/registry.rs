@@ -11,6 +11,8 @@
 //! in its `metrics` submodule, next to the state they read.
 
 mod metrics;
+#[cfg(test)]
+mod tests;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};

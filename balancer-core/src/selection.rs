@@ -10,6 +10,7 @@
 //! miss, i.e. when most candidates are out. `least_load` compares every
 //! candidate up to 64 of them and a random sample of 16 beyond.
 
+use std::cell::Cell;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -78,6 +79,31 @@ impl Policy {
     }
 }
 
+/// Workers one selection avoids: `tried` while another is eligible,
+/// `refused` (their breaker said no to this request) always.
+#[derive(Clone, Copy)]
+struct Skip<'a> {
+    tried: &'a [u64],
+    refused: &'a [u64],
+}
+
+/// The round-robin position of one selection, drawn from the shared cursor
+/// at most once however often the selection looks again (a fallback to
+/// tried workers, a breaker refusing), and only by the policies that use it.
+#[derive(Default)]
+struct Turn(Cell<Option<usize>>);
+
+impl Turn {
+    fn take(&self, cursor: &AtomicUsize) -> usize {
+        if let Some(start) = self.0.get() {
+            return start;
+        }
+        let start = cursor.fetch_add(1, Ordering::Relaxed);
+        self.0.set(Some(start));
+        start
+    }
+}
+
 /// The policy plus the little state it keeps (the round-robin cursor).
 #[derive(Debug)]
 pub struct Selector {
@@ -110,7 +136,11 @@ impl Selector {
         tried: &[u64],
         clock: &dyn Clock,
     ) -> Option<Arc<Worker>> {
-        self.select_excluding(candidates, ring, key, tried, &[], clock)
+        let skip = Skip {
+            tried,
+            refused: &[],
+        };
+        self.select_excluding(candidates, ring, key, skip, &Turn::default(), clock)
             .map(|i| candidates[i].clone())
     }
 
@@ -130,9 +160,16 @@ impl Selector {
     ) -> Option<Attempt> {
         // Allocated only when a breaker refuses.
         let mut refused = Vec::new();
+        // One round-robin turn for the whole request: a refusal must not
+        // move the cursor on, or the refused worker would come first again.
+        let turn = Turn::default();
         // Each refusal excludes one candidate, so this ends.
         loop {
-            let i = self.select_excluding(candidates, ring, key, tried, &refused, clock)?;
+            let skip = Skip {
+                tried,
+                refused: &refused,
+            };
+            let i = self.select_excluding(candidates, ring, key, skip, &turn, clock)?;
             if let Some(attempt) = candidates[i].try_attempt(clock) {
                 return Some(attempt);
             }
@@ -146,20 +183,20 @@ impl Selector {
         candidates: &[Arc<Worker>],
         ring: Option<&Ring>,
         key: Option<u64>,
-        tried: &[u64],
-        refused: &[u64],
+        skip: Skip<'_>,
+        turn: &Turn,
         clock: &dyn Clock,
     ) -> Option<usize> {
-        let eligible =
-            |w: &Worker| w.is_eligible(clock) && !refused.contains(&w.breaker.id());
+        let Skip { tried, refused } = skip;
+        let eligible = |w: &Worker| w.is_eligible(clock) && !refused.contains(&w.breaker.id());
         let fresh = |w: &Worker| eligible(w) && !tried.contains(&w.breaker.id());
-        if let Some(i) = self.pick(candidates, ring, key, &fresh) {
+        if let Some(i) = self.pick(candidates, ring, key, turn, &fresh) {
             return Some(i);
         }
         if tried.is_empty() {
             return None;
         }
-        self.pick(candidates, ring, key, &eligible)
+        self.pick(candidates, ring, key, turn, &eligible)
     }
 
     fn pick(
@@ -167,6 +204,7 @@ impl Selector {
         ws: &[Arc<Worker>],
         ring: Option<&Ring>,
         key: Option<u64>,
+        turn: &Turn,
         ok: &dyn Fn(&Worker) -> bool,
     ) -> Option<usize> {
         let n = ws.len();
@@ -174,10 +212,7 @@ impl Selector {
             return None;
         }
         match self.policy {
-            Policy::RoundRobin => {
-                let start = self.cursor.fetch_add(1, Ordering::Relaxed) % n;
-                scan_from(ws, start, ok)
-            }
+            Policy::RoundRobin => scan_from(ws, turn.take(&self.cursor) % n, ok),
             Policy::Random => sample(ws, ok).or_else(|| scan_from(ws, random_index(n), ok)),
             Policy::PowerOfTwo => match sample(ws, ok) {
                 None => scan_from(ws, random_index(n), ok),
@@ -200,10 +235,7 @@ impl Selector {
             Policy::ConsistentHash => match (ring, key) {
                 (Some(ring), Some(key)) => ring.walk(key).find(|&i| ok(&ws[i])),
                 // No routing key: spread like round robin.
-                _ => {
-                    let start = self.cursor.fetch_add(1, Ordering::Relaxed) % n;
-                    scan_from(ws, start, ok)
-                }
+                _ => scan_from(ws, turn.take(&self.cursor) % n, ok),
             },
         }
     }
@@ -250,14 +282,21 @@ mod tests {
     ];
 
     fn fleet(n: usize) -> (Arc<Registry>, Arc<ManualClock>) {
+        fleet_with(
+            n,
+            Settings {
+                failure_threshold: 1,
+                ..Settings::default()
+            },
+        )
+    }
+
+    fn fleet_with(n: usize, settings: Settings) -> (Arc<Registry>, Arc<ManualClock>) {
         let clock = Arc::new(ManualClock::new());
         let registry = Registry::new(
             RegistryConfig {
                 breaker: BreakerDefaults {
-                    settings: Settings {
-                        failure_threshold: 1,
-                        ..Settings::default()
-                    },
+                    settings,
                     disabled: false,
                     slow_ttfb: None,
                     stream_failures: false,
@@ -387,6 +426,57 @@ mod tests {
             } else {
                 assert_ne!(now.url, *owner);
             }
+        }
+    }
+
+    #[test]
+    fn degraded_share_is_per_request_under_every_policy() {
+        use crate::breaker::{DegradedSettings, RequestCharges};
+        const PCT: u32 = 25;
+        for policy in [
+            Policy::PowerOfTwo,
+            Policy::Random,
+            Policy::RoundRobin,
+            Policy::LeastLoad,
+        ] {
+            let (registry, clock) = fleet_with(
+                1,
+                Settings {
+                    failure_threshold: 1,
+                    success_threshold: 1,
+                    open_timeout: std::time::Duration::from_secs(1),
+                    degraded: Some(DegradedSettings {
+                        traffic_pct: PCT,
+                        duration: std::time::Duration::from_secs(3600),
+                    }),
+                    ..Settings::default()
+                },
+            );
+            let w = registry.fleet().workers[0].clone();
+            let mut charges = RequestCharges::default();
+            let mut a = w.try_attempt(&*clock).unwrap();
+            a.record(
+                &mut charges,
+                Outcome::Failure(FailureReason::Status),
+                &*clock,
+            );
+            clock.advance(std::time::Duration::from_secs(1));
+            let mut trial = w.try_attempt(&*clock).expect("half-open");
+            trial.record(&mut RequestCharges::default(), Outcome::Success, &*clock);
+            assert_eq!(w.breaker.state(), crate::breaker::State::Degraded);
+            let selector = Selector::new(policy);
+            let fleet = registry.fleet();
+            let admitted = (0..1000)
+                .filter(|_| {
+                    selector
+                        .attempt(&fleet.workers, None, None, &[], &*clock)
+                        .is_some()
+                })
+                .count();
+            assert!(
+                admitted.abs_diff(PCT as usize * 10) <= 50,
+                "{policy:?}: the only candidate got {admitted} of 1000, want {PCT}% ± 5"
+            );
         }
     }
 }

@@ -175,6 +175,8 @@ impl Admin {
                 "cb_timeout_secs": settings.open_timeout.as_secs_f64(),
                 "capacity_status_codes": classifier.capacity_codes(),
                 "retryable_status_codes": classifier.failure_codes(),
+                "cb_slow_ttfb_ms": classifier.slow_ttfb().map(|d| d.as_millis()),
+                "cb_stream_failures": classifier.stream_failures(),
             },
         })
     }

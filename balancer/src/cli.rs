@@ -17,9 +17,7 @@ use clap::{Args, CommandFactory, Parser};
 
 use balancer_common::l4::{DEFAULT_CONNTRACK_SIZE, DEFAULT_TABLE_SIZE};
 use balancer_core::admission::AdmissionConfig;
-use balancer_core::breaker::{
-    DegradedSettings, MAX_HALF_OPEN_INFLIGHT, Settings, WindowSettings,
-};
+use balancer_core::breaker::{DegradedSettings, MAX_HALF_OPEN_INFLIGHT, Settings, WindowSettings};
 use balancer_core::health::HealthThresholds;
 use balancer_core::selection::Policy;
 use balancer_core::spec::{BreakerDefaults, WorkerSpec};
@@ -687,6 +685,7 @@ mod tests {
             ("--cb-timeout-duration-secs", "0"),
             ("--cb-window-duration-secs", "0"),
             ("--retry-jitter-factor", "2"),
+            ("--cb-half-open-max-inflight", "16777216"),
             ("--policy", "fastest"),
             ("--worker-urls", "ftp://x"),
         ] {

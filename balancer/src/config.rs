@@ -14,6 +14,7 @@ use http::HeaderName;
 
 use balancer_common::l4::MAX_SERVICES;
 use balancer_core::admission::AdmissionConfig;
+use balancer_core::breaker::MAX_HALF_OPEN_INFLIGHT;
 use balancer_core::health::HealthThresholds;
 use balancer_core::selection::Policy;
 use balancer_core::spec::{BreakerDefaults, WorkerAddress, WorkerSpec};
@@ -138,6 +139,13 @@ impl GatewayConfig {
             return Err(invalid(
                 "--metrics-prefix",
                 format!("'{prefix}': use letters, digits and '_'"),
+            ));
+        }
+        let max_inflight = self.breaker.settings.half_open_max_inflight;
+        if max_inflight > MAX_HALF_OPEN_INFLIGHT {
+            return Err(invalid(
+                "--cb-half-open-max-inflight",
+                format!("{max_inflight}: at most {MAX_HALF_OPEN_INFLIGHT}"),
             ));
         }
         check_fallbacks(&self.proxy.fallbacks)?;

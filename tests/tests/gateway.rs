@@ -303,34 +303,114 @@ async fn streams_are_relayed_as_sent() {
 }
 
 #[tokio::test]
-async fn a_stalled_stream_ends_with_an_sse_error_and_counts_as_a_stall() {
+async fn a_stalled_2xx_stream_ends_with_an_sse_error_and_is_charged_only_with_cb_stream_failures() {
+    for stream_failures in [false, true] {
+        let h = harness(&["a"], |c| {
+            quiet(c);
+            c.proxy.stream_idle_timeout = Duration::from_secs(1);
+            c.proxy.retry.max_attempts = 1;
+            c.breaker.stream_failures = stream_failures;
+        })
+        .await;
+        h.workers[0].set_fault(Fault {
+            stall_after_chunks: Some(2),
+            ..Fault::default()
+        });
+        let started = Instant::now();
+        let r = h.chat(STREAM).await;
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "cut within the idle timeout"
+        );
+        let text = r.text();
+        assert_eq!(text.matches("data: {\"id\"").count(), 2, "{text}");
+        assert!(text.contains("event: error"), "{text}");
+        assert!(text.contains("upstream_stream_stalled"), "{text}");
+        assert!(
+            !text.contains("[DONE]"),
+            "a cut stream never looks complete"
+        );
+        let a = h.breaker(0);
+        if stream_failures {
+            assert_eq!(a.failures[FailureReason::Stall as usize], 1);
+            assert_eq!(a.successes, 0);
+        } else {
+            assert_eq!(a.failures_total(), 0, "the status decides: 200");
+            assert_eq!(a.successes, 1);
+        }
+        h.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn a_truncated_2xx_stream_is_charged_as_broken_only_with_cb_stream_failures() {
+    for stream_failures in [false, true] {
+        let h = harness(&["a"], |c| {
+            quiet(c);
+            c.proxy.retry.max_attempts = 1;
+            c.breaker.stream_failures = stream_failures;
+        })
+        .await;
+        h.workers[0].set_fault(Fault {
+            truncate_after_chunks: Some(2),
+            ..Fault::default()
+        });
+        let text = h.chat(STREAM).await.text();
+        assert!(text.contains("upstream_stream_broken"), "{text}");
+        assert!(!text.contains("[DONE]"), "{text}");
+        let a = h.breaker(0);
+        let broken = a.failures[FailureReason::Broken as usize];
+        assert_eq!(
+            (broken, a.successes),
+            if stream_failures { (1, 0) } else { (0, 1) }
+        );
+        h.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn clients_that_leave_before_the_answer_leak_no_half_open_slot() {
     let h = harness(&["a"], |c| {
         quiet(c);
-        c.proxy.stream_idle_timeout = Duration::from_secs(1);
         c.proxy.retry.max_attempts = 1;
+        c.breaker.settings.failure_threshold = 1;
+        c.breaker.settings.success_threshold = 1;
+        c.breaker.settings.half_open_max_inflight = 1;
     })
     .await;
+    h.workers[0].set_fault(always(500));
+    h.chat(CHAT).await;
+    assert_eq!(h.breaker(0).state, State::Open);
+    h.clock.advance(Duration::from_secs(60));
     h.workers[0].set_fault(Fault {
-        stall_after_chunks: Some(2),
+        latency_ms: Some(5_000),
         ..Fault::default()
     });
-    let started = Instant::now();
-    let r = h.chat(STREAM).await;
-    assert!(
-        started.elapsed() < Duration::from_secs(5),
-        "cut within the idle timeout"
-    );
-    let text = r.text();
-    assert_eq!(text.matches("data: {\"id\"").count(), 2, "{text}");
-    assert!(text.contains("event: error"), "{text}");
-    assert!(text.contains("upstream_stream_stalled"), "{text}");
-    assert!(
-        !text.contains("[DONE]"),
-        "a cut stream never looks complete"
-    );
-    let a = h.breaker(0);
-    assert_eq!(a.failures[FailureReason::Stall as usize], 1);
-    assert_eq!(a.successes, 0);
+    for round in 0..3 {
+        let mut s = tokio::net::TcpStream::connect(h.gw.addr).await.unwrap();
+        let req = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{CHAT}",
+            CHAT.len()
+        );
+        s.write_all(req.as_bytes()).await.unwrap();
+        eventually("the trial request holds the only slot", || {
+            std::future::ready(h.breaker(0).half_open_inflight == 1)
+        })
+        .await;
+        // The client leaves before the worker answers.
+        drop(s);
+        eventually("the slot comes back", || {
+            std::future::ready(h.breaker(0).half_open_inflight == 0)
+        })
+        .await;
+        let a = h.breaker(0);
+        assert_eq!(a.state, State::HalfOpen, "round {round}");
+        assert_eq!((a.successes, a.failures_total()), (0, 1), "nothing charged");
+    }
+    h.workers[0].clear_fault();
+    let r = h.chat(CHAT).await;
+    assert_eq!(r.status, StatusCode::OK, "the trial still admits");
+    assert_eq!(h.breaker(0).state, State::Closed);
     h.stop().await;
 }
 

@@ -373,4 +373,55 @@ mod tests {
         assert_eq!(s.codes(), vec![200]);
         assert!(!s.contains(1000));
     }
+
+    #[test]
+    fn no_response_is_classified_as_the_gateway_answer_through_the_worker_lists() {
+        let default = Classifier::default();
+        assert_eq!(
+            default.classify_no_response(FailureReason::Connect),
+            Outcome::Failure(FailureReason::Connect),
+            "502"
+        );
+        assert_eq!(
+            default.classify_no_response(FailureReason::Timeout),
+            Outcome::Failure(FailureReason::Timeout),
+            "504"
+        );
+        // A worker that declares 504 as capacity pushback: its timeouts
+        // record nothing, its refused connections still fail.
+        let pushback = Classifier::new(&[429, 504], DEFAULT_FAILURE_CODES);
+        assert_eq!(
+            pushback.classify_no_response(FailureReason::Timeout),
+            Outcome::Ignored
+        );
+        assert_eq!(
+            pushback.classify_no_response(FailureReason::Connect),
+            Outcome::Failure(FailureReason::Connect)
+        );
+        // A failure list without 502 makes a refused connection a success.
+        let narrow = Classifier::new(&[429], &[500, 504]);
+        assert_eq!(
+            narrow.classify_no_response(FailureReason::Connect),
+            Outcome::Success
+        );
+    }
+
+    #[test]
+    fn cut_stream_keeps_its_status_outcome_unless_stream_failures_is_on() {
+        let by_status = Classifier::default();
+        for reason in [FailureReason::Stall, FailureReason::Broken] {
+            assert_eq!(
+                by_status.classify_cut(Outcome::Success, reason),
+                Outcome::Success,
+                "the document: a 2xx is a success"
+            );
+        }
+        let charged = Classifier::default().with_stream_failures(true);
+        for reason in [FailureReason::Stall, FailureReason::Broken] {
+            assert_eq!(
+                charged.classify_cut(Outcome::Success, reason),
+                Outcome::Failure(reason)
+            );
+        }
+    }
 }

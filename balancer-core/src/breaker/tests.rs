@@ -242,7 +242,11 @@ fn half_open_any_failure_reopens_for_a_full_timeout() {
     assert!(b.is_available(&clock));
     succeed(&b, &clock);
     succeed(&b, &clock);
-    b.record(inflight(&b), Outcome::Failure(FailureReason::Timeout), &clock);
+    b.record(
+        inflight(&b),
+        Outcome::Failure(FailureReason::Timeout),
+        &clock,
+    );
     assert_eq!(b.state(), State::Open);
     clock.advance(19 * SECOND);
     assert!(
@@ -512,7 +516,11 @@ fn concurrent_checks_make_exactly_one_open_to_half_open_per_timeout() {
                     barrier.wait();
                     // Every thread drives the breaker open, ...
                     for _ in 0..3 {
-                        b.record(inflight(&b), Outcome::Failure(FailureReason::Status), &*clock);
+                        b.record(
+                            inflight(&b),
+                            Outcome::Failure(FailureReason::Status),
+                            &*clock,
+                        );
                     }
                     barrier.wait();
                     if i == 0 {
@@ -1008,10 +1016,18 @@ fn outcome_admitted_in_an_older_epoch_counts_but_decides_nothing() {
     b.record(bad, Outcome::Failure(FailureReason::Status), &clock);
     assert_eq!(b.state(), State::HalfOpen, "nor did one fail");
     let snap = b.snapshot();
-    assert_eq!((snap.successes, snap.failures_total()), (1, 2), "totals keep both");
+    assert_eq!(
+        (snap.successes, snap.failures_total()),
+        (1, 2),
+        "totals keep both"
+    );
     let trial = b.admit(&clock).unwrap();
     b.record(trial, Outcome::Success, &clock);
-    assert_eq!(b.state(), State::Closed, "the trial's own success closes it");
+    assert_eq!(
+        b.state(),
+        State::Closed,
+        "the trial's own success closes it"
+    );
 }
 
 #[test]
@@ -1036,12 +1052,17 @@ fn consecutive_counters_saturate_instead_of_overflowing() {
     let clock = ManualClock::new();
     // `--disable-circuit-breaker`: the threshold is u32::MAX.
     let b = Breaker::new("w", settings(u32::MAX, 1, 1), None);
-    b.consecutive_failures.store(u32::MAX - 1, Ordering::Relaxed);
+    b.consecutive_failures
+        .store(u32::MAX - 1, Ordering::Relaxed);
     for _ in 0..3 {
         fail(&b, &clock);
     }
     assert_eq!(b.snapshot().consecutive_failures, u32::MAX);
-    assert_eq!(b.state(), State::Open, "the maximum is reached, not wrapped");
+    assert_eq!(
+        b.state(),
+        State::Open,
+        "the maximum is reached, not wrapped"
+    );
     let b = Breaker::new("w", settings(3, 1, 1), None);
     b.consecutive_successes.store(u32::MAX, Ordering::Relaxed);
     succeed(&b, &clock);
@@ -1127,7 +1148,10 @@ fn held_open_circuit_waits_for_the_promotion_not_the_timeout() {
     let (b, clock) = open_breaker(1, 1, 1);
     b.hold_open(true);
     clock.advance(10 * SECOND);
-    assert!(!b.is_available(&clock), "NotReady: the timer does not readmit");
+    assert!(
+        !b.is_available(&clock),
+        "NotReady: the timer does not readmit"
+    );
     assert_eq!(b.poll(&clock), None, "no timer needs to run");
     assert_eq!(b.state(), State::Open);
     b.hold_open(false);

@@ -165,12 +165,9 @@ impl RelayBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         // The status was a success (anything else was recorded at header
         // time): it stands, unless `--cb-stream-failures` charges the cut.
-        let outcome = self
-            .completion
-            .as_ref()
-            .map_or(Outcome::Ignored, |c| {
-                c.classifier.classify_cut(Outcome::Success, reason)
-            });
+        let outcome = self.completion.as_ref().map_or(Outcome::Ignored, |c| {
+            c.classifier.classify_cut(Outcome::Success, reason)
+        });
         self.complete(outcome);
         tracing::warn!(code, message, "upstream stream cut");
         self.done = true;

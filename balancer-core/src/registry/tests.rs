@@ -1,0 +1,148 @@
+//! The registry's rules that need more than one layer: attempts and their
+//! breaker tickets, health and the breaker, the open-period timer.
+
+use std::time::Duration;
+
+use super::*;
+use crate::breaker::{FailureReason, Settings};
+use crate::clock::{ManualClock, Nanos, nanos};
+
+const SECOND: Duration = Duration::from_secs(1);
+
+fn registry(settings: Settings, clock: Arc<dyn Clock>) -> (Arc<Registry>, Arc<Worker>) {
+    let registry = Registry::new(
+        RegistryConfig {
+            breaker: BreakerDefaults {
+                settings,
+                ..BreakerDefaults::default()
+            },
+            health: HealthThresholds {
+                failure: 1,
+                success: 1,
+            },
+            hash_rings: false,
+        },
+        clock,
+    );
+    let worker = registry
+        .add(&WorkerSpec::from_url("http://127.0.0.1:9"))
+        .unwrap();
+    (registry, worker)
+}
+
+fn fail(w: &Arc<Worker>, clock: &dyn Clock) {
+    let mut a = w.try_attempt(clock).expect("admitted");
+    a.record(
+        &mut RequestCharges::default(),
+        Outcome::Failure(FailureReason::Status),
+        clock,
+    );
+}
+
+#[tokio::test]
+async fn attempt_dropped_mid_send_returns_its_probe_slot_and_records_nothing() {
+    let clock = Arc::new(ManualClock::new());
+    let settings = Settings {
+        failure_threshold: 1,
+        open_timeout: SECOND,
+        half_open_max_inflight: 1,
+        ..Settings::default()
+    };
+    let (_registry, w) = registry(settings, clock.clone());
+    fail(&w, &*clock);
+    clock.advance(SECOND);
+    assert!(w.breaker.is_available(&*clock), "on trial");
+    let before = w.breaker.snapshot();
+    for _ in 0..5 {
+        let attempt = w.try_attempt(&*clock).expect("the trial's slot is free");
+        // The upstream send that never answers, and a client that leaves:
+        // the request's future is dropped at its `.await`.
+        let send = tokio::spawn(async move {
+            let _held = attempt;
+            std::future::pending::<()>().await;
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(w.breaker.snapshot().half_open_inflight, 1);
+        assert_eq!(w.inflight(), 1);
+        send.abort();
+        assert!(send.await.unwrap_err().is_cancelled());
+        assert_eq!(w.breaker.snapshot().half_open_inflight, 0, "slot returned");
+        assert_eq!(w.inflight(), 0);
+    }
+    let after = w.breaker.snapshot();
+    assert_eq!(after, before, "nothing recorded, still half-open");
+    assert_eq!(after.state, State::HalfOpen);
+}
+
+/// Time as tokio's paused clock tells it, with real deadlines, so the
+/// registry's timers run on virtual time that the test advances.
+#[derive(Debug)]
+struct PausedClock {
+    origin: tokio::time::Instant,
+}
+
+impl Clock for PausedClock {
+    fn now(&self) -> Nanos {
+        nanos(self.origin.elapsed())
+    }
+
+    fn deadline(&self, at: Nanos) -> Option<std::time::Instant> {
+        Some((self.origin + Duration::from_nanos(at)).into_std())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn changing_cb_timeout_rearms_the_open_timer() {
+    let clock = Arc::new(PausedClock {
+        origin: tokio::time::Instant::now(),
+    });
+    let settings = Settings {
+        failure_threshold: 1,
+        open_timeout: 60 * SECOND,
+        ..Settings::default()
+    };
+    let (registry, w) = registry(settings, clock.clone());
+    fail(&w, &*clock);
+    assert_eq!(w.breaker.state(), State::Open);
+    let shorter = Resilience {
+        cb_timeout_secs: Some(5),
+        ..Resilience::default()
+    };
+    registry.patch_resilience(&w.id, &shorter).unwrap();
+    tokio::time::advance(6 * SECOND).await;
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        w.breaker.state(),
+        State::HalfOpen,
+        "the timer woke at the new deadline, with no request to check it"
+    );
+}
+
+#[test]
+fn not_ready_worker_reaches_half_open_only_through_its_promotion() {
+    let clock = Arc::new(ManualClock::new());
+    let settings = Settings {
+        failure_threshold: 1,
+        open_timeout: SECOND,
+        ..Settings::default()
+    };
+    let (registry, w) = registry(settings, clock.clone());
+    fail(&w, &*clock);
+    assert_eq!(
+        registry.observe_health(&w, false),
+        Some(HealthChange::Demoted)
+    );
+    clock.advance(10 * SECOND);
+    assert_eq!(w.breaker.poll(&*clock), None);
+    assert_eq!(w.breaker.state(), State::Open, "the timer waits for health");
+    assert_eq!(
+        registry.observe_health(&w, true),
+        Some(HealthChange::Promoted)
+    );
+    let snap = w.breaker.snapshot();
+    assert_eq!(snap.state, State::HalfOpen);
+    assert_eq!(snap.health_readmissions, 1, "the promotion readmitted it");
+    assert_eq!(snap.transitions[1][2], 1, "one move to half-open");
+}
