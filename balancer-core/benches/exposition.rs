@@ -33,6 +33,7 @@ fn fleet() -> Arc<Registry> {
                 success: 2,
             },
             hash_rings: false,
+            max_open_percent: 100,
         },
         clock.clone(),
     );

@@ -33,6 +33,7 @@ fn fleet(n: usize, clock: Arc<ManualClock>) -> Arc<Registry> {
                 success: 2,
             },
             hash_rings: true,
+            max_open_percent: 100,
         },
         clock,
     );

@@ -141,6 +141,14 @@ pub trait TransitionObserver: Send + Sync {
     fn on_transition(&self, transition: &Transition);
 }
 
+/// Consulted before a closed circuit opens: `--cb-max-open-percent` keeps a
+/// model's fleet from being isolated beyond a share. Denied, the circuit
+/// stays closed and keeps counting; the next failure asks again.
+pub trait OpenGate: Send + Sync {
+    /// Whether this breaker may open now.
+    fn may_open(&self) -> bool;
+}
+
 /// Failure counting over a time window instead of consecutive failures (an
 /// option beyond the document, off by default).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -320,6 +328,7 @@ pub struct Breaker {
     /// closed-state admission or a plain success.
     transition_lock: Mutex<Option<Window>>,
     observer: Option<Arc<dyn TransitionObserver>>,
+    gate: std::sync::OnceLock<Arc<dyn OpenGate>>,
 }
 
 impl std::fmt::Debug for Breaker {
@@ -363,6 +372,7 @@ impl Breaker {
             held_open: AtomicBool::new(false),
             transition_lock: Mutex::new(None),
             observer,
+            gate: std::sync::OnceLock::new(),
         };
         breaker.set_settings(settings);
         breaker
@@ -545,6 +555,16 @@ impl Breaker {
         if ticket.probe {
             self.release_probe(ticket.epoch);
         }
+    }
+
+    /// Installs the gate consulted before a closed circuit opens (once; later
+    /// calls are ignored). Without one, the threshold alone decides.
+    pub fn set_open_gate(&self, gate: Arc<dyn OpenGate>) {
+        let _ = self.gate.set(gate);
+    }
+
+    fn may_open(&self) -> bool {
+        self.gate.get().is_none_or(|g| g.may_open())
     }
 
     /// Holds an open circuit open until [`Breaker::promote`] while the worker
@@ -742,7 +762,7 @@ impl Breaker {
                 } else {
                     failures >= threshold
                 };
-                if trip {
+                if trip && self.may_open() {
                     self.transition(word, State::Open, TransitionReason::FailureThreshold, now);
                 }
             }
@@ -834,10 +854,14 @@ impl Breaker {
 /// value.
 #[inline]
 fn saturating_increment(counter: &AtomicU32) -> u32 {
-    match counter.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_add(1)) {
-        Ok(previous) => previous + 1,
-        Err(max) => max,
+    // One `fetch_add` on the hot path rather than a compare-and-swap loop;
+    // the rare wrap is undone at once (a reader may glimpse a small value in
+    // between, never a panic or a lasting wrap).
+    let previous = counter.fetch_add(1, Ordering::AcqRel);
+    if previous == u32::MAX {
+        counter.store(u32::MAX, Ordering::Release);
     }
+    previous.saturating_add(1)
 }
 
 /// Per-request failure accounting: however many attempts of one request fail

@@ -22,7 +22,8 @@ use arc_swap::ArcSwap;
 use tokio::sync::broadcast;
 
 use crate::breaker::{
-    Breaker, Classifier, Outcome, RequestCharges, State, Ticket, Transition, TransitionObserver,
+    Breaker, Classifier, OpenGate, Outcome, RequestCharges, State, Ticket, Transition,
+    TransitionObserver,
 };
 use crate::clock::Clock;
 use crate::health::{Health, HealthChange, HealthThresholds, HealthTracker};
@@ -263,6 +264,11 @@ impl Fleet {
             .find(|w| w.id == id_or_url || *w.url == *id_or_url)
     }
 
+    /// Whether some worker declares `model` (in its spec or its `/v1/models`).
+    pub fn declares(&self, model: &str) -> bool {
+        self.by_model.contains_key(model)
+    }
+
     fn build(workers: Vec<Arc<Worker>>, with_rings: bool) -> Self {
         let mut by_model: HashMap<String, Vec<Arc<Worker>>> = HashMap::new();
         for w in &workers {
@@ -288,6 +294,9 @@ pub struct RegistryConfig {
     pub health: HealthThresholds,
     /// Keep consistent-hash rings over the fleet (`consistent_hash` policy).
     pub hash_rings: bool,
+    /// `--cb-max-open-percent`: at most this share of a model's workers is
+    /// isolated by breakers at once (100: no limit, the document).
+    pub max_open_percent: u32,
 }
 
 /// Why a registry call could not be applied. Nothing changed.
@@ -394,11 +403,11 @@ impl Registry {
         Ok(added)
     }
 
-    fn build_worker(&self, spec: &WorkerSpec, address: WorkerAddress) -> Arc<Worker> {
+    fn build_worker(self: &Arc<Self>, spec: &WorkerSpec, address: WorkerAddress) -> Arc<Worker> {
         let (settings, classifier) = self.config.breaker.resolve(&spec.resilience);
         let id = format!("w{}", self.next_id.fetch_add(1, Ordering::Relaxed));
         let url: Arc<str> = address.base.clone().into();
-        Arc::new_cyclic(|me: &Weak<Worker>| {
+        let worker = Arc::new_cyclic(|me: &Weak<Worker>| {
             let observer = Arc::new(BreakerEvents {
                 worker: me.clone(),
                 events: self.events.clone(),
@@ -423,7 +432,15 @@ impl Registry {
                 tasks: Mutex::new(Vec::new()),
                 timer: Mutex::new(None),
             }
-        })
+        });
+        if self.config.max_open_percent < 100 {
+            worker.breaker.set_open_gate(Arc::new(EjectionGate {
+                registry: Arc::downgrade(self),
+                worker: Arc::downgrade(&worker),
+                max_percent: self.config.max_open_percent,
+            }));
+        }
+        worker
     }
 
     /// Applies a `resilience` patch. Invalid patches change nothing.
@@ -548,6 +565,38 @@ impl Registry {
     fn publish(&self, workers: Vec<Arc<Worker>>) {
         self.fleet
             .store(Arc::new(Fleet::build(workers, self.config.hash_rings)));
+    }
+}
+
+/// `--cb-max-open-percent` for one worker: it may open only while, in every
+/// model group it serves (the whole fleet when it declares none), the
+/// circuits already open plus its own stay within the share. Concurrent
+/// openings in one group may each see the other as still closed, so the
+/// bound can be passed by the few breakers that open in the same instant.
+struct EjectionGate {
+    registry: Weak<Registry>,
+    worker: Weak<Worker>,
+    max_percent: u32,
+}
+
+impl OpenGate for EjectionGate {
+    fn may_open(&self) -> bool {
+        let (Some(registry), Some(me)) = (self.registry.upgrade(), self.worker.upgrade()) else {
+            return true;
+        };
+        let fleet = registry.fleet();
+        let models = me.models();
+        let within = |group: &[Arc<Worker>]| {
+            let open = group
+                .iter()
+                .filter(|w| !Arc::ptr_eq(w, &me) && w.breaker.state() == State::Open)
+                .count();
+            (open + 1) * 100 <= self.max_percent as usize * group.len()
+        };
+        if models.is_empty() {
+            return within(&fleet.workers);
+        }
+        models.iter().all(|m| within(fleet.candidates(Some(m)).0))
     }
 }
 

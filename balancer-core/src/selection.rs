@@ -306,6 +306,7 @@ mod tests {
                     success: 1,
                 },
                 hash_rings: true,
+                max_open_percent: 100,
             },
             clock.clone(),
         );

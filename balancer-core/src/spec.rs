@@ -212,38 +212,84 @@ impl WorkerSpec {
 /// socket address (the XDP dataplane steers to it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerAddress {
-    /// `http://` and the authority as written, without a trailing slash: the worker's identity in
-    /// the fleet.
+    /// `http://host[:port]` without a trailing slash and without any
+    /// credentials: the worker's identity in the fleet, its metric label and
+    /// what logs and the admin API show.
     pub base: String,
     /// The `host[:port]` the proxy puts in request URIs.
     pub authority: http::uri::Authority,
     /// The first address the host resolved to at validation (port 80 when none is given); `None`
     /// when it did not resolve.
     pub socket: Option<SocketAddr>,
+    /// `user:password@` of the URL as an `Authorization: Basic` value, sent to
+    /// the worker; never shown.
+    pub basic_auth: Option<Secret>,
+}
+
+/// A credential: compared and cloned like a string, never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// The credential itself, for the one header it goes into.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+/// `url` with any `user:password@` replaced, for messages.
+fn redacted(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            format!("{}***{}", &url[..scheme + 3], &url[at..])
+        }
+        _ => url.to_owned(),
+    }
 }
 
 impl WorkerAddress {
-    /// Parses and normalises an `http://host[:port]` URL, resolving the host once; other schemes,
-    /// paths and queries are refused.
+    /// Parses and normalises an `http://[user:password@]host[:port]` URL,
+    /// resolving the host once; other schemes, paths and queries are refused.
+    /// Credentials are kept apart and redacted from every message.
     pub fn parse(url: &str) -> Result<Self, SpecError> {
-        let bad = |m: &str| SpecError::new("url", format!("{url:?}: {m}"));
+        let shown = redacted(url);
+        let bad = |m: &str| SpecError::new("url", format!("{shown:?}: {m}"));
         let uri: http::Uri = url.parse().map_err(|_| bad("not a URL"))?;
         if uri.scheme_str() != Some("http") {
             return Err(bad("only http:// workers are supported"));
         }
-        let authority = uri.authority().cloned().ok_or_else(|| bad("no host"))?;
+        let full = uri.authority().cloned().ok_or_else(|| bad("no host"))?;
         if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
             return Err(bad("a worker URL is scheme://host:port, without a path"));
         }
+        let (userinfo, host_port) = match full.as_str().rsplit_once('@') {
+            Some((user, host)) => (Some(user), host),
+            None => (None, full.as_str()),
+        };
+        let authority: http::uri::Authority = host_port.parse().map_err(|_| bad("no host"))?;
         let port = authority.port_u16().unwrap_or(80);
         let socket = (authority.host().trim_matches(['[', ']']), port)
             .to_socket_addrs()
             .ok()
             .and_then(|mut addrs| addrs.next());
+        let basic_auth = userinfo.map(|u| {
+            use base64::Engine as _;
+            Secret(format!(
+                "Basic {}",
+                base64::engine::general_purpose::STANDARD.encode(u)
+            ))
+        });
         Ok(Self {
             base: format!("http://{authority}"),
             authority,
             socket,
+            basic_auth,
         })
     }
 }

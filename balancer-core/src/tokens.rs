@@ -171,6 +171,13 @@ impl Tokens {
         t
     }
 
+    /// Whether `model` has a `--token-budget`.
+    pub fn is_budgeted(&self, model: &str) -> bool {
+        self.snapshot()
+            .get(model)
+            .is_some_and(|m| m.budget_limit().is_some())
+    }
+
     /// Seconds to wait when `model`'s budget is spent for this minute.
     pub fn budget_exceeded(&self, model: &str, now: Nanos) -> Option<u64> {
         let models = self.models.load();

@@ -74,7 +74,7 @@ impl Admin {
                 .get(header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.strip_prefix("Bearer "));
-            if presented != Some(token.as_str()) {
+            if !presented.is_some_and(|p| constant_time_eq(p.as_bytes(), token.as_bytes())) {
                 return error(
                     ErrorCode::Unauthorized,
                     "missing or wrong admin bearer token",
@@ -101,7 +101,15 @@ impl Admin {
                 },
                 Err(r) => r,
             },
-            (Method::DELETE, _, Some(id)) => self.delete(&id).await,
+            // The drain runs in its own task: an admin client that
+            // disconnects mid-drain does not leave the worker half removed.
+            (Method::DELETE, _, Some(id)) => {
+                let this = self.clone();
+                match tokio::spawn(async move { this.delete(&id).await }).await {
+                    Ok(response) => response,
+                    Err(_) => error(ErrorCode::NotFound, "the removal did not complete"),
+                }
+            }
             _ => error(ErrorCode::NotFound, "no such admin endpoint"),
         }
     }
@@ -180,6 +188,16 @@ impl Admin {
             },
         })
     }
+}
+
+/// Compares a presented token with the configured one in time that does not
+/// depend on where they differ, so the token cannot be guessed byte by byte.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = u8::from(a.len() != b.len());
+    for (i, x) in a.iter().enumerate() {
+        diff |= x ^ b.get(i).copied().unwrap_or(!x);
+    }
+    diff == 0
 }
 
 fn not_found(id: &str) -> Response<ResponseBody> {

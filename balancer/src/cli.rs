@@ -25,8 +25,8 @@ use balancer_dataplane::XdpMode;
 use balancer_dataplane::steering::{ForwardMode, L4Config};
 use http::HeaderName;
 
-use crate::config::GatewayConfig;
-use crate::proxy::{HealthCheckConfig, ProxyConfig, RetryPolicy};
+use crate::config::{ConnectionConfig, GatewayConfig};
+use crate::proxy::{HealthCheckConfig, ProxyConfig, RetryPolicy, Routes};
 
 fn positive_f64(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
@@ -57,6 +57,10 @@ fn model_budget(s: &str) -> Result<(String, u64), String> {
             "{s:?}: the budget must be a positive number of tokens per minute"
         )),
     }
+}
+
+fn allowed_path(s: &str) -> Result<String, String> {
+    Routes::check(s).map(|()| s.to_owned())
 }
 
 fn endpoint_path(s: &str) -> Result<String, String> {
@@ -123,9 +127,14 @@ pub struct LaunchArgs {
     pub admin_host: IpAddr,
     #[arg(long, default_value_t = 29100)]
     pub admin_port: u16,
-    /// Require `Authorization: Bearer <TOKEN>` on the admin API.
+    /// Require `Authorization: Bearer <TOKEN>` on the admin API. Required
+    /// when the admin API listens on a non-loopback address.
     #[arg(long, env = "BALANCER_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Read the admin token from this file (first line; systemd's
+    /// `LoadCredential=` puts it under `$CREDENTIALS_DIRECTORY`).
+    #[arg(long, value_name = "PATH", conflicts_with = "admin_token")]
+    pub admin_token_file: Option<PathBuf>,
 
     /// Per-attempt timeout to the first response byte, in seconds.
     #[arg(long, default_value_t = 1800, value_parser = clap::value_parser!(u64).range(1..))]
@@ -139,9 +148,53 @@ pub struct LaunchArgs {
     #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
     pub stream_idle_timeout_secs: u64,
     /// Request bodies up to this size are kept for replay on retries; larger
-    /// ones get a single attempt.
-    #[arg(long, default_value_t = 8 << 20)]
-    pub max_replay_body_bytes: usize,
+    /// ones stream to a single attempt.
+    #[arg(long, alias = "max-replay-body-bytes", default_value_t = 8 << 20)]
+    pub max_buffered_request_bytes: usize,
+    /// Bytes all kept request bodies may hold at once; past it requests get
+    /// 503 `body_budget_exhausted` instead of growing memory.
+    #[arg(long, default_value_t = 1 << 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_buffered_bytes_total: u64,
+    /// Largest request body, in bytes: 413 at once from `Content-Length`,
+    /// or as soon as a chunked body passes it.
+    #[arg(long, default_value_t = 512 << 20, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_payload_size: u64,
+    /// A request body that sends nothing for this long gets 408.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub stream_body_stall_timeout_secs: u64,
+    /// A connection whose request head is not complete this long after
+    /// accept (or after its previous response) is closed.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub header_read_timeout_secs: u64,
+    /// A connection with no request in flight (an open stream counts) is
+    /// closed after this long.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub idle_connection_timeout_secs: u64,
+    /// A client that accepts no byte of a response for this long is
+    /// disconnected.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub send_timeout_secs: u64,
+    /// HTTP/2 keep-alive ping interval; an unanswered ping closes the
+    /// connection.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub http2_keepalive_interval_secs: u64,
+    /// Client connections at once on the public port; at the cap, accept waits.
+    #[arg(long, default_value_t = 16384, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_connections: u64,
+    /// Forward this route too (an exact normalised path, or a prefix ending
+    /// in `/*`), for GET and POST. Repeatable. By default only the inference
+    /// and model routes reach a worker.
+    #[arg(long, value_name = "PATH", value_parser = allowed_path)]
+    pub allow_path: Vec<String>,
+    /// Breakers never isolate more than this percentage of a model's workers
+    /// at once (Envoy's max ejection percent); a breaker past it stays
+    /// closed. 100: no limit, as in the reference gateway.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub cb_max_open_percent: u32,
+    /// Proxies in front of this gateway whose `X-Forwarded-For` is kept (the
+    /// peer is appended); 0 replaces it with the peer.
+    #[arg(long, default_value_t = 0)]
+    pub trusted_proxy_hops: u32,
     /// Threads serving the HTTP port, each with its own runtime, socket and
     /// worker connections (0: one per core).
     #[arg(long, default_value_t = 0)]
@@ -267,8 +320,6 @@ pub struct CompatArgs {
     #[arg(long, hide = true)]
     pub max_tree_size: Option<String>,
     #[arg(long, hide = true)]
-    pub max_payload_size: Option<String>,
-    #[arg(long, hide = true)]
     pub log_dir: Option<String>,
     #[arg(long, hide = true, num_args = 1..)]
     pub request_id_headers: Vec<String>,
@@ -293,7 +344,6 @@ impl CompatArgs {
             ("--balance-rel-threshold", &self.balance_rel_threshold),
             ("--eviction-interval", &self.eviction_interval),
             ("--max-tree-size", &self.max_tree_size),
-            ("--max-payload-size", &self.max_payload_size),
             ("--log-dir", &self.log_dir),
         ];
         let lists = [
@@ -449,7 +499,7 @@ impl LaunchArgs {
             listen: SocketAddr::new(self.host, self.port),
             metrics_listen: SocketAddr::new(self.prometheus_host, self.prometheus_port),
             admin_listen: SocketAddr::new(self.admin_host, self.admin_port),
-            admin_token: self.admin_token.clone(),
+            admin_token: self.admin_token()?,
             metrics_prefix: self.metrics_prefix.clone(),
             workers,
             policy: self.policy,
@@ -468,11 +518,18 @@ impl LaunchArgs {
                 request_timeout: Duration::from_secs(self.request_timeout_secs),
                 connect_timeout: Duration::from_secs(self.connect_timeout_secs),
                 stream_idle_timeout: Duration::from_secs(self.stream_idle_timeout_secs),
-                max_replay_body: self.max_replay_body_bytes,
+                max_replay_body: self.max_buffered_request_bytes,
+                routes: Routes::new(&self.allow_path),
+                max_payload: self.max_payload_size,
+                body_stall_timeout: Duration::from_secs(self.stream_body_stall_timeout_secs),
+                buffered_bytes_total: usize::try_from(self.max_buffered_bytes_total)
+                    .unwrap_or(usize::MAX),
+                trusted_proxy_hops: self.trusted_proxy_hops,
                 routing_key_header,
                 fallbacks,
             },
             breaker: self.breaker.defaults(),
+            max_open_percent: self.cb_max_open_percent,
             health: HealthThresholds {
                 failure: self.health_failure_threshold,
                 success: self.health_success_threshold,
@@ -492,9 +549,37 @@ impl LaunchArgs {
             l4: self.l4_config()?,
             serving_threads: self.serving_threads,
             shutdown_grace: Duration::from_secs(self.shutdown_grace_period_secs),
+            connections: ConnectionConfig {
+                header_read_timeout: Duration::from_secs(self.header_read_timeout_secs),
+                idle_timeout: Duration::from_secs(self.idle_connection_timeout_secs),
+                send_timeout: Duration::from_secs(self.send_timeout_secs),
+                http2_keepalive: Duration::from_secs(self.http2_keepalive_interval_secs),
+                max_connections: usize::try_from(self.max_connections).unwrap_or(usize::MAX),
+            },
         };
         config.validate()?;
         Ok(config)
+    }
+
+    /// `--admin-token`, or the first line of `--admin-token-file`.
+    fn admin_token(&self) -> anyhow::Result<Option<String>> {
+        let Some(path) = &self.admin_token_file else {
+            return Ok(self.admin_token.clone());
+        };
+        let text = std::fs::read_to_string(path).with_context(|| {
+            format!(
+                "invalid value '{}' for '--admin-token-file': cannot read it",
+                path.display()
+            )
+        })?;
+        let token = text.lines().next().unwrap_or_default().trim().to_owned();
+        if token.is_empty() {
+            bail!(
+                "invalid value '{}' for '--admin-token-file': the file holds no token",
+                path.display()
+            );
+        }
+        Ok(Some(token))
     }
 
     /// What the XDP dataplane is to do; `None` without either L4 flag.
@@ -534,6 +619,17 @@ fn config_file_args(
     path: &Path,
     cli: &[OsString],
 ) -> anyhow::Result<(Vec<OsString>, Vec<WorkerSpec>)> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read config file {}", path.display()))?;
+    config_text_args(&text, path, cli)
+}
+
+/// [`config_file_args`] on the file's text (the fuzzing entry point).
+pub fn config_text_args(
+    text: &str,
+    path: &Path,
+    cli: &[OsString],
+) -> anyhow::Result<(Vec<OsString>, Vec<WorkerSpec>)> {
     let on_cli = |flag: &str| {
         cli.iter().any(|a| {
             let a = a.to_string_lossy();
@@ -541,8 +637,6 @@ fn config_file_args(
                 .is_some_and(|rest| rest == flag || rest.starts_with(&format!("{flag}=")))
         })
     };
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("cannot read config file {}", path.display()))?;
     let mut table: toml::Table = text
         .parse()
         .with_context(|| format!("config file {} is not valid TOML", path.display()))?;

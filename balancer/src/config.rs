@@ -21,7 +21,7 @@ use balancer_core::spec::{BreakerDefaults, WorkerAddress, WorkerSpec};
 use balancer_dataplane::maglev::is_prime;
 use balancer_dataplane::steering::L4Config;
 
-use crate::proxy::{HealthCheckConfig, ProxyConfig, RetryPolicy};
+use crate::proxy::{HealthCheckConfig, ProxyConfig, RetryPolicy, Routes};
 
 /// Everything one agent is started with.
 #[derive(Debug, Clone, PartialEq)]
@@ -44,6 +44,9 @@ pub struct GatewayConfig {
     pub proxy: ProxyConfig,
     /// The `--cb-*` flags, before per-worker overrides.
     pub breaker: BreakerDefaults,
+    /// `--cb-max-open-percent`: breakers never isolate more than this share
+    /// of a model's workers at once (100: no limit, the document).
+    pub max_open_percent: u32,
     /// `--health-*-threshold`.
     pub health: HealthThresholds,
     /// `--health-check-*`.
@@ -58,6 +61,35 @@ pub struct GatewayConfig {
     pub serving_threads: usize,
     /// `--shutdown-grace-period-secs`.
     pub shutdown_grace: Duration,
+    /// What a client connection may do (timeouts, the connection cap).
+    pub connections: ConnectionConfig,
+}
+
+/// The bounds of client connections on the public port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConnectionConfig {
+    /// `--header-read-timeout-secs`.
+    pub header_read_timeout: Duration,
+    /// `--idle-connection-timeout-secs`.
+    pub idle_timeout: Duration,
+    /// `--send-timeout-secs`.
+    pub send_timeout: Duration,
+    /// `--http2-keepalive-interval-secs`.
+    pub http2_keepalive: Duration,
+    /// `--max-connections`.
+    pub max_connections: usize,
+}
+
+impl Default for ConnectionConfig {
+    fn default() -> Self {
+        Self {
+            header_read_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(60),
+            send_timeout: Duration::from_secs(60),
+            http2_keepalive: Duration::from_secs(30),
+            max_connections: 16384,
+        }
+    }
 }
 
 impl Default for GatewayConfig {
@@ -75,6 +107,7 @@ impl Default for GatewayConfig {
             policy: Policy::PowerOfTwo,
             proxy: ProxyConfig::default(),
             breaker: BreakerDefaults::default(),
+            max_open_percent: 100,
             health: HealthThresholds {
                 failure: 3,
                 success: 2,
@@ -85,6 +118,7 @@ impl Default for GatewayConfig {
             l4: None,
             serving_threads: 0,
             shutdown_grace: Duration::from_secs(180),
+            connections: ConnectionConfig::default(),
         }
     }
 }
@@ -148,13 +182,49 @@ impl GatewayConfig {
                 format!("{max_inflight}: at most {MAX_HALF_OPEN_INFLIGHT}"),
             ));
         }
+        if !(1..=100).contains(&self.max_open_percent) {
+            return Err(invalid(
+                "--cb-max-open-percent",
+                format!("{}: a percentage from 1 to 100", self.max_open_percent),
+            ));
+        }
         check_fallbacks(&self.proxy.fallbacks)?;
+        if self.admin_token.is_none() && !self.admin_listen.ip().is_loopback() {
+            return Err(invalid(
+                "--admin-token",
+                format!(
+                    "the admin API on {} (not loopback) needs --admin-token or --admin-token-file",
+                    self.admin_listen
+                ),
+            ));
+        }
+        if self.admin_token.as_ref().is_some_and(|t| t.is_empty()) {
+            return Err(invalid("--admin-token", "the token is empty"));
+        }
+        let c = &self.connections;
+        if c.max_connections == 0 {
+            return Err(invalid("--max-connections", "must be at least 1"));
+        }
+        for (flag, d) in [
+            ("--header-read-timeout-secs", c.header_read_timeout),
+            ("--idle-connection-timeout-secs", c.idle_timeout),
+            ("--send-timeout-secs", c.send_timeout),
+            ("--http2-keepalive-interval-secs", c.http2_keepalive),
+            (
+                "--stream-body-stall-timeout-secs",
+                self.proxy.body_stall_timeout,
+            ),
+        ] {
+            if d.is_zero() {
+                return Err(invalid(flag, "must be at least 1 second"));
+            }
+        }
         if let Some(l4) = &self.l4 {
             check_l4(l4)?;
         }
         for spec in &self.workers {
             spec.validate()
-                .map_err(|e| invalid("--worker-urls", format!("worker {:?}: {e}", spec.url)))?;
+                .map_err(|e| invalid("--worker-urls", e.to_string()))?;
         }
         Ok(())
     }
@@ -245,6 +315,12 @@ impl Default for ProxyConfig {
             max_replay_body: 8 << 20,
             routing_key_header: default_routing_key_header(),
             fallbacks: HashMap::new(),
+            routes: Routes::default(),
+            // The reference gateway's `--max-payload-size`.
+            max_payload: 512 << 20,
+            body_stall_timeout: Duration::from_secs(30),
+            buffered_bytes_total: 1 << 30,
+            trusted_proxy_hops: 0,
         }
     }
 }

@@ -31,7 +31,10 @@ use crate::config::GatewayConfig;
 use crate::discovery::{Discovery, StaticList};
 use crate::metrics::Exposition;
 use crate::proxy::{GatewayStats, Prober, Proxy};
-use crate::server::serve;
+use crate::server::{ConnectionLimits, serve};
+
+/// Connections at once on the metrics and the admin listeners.
+const OPERATOR_CONNECTIONS: usize = 256;
 
 /// A running agent.
 pub struct Gateway {
@@ -82,6 +85,7 @@ fn serving_thread(
     index: usize,
     socket: std::net::TcpListener,
     proxy: Arc<Proxy>,
+    limits: ConnectionLimits,
     stop: watch::Receiver<bool>,
     grace: Duration,
 ) -> anyhow::Result<std::thread::JoinHandle<()>> {
@@ -106,7 +110,7 @@ fn serving_thread(
                     let lane = lane.clone();
                     async move { lane.0.handle(&lane.1, req).await }
                 };
-                serve(listener, handler, stop, grace).await;
+                serve(listener, handler, limits, stop, grace).await;
             });
         })
         .context("cannot start a serving thread")?;
@@ -149,6 +153,7 @@ impl Gateway {
                 breaker: config.breaker,
                 health: config.health,
                 hash_rings: config.policy == Policy::ConsistentHash,
+                max_open_percent: config.max_open_percent,
             },
             clock,
         );
@@ -211,10 +216,37 @@ impl Gateway {
         let grace = config.shutdown_grace;
         let (shutdown, stop) = watch::channel(false);
         let mut listeners = JoinSet::new();
+        let c = &config.connections;
+        let public = ConnectionLimits::new(
+            c.header_read_timeout,
+            c.idle_timeout,
+            c.send_timeout,
+            c.http2_keepalive,
+            c.max_connections,
+        );
+        // The operator's listeners: the same timeouts, a small cap.
+        let operator = || {
+            ConnectionLimits::new(
+                c.header_read_timeout,
+                c.idle_timeout,
+                c.send_timeout,
+                c.http2_keepalive,
+                OPERATOR_CONNECTIONS,
+            )
+        };
         let serving = main
             .into_iter()
             .enumerate()
-            .map(|(i, socket)| serving_thread(i, socket, proxy.clone(), stop.clone(), grace))
+            .map(|(i, socket)| {
+                serving_thread(
+                    i,
+                    socket,
+                    proxy.clone(),
+                    public.clone(),
+                    stop.clone(),
+                    grace,
+                )
+            })
             .collect::<anyhow::Result<Vec<_>>>()?;
 
         listeners.spawn(serve(
@@ -231,6 +263,7 @@ impl Gateway {
                 );
                 std::future::ready(r)
             },
+            operator(),
             stop.clone(),
             Duration::from_secs(1),
         ));
@@ -244,6 +277,7 @@ impl Gateway {
         listeners.spawn(serve(
             admin,
             move |req| admin_api.clone().handle(req),
+            operator(),
             stop,
             Duration::from_secs(1),
         ));

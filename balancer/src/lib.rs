@@ -20,6 +20,8 @@ pub mod admin;
 pub mod cli;
 pub mod config;
 pub mod discovery;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod gateway;
 pub mod metrics;
 pub mod proxy;

@@ -12,6 +12,7 @@
 mod answer;
 mod attempt;
 mod body;
+mod edge;
 mod probe;
 mod relay;
 mod route;
@@ -39,13 +40,17 @@ use balancer_core::tokens::Tokens;
 
 pub use answer::{ErrorCode, error_response};
 pub use attempt::RetryPolicy;
+pub use body::BufferBudget;
+pub use edge::Routes;
 pub use probe::{HealthCheckConfig, Prober};
 pub use relay::BoxError;
 pub use stats::GatewayStats;
 
+use crate::server::PeerAddr;
 use answer::json_response;
-use body::{RequestBody, read_body};
-use route::{Outgoing, forward_headers, request_model};
+use body::{BodyLimits, RequestBody, read_body};
+use edge::{Route, forward_headers};
+use route::{Outgoing, inference_model, request_model, with_usage_requested};
 
 /// Names the fallback a response took: `requested->served`.
 pub const FALLBACK_HEADER: &str = "x-balancer-fallback";
@@ -70,6 +75,17 @@ pub struct ProxyConfig {
     pub routing_key_header: HeaderName,
     /// `--fallback-model MODEL=OTHER`, validated free of cycles.
     pub fallbacks: HashMap<String, String>,
+    /// The routes forwarded: the defaults plus `--allow-path`.
+    pub routes: Routes,
+    /// `--max-payload-size`: the largest request body, in bytes.
+    pub max_payload: u64,
+    /// `--stream-body-stall-timeout-secs`: a request body silent this long
+    /// gets 408.
+    pub body_stall_timeout: Duration,
+    /// `--max-buffered-bytes-total`: bytes all kept request bodies may hold.
+    pub buffered_bytes_total: usize,
+    /// `--trusted-proxy-hops`: proxies in front whose `X-Forwarded-For` is kept.
+    pub trusted_proxy_hops: u32,
 }
 
 /// The request path shared by every serving thread.
@@ -81,6 +97,7 @@ pub struct Proxy {
     stats: Arc<GatewayStats>,
     tokens: Arc<Tokens>,
     clock: Arc<dyn Clock>,
+    body_limits: BodyLimits,
 }
 
 impl Proxy {
@@ -93,7 +110,14 @@ impl Proxy {
         tokens: Arc<Tokens>,
     ) -> Self {
         let clock = registry.clock().clone();
+        let body_limits = BodyLimits {
+            max_payload: config.max_payload,
+            max_buffered: config.max_replay_body,
+            stall: config.body_stall_timeout,
+            budget: BufferBudget::new(config.buffered_bytes_total),
+        };
         Self {
+            body_limits,
             registry,
             selector,
             config,
@@ -128,6 +152,9 @@ impl Proxy {
         &self.stats
     }
 
+    /// One request, phase by phase: the gateway's own endpoints, the edge
+    /// (route and method), the body under its bounds, the model, admission,
+    /// token budgets and fallbacks, then the attempts.
     pub async fn handle(
         &self,
         client: &UpstreamClient,
@@ -143,6 +170,42 @@ impl Proxy {
                 _ => {}
             }
         }
+        let (path, inference) = match self.config.routes.route(req.method(), req.uri().path()) {
+            Route::Inference(path) => (path, true),
+            Route::Forward(path) => (path, false),
+            Route::MethodNotAllowed(allow) => return self.method_not_allowed(allow),
+            Route::NotFound => {
+                return self.gateway_error(
+                    ErrorCode::NotFound,
+                    "this gateway forwards no such route",
+                    None,
+                );
+            }
+            Route::BadPath => {
+                return self.gateway_error(
+                    ErrorCode::InvalidRequest,
+                    "the request path is malformed",
+                    None,
+                );
+            }
+        };
+        let peer = req.extensions().get::<PeerAddr>().map(|p| p.0.ip());
+        let (parts, body) = req.into_parts();
+        // Read before admission, under the stall deadline: a client that
+        // sends half a body never holds a permit.
+        let body = match read_body(&parts.headers, body, &self.body_limits).await {
+            Ok(b) => b,
+            Err(e) => return self.body_error(&e),
+        };
+        let model = match &body {
+            RequestBody::Replayable(bytes, _) if inference => inference_model(bytes),
+            RequestBody::Replayable(bytes, _) => request_model(&parts.headers, bytes),
+            RequestBody::Streaming(..) => Ok(None),
+        };
+        let model = match model {
+            Ok(m) => m,
+            Err(msg) => return self.gateway_error(ErrorCode::InvalidRequest, &msg, None),
+        };
         let permit = match &self.admission {
             None => None,
             Some(a) => match a.admit().await {
@@ -161,34 +224,15 @@ impl Proxy {
                 }
             },
         };
-        let (parts, body) = req.into_parts();
-        let body = match read_body(body, self.config.max_replay_body).await {
-            Ok(b) => b,
-            Err(e) => {
-                return self.gateway_error(
-                    ErrorCode::InvalidRequest,
-                    &format!("could not read the request body: {e}"),
-                    None,
-                );
-            }
-        };
-        let model = match &body {
-            RequestBody::Replayable(bytes) => match request_model(&parts.headers, bytes) {
-                Ok(m) => m,
-                Err(msg) => return self.gateway_error(ErrorCode::InvalidRequest, &msg, None),
-            },
-            RequestBody::Streaming(..) => None,
-        };
         let key = parts
             .headers
             .get(&self.config.routing_key_header)
             .map(|v| hash_key(v.as_bytes()));
-        let headers = forward_headers(parts.headers);
-        let path = parts
-            .uri
-            .path_and_query()
-            .map_or("/", |p| p.as_str())
-            .to_owned();
+        let headers = forward_headers(parts.headers, peer, self.config.trusted_proxy_hops);
+        let path = match parts.uri.query() {
+            Some(query) => format!("{path}?{query}"),
+            None => path,
+        };
         let mut request = Outgoing {
             method: parts.method,
             path,
@@ -212,8 +256,29 @@ impl Proxy {
                 );
             }
         }
-        let body = body.expect("a request body is only ever swapped for another");
+        let mut body = body.expect("a request body is only ever swapped for another");
+        // A budget counts streamed tokens only if the worker reports them.
+        if let (Some(model), RequestBody::Replayable(bytes, lease)) = (&request.model, &body)
+            && self.tokens.is_budgeted(model)
+            && let Some(asking) = with_usage_requested(bytes)
+        {
+            body = RequestBody::Replayable(asking, lease.clone());
+        }
         self.attempts(client, request, body, permit, started).await
+    }
+
+    /// The label a model's token series carry: its name when a worker
+    /// declares it or the configuration names it, `other` otherwise, so a
+    /// client cannot grow the metrics by inventing names.
+    pub(crate) fn model_label(&self, model: &str) -> String {
+        let known = self.tokens.is_budgeted(model)
+            || self.registry.fleet().declares(model)
+            || self
+                .config
+                .fallbacks
+                .iter()
+                .any(|(from, to)| from == model || to == model);
+        if known { model } else { "other" }.to_owned()
     }
 
     fn readiness(&self) -> Response<ResponseBody> {
@@ -230,4 +295,14 @@ impl Proxy {
             serde_json::json!({"status": word, "healthy_workers": healthy, "total_workers": total}),
         )
     }
+}
+
+/// What the request path does with an untrusted method, path and body
+/// before any worker is involved; see [`crate::fuzzing`].
+pub(crate) fn fuzz_request_body(method: &Method, path: &str, body: &Bytes) {
+    let _ = Routes::new(&["/x/*".to_owned()]).route(method, path);
+    let _ = inference_model(body);
+    let _ = request_model(&http::HeaderMap::new(), body);
+    let _ = with_usage_requested(body);
+    let _ = route::with_model(body, "m");
 }

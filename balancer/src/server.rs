@@ -1,29 +1,88 @@
 //! Accepting connections: one HTTP listener loop shared by the gateway, the
-//! metrics and the admin listeners, with graceful shutdown.
+//! metrics and the admin listeners, with the bounds an untrusted client
+//! meets and graceful shutdown.
 //!
-//! Owns sockets and connection tasks only; what a request means is the
-//! handler's business.
+//! Owns sockets and connection tasks only: the connection cap (at the cap,
+//! accept waits), the time a request head may take (hyper's header-read
+//! timeout, which also closes a keep-alive connection whose next head
+//! stalls), the idle timeout of a connection with nothing in flight, the
+//! send timeout of a client that stops reading, HTTP/2 keep-alive pings, and
+//! the peer address each request carries ([`PeerAddr`]). What a request
+//! means is the handler's business.
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::{Request, Response};
-use hyper::body::Incoming;
+use http_body_util::BodyExt;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, watch};
+use tokio::time::Instant;
 
-use crate::proxy::ResponseBody;
+use crate::proxy::{BoxError, ResponseBody};
+
+/// The client's address, in every request's extensions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerAddr(pub SocketAddr);
+
+/// The bounds every connection of a listener meets.
+#[derive(Debug, Clone)]
+pub struct ConnectionLimits {
+    /// `--header-read-timeout-secs`: a request head (the first, or the next
+    /// one on a keep-alive connection) must arrive within this.
+    pub header_read_timeout: Duration,
+    /// `--idle-connection-timeout-secs`: a connection with no request in
+    /// flight (an open response stream counts) is closed after this.
+    pub idle_timeout: Duration,
+    /// `--send-timeout-secs`: a client that accepts no byte of the response
+    /// for this long is disconnected.
+    pub send_timeout: Duration,
+    /// `--http2-keepalive-interval-secs`: HTTP/2 pings on an idle
+    /// connection; an unanswered ping closes it.
+    pub http2_keepalive: Duration,
+    /// `--max-connections`, shared by every serving thread of the listener.
+    pub connections: Arc<Semaphore>,
+}
+
+impl ConnectionLimits {
+    /// Limits allowing `max_connections` connections at once.
+    pub fn new(
+        header_read_timeout: Duration,
+        idle_timeout: Duration,
+        send_timeout: Duration,
+        http2_keepalive: Duration,
+        max_connections: usize,
+    ) -> Self {
+        Self {
+            header_read_timeout,
+            idle_timeout,
+            send_timeout,
+            http2_keepalive,
+            connections: Arc::new(Semaphore::new(max_connections)),
+        }
+    }
+}
 
 /// Serves `handler` on `listener` until `shutdown` flips to true, then lets
 /// open connections finish their requests for at most `grace`.
 pub async fn serve<H, F>(
     listener: TcpListener,
     handler: H,
+    limits: ConnectionLimits,
     mut shutdown: watch::Receiver<bool>,
     grace: Duration,
 ) where
@@ -31,34 +90,76 @@ pub async fn serve<H, F>(
     F: Future<Output = Response<ResponseBody>> + Send + 'static,
 {
     let graceful = GracefulShutdown::new();
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    // Without a timer hyper's timeouts do nothing.
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(limits.http2_keepalive)
+        .keep_alive_timeout(limits.http2_keepalive);
     loop {
-        tokio::select! {
-            accepted = listener.accept() => {
-                let (stream, _) = match accepted {
-                    Ok(s) => s,
-                    Err(e) => {
-                        // Out of file descriptors and the like: back off
-                        // instead of spinning.
-                        tracing::warn!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                let _ = stream.set_nodelay(true);
-                let handler = handler.clone();
-                let service = service_fn(move |req| {
-                    let fut = handler(req);
-                    async move { Ok::<_, Infallible>(fut.await) }
-                });
-                let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-                let conn = graceful.watch(conn.into_owned());
-                tokio::spawn(async move {
-                    let _ = conn.await;
-                });
-            }
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
             _ = stopped(&mut shutdown) => break,
-        }
+        };
+        let (stream, peer) = match accepted {
+            Ok(s) => s,
+            Err(e) => {
+                // Out of file descriptors and the like: back off instead of
+                // spinning.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        // At the cap, this connection waits unserved (and this thread
+        // accepts no other) until one closes. The permit is taken after
+        // accept: the serving threads' sockets share one cap, and a thread
+        // holding a permit while its own queue is empty would starve the
+        // others.
+        let permit = tokio::select! {
+            permit = limits.connections.clone().acquire_owned() => match permit {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+            _ = stopped(&mut shutdown) => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let activity = Arc::new(Activity::new());
+        let handler = handler.clone();
+        let in_service = activity.clone();
+        let service = service_fn(move |mut req: Request<Incoming>| {
+            req.extensions_mut().insert(PeerAddr(peer));
+            let busy = Busy::new(&in_service);
+            let fut = handler(req);
+            async move {
+                let response = fut.await;
+                // In flight until the response body is done or dropped.
+                Ok::<_, Infallible>(
+                    response.map(|body| InFlight { body, _busy: busy }.boxed_unsync()),
+                )
+            }
+        });
+        let io = TokioIo::new(Watched {
+            inner: stream,
+            activity: activity.clone(),
+        });
+        let conn = builder.serve_connection_with_upgrades(io, service);
+        let conn = graceful.watch(conn.into_owned());
+        let (idle, send) = (limits.idle_timeout, limits.send_timeout);
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = conn => {}
+                why = watchdog(&activity, idle, send) => {
+                    tracing::debug!(%peer, why, "connection closed by the gateway");
+                }
+            }
+            drop(permit);
+        });
     }
     drop(listener);
     if tokio::time::timeout(grace, graceful.shutdown())
@@ -78,5 +179,181 @@ async fn stopped(rx: &mut watch::Receiver<bool>) {
         if rx.changed().await.is_err() {
             return;
         }
+    }
+}
+
+/// What a connection did last, for its watchdog.
+#[derive(Debug)]
+struct Activity {
+    origin: Instant,
+    /// Milliseconds since `origin` of the last byte read or written.
+    last: AtomicU64,
+    /// Milliseconds since `origin` since which a write waits on the client;
+    /// `NOT_BLOCKED` while writes go through.
+    blocked_since: AtomicU64,
+    /// Requests whose response is not finished.
+    inflight: AtomicUsize,
+}
+
+const NOT_BLOCKED: u64 = u64::MAX;
+
+impl Activity {
+    fn new() -> Self {
+        Self {
+            origin: Instant::now(),
+            last: AtomicU64::new(0),
+            blocked_since: AtomicU64::new(NOT_BLOCKED),
+            inflight: AtomicUsize::new(0),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        self.origin.elapsed().as_millis() as u64
+    }
+}
+
+/// Ends when the connection must be closed: the client accepted nothing for
+/// the send timeout, or nothing was in flight for the idle timeout.
+async fn watchdog(activity: &Activity, idle: Duration, send: Duration) -> &'static str {
+    let (idle, send) = (idle.as_millis() as u64, send.as_millis() as u64);
+    loop {
+        let now = activity.now();
+        let blocked = activity.blocked_since.load(Ordering::Acquire);
+        let mut wait = idle.min(send);
+        if blocked != NOT_BLOCKED {
+            let stuck = now.saturating_sub(blocked);
+            if stuck >= send {
+                return "send timeout: the client stopped reading";
+            }
+            wait = wait.min(send - stuck);
+        }
+        if activity.inflight.load(Ordering::Acquire) == 0 {
+            let quiet = now.saturating_sub(activity.last.load(Ordering::Acquire));
+            if quiet >= idle {
+                return "idle timeout";
+            }
+            wait = wait.min(idle - quiet);
+        }
+        tokio::time::sleep(Duration::from_millis(wait.max(10))).await;
+    }
+}
+
+/// Counts a request in flight on its connection until dropped.
+struct Busy(Arc<Activity>);
+
+impl Busy {
+    fn new(activity: &Arc<Activity>) -> Self {
+        activity.inflight.fetch_add(1, Ordering::AcqRel);
+        Self(activity.clone())
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        let activity = &self.0;
+        activity.last.store(activity.now(), Ordering::Release);
+        activity.inflight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A response body that keeps its request in flight until it ends.
+struct InFlight {
+    body: ResponseBody,
+    _busy: Busy,
+}
+
+impl Body for InFlight {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// The socket, with its progress noted for the watchdog.
+struct Watched {
+    inner: TcpStream,
+    activity: Arc<Activity>,
+}
+
+impl AsyncRead for Watched {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let poll = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if matches!(poll, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            let activity = &self.activity;
+            activity.last.store(activity.now(), Ordering::Release);
+        }
+        poll
+    }
+}
+
+impl Watched {
+    fn note_write(&self, poll: &Poll<io::Result<usize>>) {
+        let activity = &self.activity;
+        match poll {
+            Poll::Pending => {
+                let _ = activity.blocked_since.compare_exchange(
+                    NOT_BLOCKED,
+                    activity.now(),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+            }
+            Poll::Ready(_) => {
+                activity.blocked_since.store(NOT_BLOCKED, Ordering::Release);
+                activity.last.store(activity.now(), Ordering::Release);
+            }
+        }
+    }
+}
+
+impl AsyncWrite for Watched {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let poll = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.note_write(&poll);
+        poll
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let poll = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.note_write(&poll);
+        poll
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }

@@ -88,7 +88,19 @@ pub async fn harness_with_models(
         workers.push(w);
     }
     let urls: Vec<String> = workers.iter().map(MockWorker::url).collect();
-    let mut config = GatewayConfig::with_worker_urls(&urls);
+    let mut h = harness_with_urls(&urls, configure).await;
+    h.workers = workers;
+    h
+}
+
+/// A gateway in front of workers at `urls` (any HTTP server, such as a
+/// [`crate::capture::CaptureWorker`]); `Harness::workers` is empty.
+pub async fn harness_with_urls(
+    urls: &[String],
+    configure: impl FnOnce(&mut GatewayConfig),
+) -> Harness {
+    let workers = Vec::new();
+    let mut config = GatewayConfig::with_worker_urls(urls);
     config.listen = SocketAddr::from(([127, 0, 0, 1], 0));
     config.metrics_listen = config.listen;
     config.admin_listen = config.listen;

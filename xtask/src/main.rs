@@ -2,6 +2,7 @@
 
 mod bench;
 mod ebpf;
+mod fuzz;
 mod setup;
 mod shell;
 
@@ -56,6 +57,13 @@ enum Task {
     /// gateway turn slow, answer 429 in bursts and truncate streams; prints
     /// how fast each was isolated and how many client requests failed.
     Chaos,
+    /// Run every cargo-fuzz target (request bodies and paths, the config
+    /// file, admin bodies) for a bounded time each; nightly.
+    Fuzz {
+        /// Seconds per target.
+        #[arg(long, default_value_t = 30)]
+        seconds: u64,
+    },
     /// What CI runs: setup, formatting, eBPF build, clippy, all tests.
     Test {
         /// Parallel test threads; the tests wait on I/O far more than they
@@ -92,6 +100,7 @@ fn dispatch(task: Task) -> Result<()> {
             ])
             .current_dir(workspace_root())),
         Task::Test { test_threads } => test(test_threads),
+        Task::Fuzz { seconds } => fuzz::fuzz(workspace_root(), seconds),
     }
 }
 

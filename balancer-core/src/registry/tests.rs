@@ -21,6 +21,7 @@ fn registry(settings: Settings, clock: Arc<dyn Clock>) -> (Arc<Registry>, Arc<Wo
                 success: 1,
             },
             hash_rings: false,
+            max_open_percent: 100,
         },
         clock,
     );
@@ -145,4 +146,48 @@ fn not_ready_worker_reaches_half_open_only_through_its_promotion() {
     assert_eq!(snap.state, State::HalfOpen);
     assert_eq!(snap.health_readmissions, 1, "the promotion readmitted it");
     assert_eq!(snap.transitions[1][2], 1, "one move to half-open");
+}
+
+#[test]
+fn max_open_percent_keeps_a_share_of_the_fleet_out_of_isolation() {
+    let clock = Arc::new(ManualClock::new());
+    let registry = Registry::new(
+        RegistryConfig {
+            breaker: BreakerDefaults {
+                settings: Settings {
+                    failure_threshold: 1,
+                    ..Settings::default()
+                },
+                ..BreakerDefaults::default()
+            },
+            health: HealthThresholds {
+                failure: 1,
+                success: 1,
+            },
+            hash_rings: false,
+            max_open_percent: 50,
+        },
+        clock.clone(),
+    );
+    let specs: Vec<_> = (1..=4)
+        .map(|i| WorkerSpec {
+            model: Some("m".into()),
+            ..WorkerSpec::from_url(&format!("http://127.0.0.{i}:8000"))
+        })
+        .collect();
+    let workers = registry.add_all(&specs).unwrap();
+    for w in &workers {
+        fail(w, &*clock);
+    }
+    let open = workers
+        .iter()
+        .filter(|w| w.breaker.state() == State::Open)
+        .count();
+    assert_eq!(open, 2, "half of the model's four workers at most");
+    let held = &workers[3];
+    assert_eq!(
+        held.breaker.snapshot().consecutive_failures,
+        1,
+        "still counting"
+    );
 }

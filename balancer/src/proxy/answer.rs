@@ -11,7 +11,7 @@ use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 use http_body_util::Full;
 
-use super::body::boxed;
+use super::body::{BodyError, boxed};
 use super::{Proxy, ResponseBody};
 
 /// A gateway-made error, with its stable `code`.
@@ -31,10 +31,18 @@ pub enum ErrorCode {
     Unauthorized,
     /// The model's `--token-budget` is spent for this minute.
     TokenBudgetExceeded,
+    /// The method is not allowed on that route.
+    MethodNotAllowed,
+    /// The body is larger than `--max-payload-size`.
+    PayloadTooLarge,
+    /// The body sent nothing for `--stream-body-stall-timeout-secs`.
+    RequestTimeout,
+    /// Kept request bodies already hold the process-wide budget.
+    BodyBudgetExhausted,
 }
 
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 9] = [
+    pub const ALL: [ErrorCode; 13] = [
         ErrorCode::NoAvailableWorkers,
         ErrorCode::AdmissionQueueFull,
         ErrorCode::AdmissionQueueTimeout,
@@ -44,6 +52,10 @@ impl ErrorCode {
         ErrorCode::NotFound,
         ErrorCode::Unauthorized,
         ErrorCode::TokenBudgetExceeded,
+        ErrorCode::MethodNotAllowed,
+        ErrorCode::PayloadTooLarge,
+        ErrorCode::RequestTimeout,
+        ErrorCode::BodyBudgetExhausted,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -57,14 +69,18 @@ impl ErrorCode {
             ErrorCode::NotFound => "not_found",
             ErrorCode::Unauthorized => "unauthorized",
             ErrorCode::TokenBudgetExceeded => "token_budget_exceeded",
+            ErrorCode::MethodNotAllowed => "method_not_allowed",
+            ErrorCode::PayloadTooLarge => "payload_too_large",
+            ErrorCode::RequestTimeout => "request_timeout",
+            ErrorCode::BodyBudgetExhausted => "body_budget_exhausted",
         }
     }
 
     pub fn status(self) -> StatusCode {
         match self {
-            ErrorCode::NoAvailableWorkers | ErrorCode::AdmissionQueueTimeout => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            ErrorCode::NoAvailableWorkers
+            | ErrorCode::AdmissionQueueTimeout
+            | ErrorCode::BodyBudgetExhausted => StatusCode::SERVICE_UNAVAILABLE,
             ErrorCode::AdmissionQueueFull | ErrorCode::TokenBudgetExceeded => {
                 StatusCode::TOO_MANY_REQUESTS
             }
@@ -73,13 +89,20 @@ impl ErrorCode {
             ErrorCode::InvalidRequest => StatusCode::BAD_REQUEST,
             ErrorCode::NotFound => StatusCode::NOT_FOUND,
             ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
+            ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorCode::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
         }
     }
 
     /// The OpenAI `type` field.
     fn kind(self) -> &'static str {
         match self {
-            ErrorCode::InvalidRequest | ErrorCode::NotFound => "invalid_request_error",
+            ErrorCode::InvalidRequest
+            | ErrorCode::NotFound
+            | ErrorCode::MethodNotAllowed
+            | ErrorCode::PayloadTooLarge
+            | ErrorCode::RequestTimeout => "invalid_request_error",
             ErrorCode::Unauthorized => "authentication_error",
             ErrorCode::AdmissionQueueFull | ErrorCode::TokenBudgetExceeded => "rate_limit_error",
             _ => "service_unavailable",
@@ -134,6 +157,40 @@ pub(crate) fn json_response(status: StatusCode, body: serde_json::Value) -> Resp
 }
 
 impl Proxy {
+    /// 405, with the methods the route takes in `Allow`.
+    pub(crate) fn method_not_allowed(&self, allow: &'static str) -> Response<ResponseBody> {
+        let mut r = self.gateway_error(
+            ErrorCode::MethodNotAllowed,
+            &format!("this route takes {allow}"),
+            None,
+        );
+        r.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static(allow));
+        r
+    }
+
+    /// The answer to a client whose body broke a bound: the client's fault,
+    /// recorded on no breaker.
+    pub(crate) fn body_error(&self, error: &BodyError) -> Response<ResponseBody> {
+        let (code, message) = match error {
+            BodyError::TooLarge => (
+                ErrorCode::PayloadTooLarge,
+                "the request body is larger than --max-payload-size",
+            ),
+            BodyError::Stalled => (
+                ErrorCode::RequestTimeout,
+                "the request body sent nothing within --stream-body-stall-timeout-secs",
+            ),
+            BodyError::Aborted => (ErrorCode::InvalidRequest, "the request body broke off"),
+            BodyError::OverBudget => (
+                ErrorCode::BodyBudgetExhausted,
+                "the gateway holds as many request bodies as it may; retry shortly",
+            ),
+        };
+        let retry_after = (*error == BodyError::OverBudget).then_some(1);
+        self.gateway_error(code, message, retry_after)
+    }
+
     pub(crate) fn gateway_error(
         &self,
         code: ErrorCode,

@@ -59,10 +59,11 @@ impl RetryPolicy {
 /// not change which responses the gateway retries.
 const RETRY_STATUSES: [u16; 6] = [408, 429, 500, 502, 503, 504];
 
-/// How an attempt ended, when it did not produce a response to relay.
+/// How an attempt ended, when it did not produce a response to relay. The
+/// cause is logged, never shown to the client.
 enum AttemptError {
     Timeout,
-    Unreachable(String),
+    Unreachable,
 }
 
 impl Proxy {
@@ -77,13 +78,17 @@ impl Proxy {
     ) -> Response<ResponseBody> {
         let mut charges = RequestCharges::default();
         let mut tried: Vec<u64> = Vec::new();
-        let (max_attempts, mut body) = match body {
-            RequestBody::Replayable(b) => (
-                self.config.retry.max_attempts,
-                Some(RequestBody::Replayable(b)),
-            ),
-            streaming => (1, Some(streaming)),
+        // A streamed body's faults are the client's: found there, an
+        // attempt's failure is answered for the client and charged to no one.
+        let fault = match &body {
+            RequestBody::Streaming(_, rest) => Some(rest.fault()),
+            RequestBody::Replayable(..) => None,
         };
+        let max_attempts = match body {
+            RequestBody::Replayable(..) => self.config.retry.max_attempts,
+            RequestBody::Streaming(..) => 1,
+        };
+        let mut body = Some(body);
         let mut attempt = 0;
         loop {
             attempt += 1;
@@ -100,8 +105,8 @@ impl Proxy {
             let attempt_started = Instant::now();
             tried.push(worker.breaker.id());
             let upstream_body = match body.take() {
-                Some(RequestBody::Replayable(b)) => {
-                    body = Some(RequestBody::Replayable(b.clone()));
+                Some(RequestBody::Replayable(b, lease)) => {
+                    body = Some(RequestBody::Replayable(b.clone(), lease));
                     boxed(Full::new(b))
                 }
                 Some(RequestBody::Streaming(prefix, rest)) => chain(prefix, rest),
@@ -159,7 +164,10 @@ impl Proxy {
                         attempt_started,
                         headers_after: attempt_started.elapsed(),
                         classifier,
-                        tokens: req.model.clone().map(|m| (self.tokens.clone(), m)),
+                        tokens: req
+                            .model
+                            .as_deref()
+                            .map(|m| (self.tokens.clone(), self.model_label(m))),
                         stats: self.stats.clone(),
                         clock: self.clock.clone(),
                     };
@@ -172,9 +180,15 @@ impl Proxy {
                 }
                 Err(e) => e,
             };
+            if let Some(error) = fault.as_ref().and_then(|f| f.get()) {
+                // The client's body broke its bounds or broke off: the
+                // attempt is dropped unrecorded, the answer is the client's.
+                drop(admitted);
+                return self.body_error(error);
+            }
             let reason = match failure {
                 AttemptError::Timeout => FailureReason::Timeout,
-                AttemptError::Unreachable(_) => FailureReason::Connect,
+                AttemptError::Unreachable => FailureReason::Connect,
             };
             // Recorded as the 502 or 504 the gateway answers for it.
             let outcome = classifier.classify_no_response(reason);
@@ -192,9 +206,9 @@ impl Proxy {
                     "the worker did not answer within the request timeout",
                     None,
                 ),
-                AttemptError::Unreachable(e) => self.gateway_error(
+                AttemptError::Unreachable => self.gateway_error(
                     ErrorCode::UpstreamUnreachable,
-                    &format!("the worker could not be reached: {e}"),
+                    "the worker could not be reached, or its connection broke",
                     None,
                 ),
             };
@@ -213,14 +227,26 @@ impl Proxy {
             .authority(worker.address.authority.clone())
             .path_and_query(req.path.as_str())
             .build()
-            .map_err(|e| AttemptError::Unreachable(e.to_string()))?;
+            .map_err(|e| {
+                tracing::warn!(worker = %worker.url, error = %e, "cannot build the worker URI");
+                AttemptError::Unreachable
+            })?;
         let mut upstream = Request::new(body);
         *upstream.method_mut() = req.method.clone();
         *upstream.uri_mut() = uri;
         *upstream.headers_mut() = req.headers.clone();
+        if let Some(auth) = &worker.address.basic_auth
+            && !req.headers.contains_key(header::AUTHORIZATION)
+            && let Ok(value) = http::HeaderValue::from_str(auth.expose())
+        {
+            upstream.headers_mut().insert(header::AUTHORIZATION, value);
+        }
         match tokio::time::timeout(self.config.request_timeout, client.request(upstream)).await {
             Ok(Ok(response)) => Ok(response),
-            Ok(Err(e)) => Err(AttemptError::Unreachable(error_chain(&e))),
+            Ok(Err(e)) => {
+                tracing::debug!(worker = %worker.url, error = %error_chain(&e), "attempt failed");
+                Err(AttemptError::Unreachable)
+            }
             Err(_) => Err(AttemptError::Timeout),
         }
     }
@@ -234,5 +260,11 @@ fn retry_after(headers: &HeaderMap) -> Option<Duration> {
         .trim()
         .parse()
         .ok()?;
-    (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs))
+    // Clamped before conversion: a worker's `Retry-After: 1e20` must not
+    // panic the gateway, and the backoff caps it further anyway.
+    (secs.is_finite() && secs >= 0.0)
+        .then(|| Duration::from_secs_f64(secs.min(MAX_RETRY_AFTER_SECS)))
 }
+
+/// The longest `Retry-After` taken from a worker, in seconds.
+const MAX_RETRY_AFTER_SECS: f64 = 3600.0;

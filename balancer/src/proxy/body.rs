@@ -1,22 +1,124 @@
 //! Phase: the request body.
 //!
-//! Owns reading the client's body: kept whole for replay up to the replay
-//! limit, otherwise the prefix read so far chained to the rest for a single
-//! attempt. Knows nothing of workers or breakers.
+//! Owns reading the client's body under its bounds: `--max-payload-size`
+//! (refused at once from `Content-Length`, or as soon as the body passes
+//! it), `--stream-body-stall-timeout-secs` (a body that sends nothing for
+//! that long), `--max-buffered-request-bytes` (bodies up to it are kept
+//! whole for replay; larger ones are the prefix read so far chained to the
+//! rest, for a single attempt) and the process-wide budget of kept bytes.
+//! A fault of the client's body found while it streams to a worker is
+//! recorded in its [`ClientFault`], so the attempt loop answers for the
+//! client and charges no worker. Knows nothing of workers or breakers.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+use http::HeaderMap;
+use http::header::CONTENT_LENGTH;
 use http_body_util::BodyExt;
 use http_body_util::combinators::UnsyncBoxBody;
 use hyper::body::{Frame, Incoming};
+use tokio::time::{Instant, Sleep};
 
 use super::{BoxError, UpstreamBody};
 
+/// What a client's body did wrong; never a worker's fault.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum BodyError {
+    /// Past `--max-payload-size`.
+    TooLarge,
+    /// Nothing for `--stream-body-stall-timeout-secs`.
+    Stalled,
+    /// The client aborted the upload (reset, malformed chunking).
+    Aborted,
+    /// The process-wide budget of kept bodies is spent.
+    OverBudget,
+}
+
+/// Where a streamed body's fault is recorded for the attempt loop.
+pub(crate) type ClientFault = Arc<OnceLock<BodyError>>;
+
+/// The bounds of every request body.
+#[derive(Debug, Clone)]
+pub(crate) struct BodyLimits {
+    pub(crate) max_payload: u64,
+    pub(crate) max_buffered: usize,
+    pub(crate) stall: Duration,
+    pub(crate) budget: Arc<BufferBudget>,
+}
+
+/// Bytes all kept (replayable) bodies may hold at once, process-wide.
+#[derive(Debug)]
+pub struct BufferBudget {
+    limit: usize,
+    used: AtomicUsize,
+}
+
+impl BufferBudget {
+    /// A budget of `limit` bytes.
+    pub fn new(limit: usize) -> Arc<Self> {
+        Arc::new(Self {
+            limit,
+            used: AtomicUsize::new(0),
+        })
+    }
+
+    /// Bytes held now by kept bodies.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+}
+
+/// A share of the [`BufferBudget`], returned when the body it accounts for
+/// is dropped (after the request's last attempt).
+#[derive(Debug)]
+pub(crate) struct Lease {
+    budget: Arc<BufferBudget>,
+    bytes: usize,
+}
+
+impl Lease {
+    fn new(budget: &Arc<BufferBudget>) -> Self {
+        Self {
+            budget: budget.clone(),
+            bytes: 0,
+        }
+    }
+
+    /// Takes `n` more bytes, or says no without taking any.
+    fn grow(&mut self, n: usize) -> bool {
+        let budget = &self.budget;
+        let taken = budget
+            .used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(n).filter(|&u| u <= budget.limit)
+            })
+            .is_ok();
+        if taken {
+            self.bytes += n;
+        }
+        taken
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.budget.used.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
 /// The request body as the attempts see it.
 pub(crate) enum RequestBody {
-    /// Small enough to keep: every attempt sends a copy.
-    Replayable(Bytes),
+    /// Small enough to keep: every attempt sends a copy. The lease holds
+    /// its bytes in the process-wide budget.
+    Replayable(Bytes, Arc<Lease>),
     /// Too large to keep: the prefix read so far and the rest, for one attempt.
-    Streaming(Vec<Bytes>, Incoming),
+    Streaming(Vec<Bytes>, ClientBody),
 }
 
 /// Any body as the boxed type requests and responses carry.
@@ -28,28 +130,121 @@ where
     body.map_err(Into::into).boxed_unsync()
 }
 
+/// Reads the client's body within `limits`: whole when it fits the replay
+/// limit, otherwise up to there (the rest streams to the worker).
 pub(crate) async fn read_body(
+    headers: &HeaderMap,
     mut body: Incoming,
-    limit: usize,
-) -> Result<RequestBody, hyper::Error> {
+    limits: &BodyLimits,
+) -> Result<RequestBody, BodyError> {
+    let declared = headers
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limits.max_payload) {
+        return Err(BodyError::TooLarge);
+    }
+    let mut lease = Lease::new(&limits.budget);
     let mut buf = BytesMut::new();
-    let mut parts = Vec::new();
-    while let Some(frame) = body.frame().await {
-        let Ok(data) = frame?.into_data() else {
+    loop {
+        let frame = match tokio::time::timeout(limits.stall, body.frame()).await {
+            Err(_) => return Err(BodyError::Stalled),
+            Ok(None) => break,
+            Ok(Some(Err(_))) => return Err(BodyError::Aborted),
+            Ok(Some(Ok(frame))) => frame,
+        };
+        let Ok(data) = frame.into_data() else {
             continue;
         };
-        if buf.len() + data.len() > limit {
-            parts.push(buf.freeze());
-            parts.push(data);
-            return Ok(RequestBody::Streaming(parts, body));
+        if (buf.len() + data.len()) as u64 > limits.max_payload {
+            return Err(BodyError::TooLarge);
+        }
+        if buf.len() + data.len() > limits.max_buffered {
+            let read = (buf.len() + data.len()) as u64;
+            let rest = ClientBody::new(body, limits, read);
+            return Ok(RequestBody::Streaming(vec![buf.freeze(), data], rest));
+        }
+        if !lease.grow(data.len()) {
+            return Err(BodyError::OverBudget);
         }
         buf.extend_from_slice(&data);
     }
-    Ok(RequestBody::Replayable(buf.freeze()))
+    Ok(RequestBody::Replayable(buf.freeze(), Arc::new(lease)))
+}
+
+/// The rest of a client's body as it streams to a worker, still under the
+/// payload and stall bounds; a fault ends it with an error and is recorded
+/// in [`ClientBody::fault`].
+pub(crate) struct ClientBody {
+    inner: Incoming,
+    read: u64,
+    max_payload: u64,
+    stall: Duration,
+    idle: Pin<Box<Sleep>>,
+    fault: ClientFault,
+}
+
+impl ClientBody {
+    fn new(inner: Incoming, limits: &BodyLimits, read: u64) -> Self {
+        Self {
+            inner,
+            read,
+            max_payload: limits.max_payload,
+            stall: limits.stall,
+            idle: Box::pin(tokio::time::sleep(limits.stall)),
+            fault: ClientFault::default(),
+        }
+    }
+
+    /// Where this body's fault will be recorded.
+    pub(crate) fn fault(&self) -> ClientFault {
+        self.fault.clone()
+    }
+
+    fn fail(&self, error: BodyError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let message = format!("client request body: {error:?}");
+        let _ = self.fault.set(error);
+        Poll::Ready(Some(Err(message.into())))
+    }
+}
+
+impl hyper::body::Body for ClientBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    this.read += data.len() as u64;
+                    if this.read > this.max_payload {
+                        return this.fail(BodyError::TooLarge);
+                    }
+                }
+                let deadline = Instant::now() + this.stall;
+                this.idle.as_mut().reset(deadline);
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(_))) => this.fail(BodyError::Aborted),
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => match this.idle.as_mut().poll(cx) {
+                Poll::Ready(()) => this.fail(BodyError::Stalled),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
 }
 
 /// The prefix already read, then the rest of the client's body.
-pub(crate) fn chain(prefix: Vec<Bytes>, rest: Incoming) -> UpstreamBody {
+pub(crate) fn chain(prefix: Vec<Bytes>, rest: ClientBody) -> UpstreamBody {
     boxed(Chained {
         prefix: prefix.into(),
         rest,
@@ -57,21 +252,21 @@ pub(crate) fn chain(prefix: Vec<Bytes>, rest: Incoming) -> UpstreamBody {
 }
 
 struct Chained {
-    prefix: std::collections::VecDeque<Bytes>,
-    rest: Incoming,
+    prefix: VecDeque<Bytes>,
+    rest: ClientBody,
 }
 
 impl hyper::body::Body for Chained {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.prefix.pop_front() {
-            Some(chunk) => std::task::Poll::Ready(Some(Ok(Frame::data(chunk)))),
-            None => std::pin::Pin::new(&mut self.rest).poll_frame(cx),
+            Some(chunk) => Poll::Ready(Some(Ok(Frame::data(chunk)))),
+            None => Pin::new(&mut self.rest).poll_frame(cx),
         }
     }
 }

@@ -70,10 +70,11 @@ impl Prober {
                     this.registry.learn_models(&worker, models);
                 }
                 if this.config.enabled {
-                    let uri = format!("{}{}", worker.url, this.config.endpoint)
-                        .parse()
-                        .expect("a validated worker URL plus an absolute path");
-                    let passed = probe(&this.client, &uri, this.config.timeout).await;
+                    let path = this.config.endpoint.clone();
+                    let passed = match get(&worker, &path) {
+                        Some(request) => probe(&this.client, request, this.config.timeout).await,
+                        None => false,
+                    };
                     this.registry.observe_health(&worker, passed);
                 } else if !worker.models().is_empty() {
                     return;
@@ -95,9 +96,9 @@ impl Prober {
         struct Model {
             id: String,
         }
-        let uri = format!("{}/v1/models", worker.url).parse().ok()?;
+        let request = get(worker, "/v1/models")?;
         let fetch = async {
-            let response = self.client.get(uri).await.ok()?;
+            let response = self.client.request(request).await.ok()?;
             if !response.status().is_success() {
                 return None;
             }
@@ -113,10 +114,23 @@ impl Prober {
     }
 }
 
-/// One probe: `GET uri` must answer 2xx within `timeout`, body included.
-async fn probe(client: &ProbeClient, uri: &http::Uri, timeout: Duration) -> bool {
+/// `GET path` on `worker`, with the worker URL's credentials if it has any.
+fn get(worker: &Worker, path: &str) -> Option<http::Request<Empty<Bytes>>> {
+    let mut request = http::Request::get(format!("{}{path}", worker.url));
+    if let Some(auth) = &worker.address.basic_auth {
+        request = request.header(http::header::AUTHORIZATION, auth.expose());
+    }
+    request.body(Empty::new()).ok()
+}
+
+/// One probe: the request must answer 2xx within `timeout`, body included.
+async fn probe(
+    client: &ProbeClient,
+    request: http::Request<Empty<Bytes>>,
+    timeout: Duration,
+) -> bool {
     let attempt = async {
-        let response = client.get(uri.clone()).await.ok()?;
+        let response = client.request(request).await.ok()?;
         let ok = response.status().is_success();
         response.into_body().collect().await.ok()?;
         Some(ok)

@@ -29,7 +29,7 @@ use http::header::{self, HeaderName, HeaderValue};
 
 use super::answer::sse_error_event;
 use super::body::boxed;
-use super::route::HOP_BY_HOP;
+use super::edge::HOP_BY_HOP;
 use super::stats::GatewayStats;
 use super::{FALLBACK_HEADER, Proxy, ResponseBody};
 

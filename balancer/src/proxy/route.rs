@@ -7,23 +7,12 @@
 
 use bytes::Bytes;
 use http::Method;
-use http::header::{self, HeaderMap, HeaderName};
+use http::header::{self, HeaderMap};
 
 use balancer_core::registry::Attempt;
 
 use super::Proxy;
 use super::body::RequestBody;
-
-/// Headers that describe one hop, not the message.
-pub(crate) const HOP_BY_HOP: [HeaderName; 7] = [
-    header::CONNECTION,
-    header::PROXY_AUTHENTICATE,
-    header::PROXY_AUTHORIZATION,
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-];
 
 /// What every attempt of one request sends.
 pub(crate) struct Outgoing {
@@ -47,17 +36,20 @@ impl Proxy {
         let Some(to) = self.config.fallbacks.get(from) else {
             return false;
         };
-        let Some(RequestBody::Replayable(bytes)) = body.as_ref() else {
+        let Some(RequestBody::Replayable(bytes, lease)) = body.as_ref() else {
             return false;
         };
         let Some(rewritten) = with_model(bytes, to) else {
             return false;
         };
+        // A model name is bounded, so the rewritten body stays within a few
+        // bytes of the lease's count.
+        let lease = lease.clone();
         tracing::debug!(from, to, "model fallback");
         self.stats.fallback(from, to);
         req.fallback_from.get_or_insert_with(|| from.to_owned());
         req.model = Some(to.clone());
-        *body = Some(RequestBody::Replayable(rewritten));
+        *body = Some(RequestBody::Replayable(rewritten, lease));
         true
     }
 
@@ -72,7 +64,7 @@ impl Proxy {
 }
 
 /// `body` with its `model` replaced, if it is a JSON object.
-fn with_model(body: &Bytes, model: &str) -> Option<Bytes> {
+pub(crate) fn with_model(body: &Bytes, model: &str) -> Option<Bytes> {
     let mut value: serde_json::Value = serde_json::from_slice(body).ok()?;
     value
         .as_object_mut()?
@@ -80,27 +72,59 @@ fn with_model(body: &Bytes, model: &str) -> Option<Bytes> {
     serde_json::to_vec(&value).ok().map(Bytes::from)
 }
 
-pub(crate) fn forward_headers(mut headers: HeaderMap) -> HeaderMap {
-    for h in HOP_BY_HOP {
-        headers.remove(h);
+/// The longest `model` a request may name: model ids are short, and a
+/// long one is a client's attempt at a large label or key.
+pub(crate) const MAX_MODEL_LEN: usize = 256;
+
+#[derive(serde::Deserialize)]
+struct ModelOnly {
+    #[serde(default)]
+    model: Option<serde_json::Value>,
+}
+
+fn named_model(parsed: ModelOnly) -> Result<Option<String>, String> {
+    match parsed.model {
+        Some(serde_json::Value::String(m)) if m.len() > MAX_MODEL_LEN => Err(format!(
+            "the model name is longer than {MAX_MODEL_LEN} bytes"
+        )),
+        Some(serde_json::Value::String(m)) => Ok(Some(m)),
+        _ => Ok(None),
     }
-    headers.remove(HeaderName::from_static("keep-alive"));
-    // The worker's authority comes from the URI; hyper sets Host from it.
-    headers.remove(header::HOST);
-    // The body may be rewritten (a fallback's model); hyper sets the length
-    // of the body actually sent.
-    headers.remove(header::CONTENT_LENGTH);
-    headers
+}
+
+/// The `model` of an inference request, whose body must be a JSON object
+/// whatever its `Content-Type` says: anything else is a 400 from the
+/// gateway, never a worker's error.
+pub(crate) fn inference_model(body: &Bytes) -> Result<Option<String>, String> {
+    match serde_json::from_slice::<ModelOnly>(body) {
+        Ok(parsed) => named_model(parsed),
+        Err(e) => Err(format!("the request body is not a JSON object: {e}")),
+    }
+}
+
+/// `body` asking the worker to end its stream with a `usage` chunk
+/// (`stream_options.include_usage`), so a token budget counts streams too;
+/// `None` when it is not a streamed JSON request or already asks.
+pub(crate) fn with_usage_requested(body: &Bytes) -> Option<Bytes> {
+    let mut value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let object = value.as_object_mut()?;
+    if object.get("stream") != Some(&serde_json::Value::Bool(true)) {
+        return None;
+    }
+    let options = object
+        .entry("stream_options")
+        .or_insert_with(|| serde_json::json!({}))
+        .as_object_mut()?;
+    if options.get("include_usage") == Some(&serde_json::Value::Bool(true)) {
+        return None;
+    }
+    options.insert("include_usage".to_owned(), true.into());
+    serde_json::to_vec(&value).ok().map(Bytes::from)
 }
 
 /// The `model` of a JSON body. A body that claims to be JSON and is not gets
 /// a 400 here rather than a worker's error, and records nothing.
 pub(crate) fn request_model(headers: &HeaderMap, body: &Bytes) -> Result<Option<String>, String> {
-    #[derive(serde::Deserialize)]
-    struct ModelOnly {
-        #[serde(default)]
-        model: Option<serde_json::Value>,
-    }
     let declared_json = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -110,10 +134,7 @@ pub(crate) fn request_model(headers: &HeaderMap, body: &Bytes) -> Result<Option<
         return Ok(None);
     }
     match serde_json::from_slice::<ModelOnly>(body) {
-        Ok(ModelOnly {
-            model: Some(serde_json::Value::String(m)),
-        }) => Ok(Some(m)),
-        Ok(_) => Ok(None),
+        Ok(parsed) => named_model(parsed),
         Err(e) if declared_json => Err(format!("the request body is not valid JSON: {e}")),
         Err(_) => Ok(None),
     }

@@ -1,0 +1,356 @@
+//! Phase: the public edge.
+//!
+//! Owns what an untrusted client may ask of the workers: which routes are
+//! forwarded (an allow-list over the normalised path) and with which
+//! methods, and which of the client's headers reach a worker (the
+//! hop-by-hop ones and those the client names in `Connection` or
+//! `Proxy-Connection` do not; `X-Forwarded-For` and `-Proto` are the
+//! gateway's, as Envoy sets them with no trusted hops). Pure functions over
+//! the request head: no I/O, no worker, no breaker.
+
+use std::borrow::Cow;
+use std::net::IpAddr;
+
+use http::Method;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+
+/// Headers that describe one hop, not the message.
+pub(crate) const HOP_BY_HOP: [HeaderName; 7] = [
+    header::CONNECTION,
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+/// Inference routes: POST with a JSON body that names the model.
+const INFERENCE_ROUTES: &[&str] = &[
+    // OpenAI-compatible (vLLM, SGLang, TGI, llama.cpp).
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    // Cross-encoders and scoring (vLLM, SGLang, TEI).
+    "/v1/rerank",
+    "/rerank",
+    "/v1/score",
+    "/score",
+    // Tokenizer endpoints (vLLM, SGLang): read-only and cheap.
+    "/tokenize",
+    "/detokenize",
+    // SGLang's native generation API.
+    "/generate",
+];
+
+/// Model listing: GET, no body.
+const MODEL_ROUTES: &[&str] = &["/v1/models"];
+
+/// What the edge makes of a request's method and path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Route {
+    /// A JSON inference route: forwarded, its body must be a JSON object.
+    Inference(String),
+    /// Any other allowed route: forwarded as it is.
+    Forward(String),
+    /// Allowed path, method not allowed there.
+    MethodNotAllowed(&'static str),
+    /// Not a route the gateway forwards.
+    NotFound,
+    /// The path could not be normalised (bad escape, climbs above the root).
+    BadPath,
+}
+
+/// The routes the gateway forwards: the defaults above plus `--allow-path`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Routes {
+    /// `--allow-path` values: exact paths, or prefixes ending in `/*`.
+    extra: Vec<String>,
+}
+
+impl Routes {
+    /// The default routes plus `extra` (`--allow-path`).
+    pub fn new(extra: &[String]) -> Self {
+        Self {
+            extra: extra.to_vec(),
+        }
+    }
+
+    /// Checks an `--allow-path` value: an absolute path, optionally ending
+    /// in `/*` for a prefix.
+    pub fn check(path: &str) -> Result<(), String> {
+        let bare = path.strip_suffix("/*").unwrap_or(path);
+        match normalize_path(bare) {
+            Some(n) if n == bare || (bare.is_empty() && path == "/*") => Ok(()),
+            _ => Err(format!(
+                "{path:?} is not a normalised absolute path (or a prefix ending in /*)"
+            )),
+        }
+    }
+
+    fn extra_allows(&self, path: &str) -> bool {
+        self.extra
+            .iter()
+            .any(|allowed| match allowed.strip_suffix("/*") {
+                Some(prefix) => path.starts_with(prefix) && path[prefix.len()..].starts_with('/'),
+                None => allowed == path,
+            })
+    }
+
+    /// Where `method path` goes.
+    pub(crate) fn route(&self, method: &Method, path: &str) -> Route {
+        if method != Method::GET && method != Method::POST {
+            // CONNECT, TRACE, PUT, DELETE, ... reach no worker anywhere.
+            return Route::MethodNotAllowed("GET, POST");
+        }
+        let Some(path) = normalize_path(path) else {
+            return Route::BadPath;
+        };
+        let path = path.into_owned();
+        if INFERENCE_ROUTES.contains(&path.as_str()) {
+            return if method == Method::POST {
+                Route::Inference(path)
+            } else {
+                Route::MethodNotAllowed("POST")
+            };
+        }
+        let models = MODEL_ROUTES.contains(&path.as_str())
+            || path
+                .strip_prefix("/v1/models/")
+                .is_some_and(|id| !id.is_empty());
+        if models {
+            return if method == Method::GET {
+                Route::Forward(path)
+            } else {
+                Route::MethodNotAllowed("GET")
+            };
+        }
+        if self.extra_allows(&path) {
+            return Route::Forward(path);
+        }
+        Route::NotFound
+    }
+}
+
+/// The path as the allow-list and the worker see it: percent-escapes of
+/// unreserved characters decoded, empty and `.` segments dropped, `..`
+/// resolved (RFC 3986 §6.2.2). `None` for a path that is not absolute, has
+/// a malformed escape or climbs above the root. Other escapes (an encoded
+/// `/` among them) stay encoded, so they match no route.
+pub(crate) fn normalize_path(path: &str) -> Option<Cow<'_, str>> {
+    if !path.starts_with('/') {
+        return None;
+    }
+    let clean = !path.contains("//")
+        && !path.contains('%')
+        && !path.split('/').any(|s| s == "." || s == "..")
+        && (path == "/" || !path.ends_with('/'));
+    if clean {
+        return Some(Cow::Borrowed(path));
+    }
+    let decoded = decode_unreserved(path)?;
+    let mut segments: Vec<&str> = Vec::new();
+    for segment in decoded.split('/') {
+        match segment {
+            "" | "." => {}
+            ".." => {
+                segments.pop()?;
+            }
+            s => segments.push(s),
+        }
+    }
+    Some(Cow::Owned(format!("/{}", segments.join("/"))))
+}
+
+fn decode_unreserved(path: &str) -> Option<String> {
+    let bytes = path.as_bytes();
+    let mut out = String::with_capacity(path.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = path.get(i + 1..i + 3)?;
+            let value = u8::from_str_radix(hex, 16).ok()?;
+            if value.is_ascii_alphanumeric() || b"-._~".contains(&value) {
+                out.push(char::from(value));
+            } else {
+                out.push('%');
+                out.push_str(&hex.to_ascii_uppercase());
+            }
+            i += 3;
+        } else {
+            let c = path[i..].chars().next()?;
+            out.push(c);
+            i += c.len_utf8();
+        }
+    }
+    Some(out)
+}
+
+/// The client's headers as a worker gets them: hop-by-hop headers, those
+/// the client names in `Connection` or `Proxy-Connection`, `Host` and
+/// `Content-Length` (hyper sets both for the hop to the worker) removed;
+/// `X-Forwarded-For` set to the peer (or, behind `trusted_hops` trusted
+/// proxies, the peer appended to it) and `X-Forwarded-Proto` set.
+pub(crate) fn forward_headers(
+    mut headers: HeaderMap,
+    peer: Option<IpAddr>,
+    trusted_hops: u32,
+) -> HeaderMap {
+    let proxy_connection = HeaderName::from_static("proxy-connection");
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .chain(headers.get_all(&proxy_connection))
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for h in HOP_BY_HOP {
+        headers.remove(h);
+    }
+    headers.remove(proxy_connection);
+    headers.remove(HeaderName::from_static("keep-alive"));
+    // The worker's authority comes from the URI; hyper sets Host from it.
+    headers.remove(header::HOST);
+    // The body may be rewritten (a fallback's model); hyper sets the length
+    // of the body actually sent.
+    headers.remove(header::CONTENT_LENGTH);
+    forwarded_for(&mut headers, peer, trusted_hops);
+    headers
+}
+
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+
+fn forwarded_for(headers: &mut HeaderMap, peer: Option<IpAddr>, trusted_hops: u32) {
+    let peer = peer.map(|ip| ip.to_string());
+    if trusted_hops == 0 {
+        // Nothing the client says about itself is trusted.
+        headers.remove(X_FORWARDED_FOR);
+        headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+        if let Some(v) = peer.and_then(|p| HeaderValue::try_from(p).ok()) {
+            headers.insert(X_FORWARDED_FOR, v);
+        }
+        return;
+    }
+    let chain: Vec<&str> = headers
+        .get_all(X_FORWARDED_FOR)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .collect();
+    let mut joined = chain.join(", ");
+    if let Some(p) = peer {
+        if !joined.is_empty() {
+            joined.push_str(", ");
+        }
+        joined.push_str(&p);
+    }
+    headers.remove(X_FORWARDED_FOR);
+    if let Ok(v) = HeaderValue::try_from(joined)
+        && !v.is_empty()
+    {
+        headers.insert(X_FORWARDED_FOR, v);
+    }
+    if !headers.contains_key(X_FORWARDED_PROTO) {
+        headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_are_normalised_before_matching() {
+        for (raw, normal) in [
+            ("/v1/chat/completions", Some("/v1/chat/completions")),
+            ("//v1//chat/./completions/", Some("/v1/chat/completions")),
+            ("/v1/x/../chat/completions", Some("/v1/chat/completions")),
+            ("/v1/%63hat/completions", Some("/v1/chat/completions")),
+            ("/v1/chat%2Fcompletions", Some("/v1/chat%2Fcompletions")),
+            ("/../etc/passwd", None),
+            ("/v1/%zz", None),
+            ("v1/models", None),
+            ("/", Some("/")),
+        ] {
+            assert_eq!(normalize_path(raw).as_deref(), normal, "{raw}");
+        }
+    }
+
+    #[test]
+    fn only_inference_and_model_routes_are_forwarded_by_default() {
+        let r = Routes::default();
+        assert_eq!(
+            r.route(&Method::POST, "/v1//chat/completions"),
+            Route::Inference("/v1/chat/completions".into())
+        );
+        assert_eq!(
+            r.route(&Method::GET, "/v1/models/llama"),
+            Route::Forward("/v1/models/llama".into())
+        );
+        for path in [
+            "/_mock/fault",
+            "/flush_cache",
+            "/start_profile",
+            "/v1/chat%2Fcompletions",
+        ] {
+            assert_eq!(r.route(&Method::POST, path), Route::NotFound, "{path}");
+        }
+        assert_eq!(
+            r.route(&Method::GET, "/v1/chat/completions"),
+            Route::MethodNotAllowed("POST")
+        );
+        assert_eq!(
+            r.route(&Method::POST, "/v1/models"),
+            Route::MethodNotAllowed("GET")
+        );
+        for method in [Method::DELETE, Method::CONNECT, Method::TRACE, Method::PUT] {
+            assert_eq!(
+                r.route(&method, "/v1/chat/completions"),
+                Route::MethodNotAllowed("GET, POST")
+            );
+        }
+        let extra = Routes::new(&["/metrics".into(), "/admin/*".into()]);
+        assert_eq!(
+            extra.route(&Method::GET, "/metrics"),
+            Route::Forward("/metrics".into())
+        );
+        assert_eq!(
+            extra.route(&Method::POST, "/admin/x"),
+            Route::Forward("/admin/x".into())
+        );
+        assert_eq!(extra.route(&Method::GET, "/administrator"), Route::NotFound);
+        assert!(Routes::check("/a/*").is_ok() && Routes::check("a").is_err());
+    }
+
+    #[test]
+    fn connection_named_headers_are_stripped_and_forwarded_for_is_the_peers() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("close, x-secret"),
+        );
+        h.insert("proxy-connection", HeaderValue::from_static("x-other"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("x-other", HeaderValue::from_static("1"));
+        h.insert("x-kept", HeaderValue::from_static("1"));
+        h.insert(X_FORWARDED_FOR, HeaderValue::from_static("6.6.6.6"));
+        let peer: IpAddr = "127.0.0.9".parse().unwrap();
+        let out = forward_headers(h.clone(), Some(peer), 0);
+        for gone in ["x-secret", "x-other", "proxy-connection", "connection"] {
+            assert!(!out.contains_key(gone), "{gone}");
+        }
+        assert!(out.contains_key("x-kept"));
+        assert_eq!(
+            out[X_FORWARDED_FOR], "127.0.0.9",
+            "a forged chain is replaced"
+        );
+        assert_eq!(out[X_FORWARDED_PROTO], "http");
+        let trusted = forward_headers(h, Some(peer), 1);
+        assert_eq!(trusted[X_FORWARDED_FOR], "6.6.6.6, 127.0.0.9");
+    }
+}

@@ -1,0 +1,33 @@
+//! `cargo xtask fuzz`: every cargo-fuzz target in `fuzz/` for a bounded
+//! time each (nightly, libFuzzer). Installs cargo-fuzz when it is missing.
+//! A crash fails the run and leaves its input under `fuzz/artifacts/`.
+
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{Context, Result};
+
+use crate::shell::run;
+
+/// The targets, as `fuzz/Cargo.toml` names them.
+const TARGETS: [&str; 3] = ["request", "config_toml", "admin_body"];
+
+pub fn fuzz(root: &Path, seconds: u64) -> Result<()> {
+    let installed = Command::new("cargo")
+        .args(["+nightly", "fuzz", "--version"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !installed {
+        run(Command::new("cargo").args(["install", "cargo-fuzz", "--locked"]))
+            .context("installing cargo-fuzz")?;
+    }
+    for target in TARGETS {
+        eprintln!("==> fuzz {target} for {seconds}s");
+        run(Command::new("cargo")
+            .args(["+nightly", "fuzz", "run", target, "--"])
+            .arg(format!("-max_total_time={seconds}"))
+            .current_dir(root))
+        .with_context(|| format!("fuzz target {target} failed (see fuzz/artifacts/{target})"))?;
+    }
+    Ok(())
+}
