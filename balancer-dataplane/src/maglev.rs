@@ -161,4 +161,52 @@ mod tests {
     fn no_members_no_table() {
         assert!(build(&[], 251).is_empty());
     }
+
+    /// Two balancers that learned the same workers in different orders
+    /// hold them in different backend slots; steering is identical when
+    /// every table slot names the same worker, through adds, removals and
+    /// isolations (an isolated worker leaves the routable set).
+    #[test]
+    fn two_balancers_steer_alike_whatever_order_they_learned_the_workers_in() {
+        let workers: Vec<u64> = (1..=12u8)
+            .map(|i| member_key(u32::from_ne_bytes([10, 0, 1, i]), 8000u16.to_be()))
+            .collect();
+        // Balancer A learned them in order, B in reverse: slot indices differ.
+        let slot_a = |k: u64| workers.iter().position(|&w| w == k).unwrap() as u32;
+        let slot_b =
+            |k: u64| (workers.len() - 1 - workers.iter().position(|&w| w == k).unwrap()) as u32;
+        let steer = |set: &[u64], slot: &dyn Fn(u64) -> u32| -> Vec<u64> {
+            let members: Vec<Member> = set
+                .iter()
+                .map(|&key| Member {
+                    index: slot(key),
+                    key,
+                })
+                .collect();
+            let by_index = |i: u32| members.iter().find(|m| m.index == i).unwrap().key;
+            build(&members, 1009).into_iter().map(by_index).collect()
+        };
+        let mut routable: Vec<u64> = workers[..8].to_vec();
+        let mut reversed = routable.clone();
+        reversed.reverse();
+        assert_eq!(steer(&routable, &slot_a), steer(&reversed, &slot_b));
+        for change in 0..6 {
+            match change % 3 {
+                // A worker joins.
+                0 => routable.push(workers[8 + change / 3]),
+                // One is isolated (its breaker opened) or removed.
+                1 => {
+                    routable.remove(change % routable.len());
+                }
+                _ => routable.rotate_left(3),
+            }
+            let mut other = routable.clone();
+            other.reverse();
+            assert_eq!(
+                steer(&routable, &slot_a),
+                steer(&other, &slot_b),
+                "after change {change}"
+            );
+        }
+    }
 }

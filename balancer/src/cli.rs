@@ -26,6 +26,7 @@ use balancer_dataplane::steering::{ForwardMode, L4Config};
 use http::HeaderName;
 
 use crate::config::{ConnectionConfig, GatewayConfig};
+use crate::discovery::etcd::{EtcdConfig, Registration};
 use crate::proxy::{HealthCheckConfig, ProxyConfig, RetryPolicy, Routes};
 
 fn positive_f64(s: &str) -> Result<f64, String> {
@@ -100,6 +101,13 @@ pub struct LaunchArgs {
     /// Worker base URLs (http://host:port).
     #[arg(long, num_args = 1.., value_name = "URL")]
     pub worker_urls: Vec<String>,
+    /// Discover workers through etcd at these endpoints (http://host:port,
+    /// comma-separated or repeated), beside --worker-urls.
+    #[arg(long, value_delimiter = ',', value_name = "URL")]
+    pub etcd_endpoints: Vec<String>,
+    /// The etcd key prefix; workers are `<PREFIX>workers/<id>`.
+    #[arg(long, default_value = "/balancer/")]
+    pub etcd_prefix: String,
     /// Start N built-in demo workers on loopback and route to them
     /// (what `cargo xtask run` does).
     #[arg(long, default_value_t = 0, value_name = "N")]
@@ -502,6 +510,10 @@ impl LaunchArgs {
             admin_token: self.admin_token()?,
             metrics_prefix: self.metrics_prefix.clone(),
             workers,
+            etcd: (!self.etcd_endpoints.is_empty()).then(|| EtcdConfig {
+                endpoints: self.etcd_endpoints.clone(),
+                prefix: self.etcd_prefix.clone(),
+            }),
             policy: self.policy,
             proxy: ProxyConfig {
                 retry: RetryPolicy {
@@ -925,5 +937,56 @@ resilience = { capacity_status_codes = [429, 503], cb_failure_threshold = 2 }
             p.backoff(1, Some(Duration::from_secs(60))),
             Duration::from_millis(1000)
         );
+    }
+}
+
+/// `balancer register`: keep one worker registered in etcd under a lease
+/// (a sidecar for nodes that cannot write etcd themselves).
+#[derive(Debug, Clone, Args)]
+pub struct RegisterArgs {
+    /// etcd endpoints (http://host:port, comma-separated or repeated).
+    #[arg(long, value_delimiter = ',', required = true, value_name = "URL")]
+    pub etcd_endpoints: Vec<String>,
+    /// The etcd key prefix the balancers watch.
+    #[arg(long, default_value = "/balancer/")]
+    pub etcd_prefix: String,
+    /// The worker's id: its key is `<PREFIX>workers/<ID>`.
+    #[arg(long)]
+    pub id: String,
+    /// The worker's base URL (http://host:port).
+    #[arg(long)]
+    pub url: String,
+    /// The model it serves (learned from its /v1/models when absent).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Lease time to live, in seconds (at least 2); renewed every third.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(2..))]
+    pub ttl_secs: u64,
+}
+
+impl RegisterArgs {
+    /// The registration these arguments describe, checked.
+    pub fn registration(&self) -> anyhow::Result<Registration> {
+        if self.id.is_empty() || self.id.contains('/') {
+            bail!(
+                "invalid value '{}' for '--id': a non-empty name without '/'",
+                self.id
+            );
+        }
+        let spec = WorkerSpec {
+            model: self.model.clone(),
+            ..WorkerSpec::from_url(&self.url)
+        };
+        spec.validate()
+            .with_context(|| format!("invalid value '{}' for '--url'", self.url))?;
+        Ok(Registration {
+            etcd: EtcdConfig {
+                endpoints: self.etcd_endpoints.clone(),
+                prefix: self.etcd_prefix.clone(),
+            },
+            id: self.id.clone(),
+            spec,
+            ttl: Duration::from_secs(self.ttl_secs),
+        })
     }
 }

@@ -21,6 +21,7 @@ use balancer_core::spec::{BreakerDefaults, WorkerAddress, WorkerSpec};
 use balancer_dataplane::maglev::is_prime;
 use balancer_dataplane::steering::L4Config;
 
+use crate::discovery::etcd::EtcdConfig;
 use crate::proxy::{HealthCheckConfig, ProxyConfig, RetryPolicy, Routes};
 
 /// Everything one agent is started with.
@@ -38,6 +39,9 @@ pub struct GatewayConfig {
     pub metrics_prefix: String,
     /// The workers to start with (`--worker-urls`, `[[workers]]`).
     pub workers: Vec<WorkerSpec>,
+    /// `--etcd-endpoints`, `--etcd-prefix`: workers discovered through etcd,
+    /// beside `workers`.
+    pub etcd: Option<EtcdConfig>,
     /// `--policy`.
     pub policy: Policy,
     /// Timeouts, retries, replay limit, routing key and fallbacks.
@@ -104,6 +108,7 @@ impl Default for GatewayConfig {
             admin_token: None,
             metrics_prefix: "balancer".to_owned(),
             workers: Vec::new(),
+            etcd: None,
             policy: Policy::PowerOfTwo,
             proxy: ProxyConfig::default(),
             breaker: BreakerDefaults::default(),
@@ -189,6 +194,25 @@ impl GatewayConfig {
             ));
         }
         check_fallbacks(&self.proxy.fallbacks)?;
+        if let Some(etcd) = &self.etcd {
+            if etcd.endpoints.is_empty() {
+                return Err(invalid("--etcd-endpoints", "no endpoint"));
+            }
+            for e in &etcd.endpoints {
+                if !e.starts_with("http://") {
+                    return Err(invalid(
+                        "--etcd-endpoints",
+                        format!("{e:?}: an http://host:port URL"),
+                    ));
+                }
+            }
+            if !etcd.prefix.starts_with('/') || !etcd.prefix.ends_with('/') {
+                return Err(invalid(
+                    "--etcd-prefix",
+                    format!("{:?}: starts and ends with '/'", etcd.prefix),
+                ));
+            }
+        }
         if self.admin_token.is_none() && !self.admin_listen.ip().is_loopback() {
             return Err(invalid(
                 "--admin-token",
@@ -222,7 +246,16 @@ impl GatewayConfig {
         if let Some(l4) = &self.l4 {
             check_l4(l4)?;
         }
+        let mut seen = std::collections::HashSet::new();
         for spec in &self.workers {
+            if let Ok(address) = WorkerAddress::parse(&spec.url)
+                && !seen.insert(address.base.clone())
+            {
+                return Err(invalid(
+                    "--worker-urls",
+                    format!("{} is listed twice", address.base),
+                ));
+            }
             spec.validate()
                 .map_err(|e| invalid("--worker-urls", e.to_string()))?;
         }

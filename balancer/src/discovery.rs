@@ -1,28 +1,45 @@
 //! Where workers come from.
 //!
-//! Owns the [`Discovery`] trait the gateway asks for its workers at start,
-//! and its first implementation, the static list of the configuration
-//! (`--worker-urls`, `[[workers]]`). Sources that follow a changing fleet
-//! (etcd, Kubernetes) implement the same trait. A source only describes
-//! workers; it must not touch the registry, breakers or sockets of the
-//! request path: the gateway applies what it says.
+//! Owns the [`Discovery`] trait the gateway asks for its workers, its
+//! implementations (the static list of the configuration, `--worker-urls`
+//! and `[[workers]]`; [`etcd`]), and [`FleetUpdates`], the one place where a
+//! source's view turns into registry changes: adds, overrides, and drains
+//! before removal. A source only describes workers; it must not touch
+//! breakers or the request path.
 
+pub mod etcd;
+
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
+use balancer_core::metrics::MetricsSource;
+use balancer_core::registry::{Registry, RegistryError, Worker};
 use balancer_core::spec::WorkerSpec;
 
 /// A future a discovery source returns.
-pub type DiscoveryFuture<'a, T> = Pin<Box<dyn Future<Output = anyhow::Result<T>> + Send + 'a>>;
+pub type DiscoveryFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// A source of worker specs.
 pub trait Discovery: Send + Sync {
     /// A short name for logs (`static`, `etcd`, ...).
     fn name(&self) -> &'static str;
 
-    /// The workers the source knows now; the gateway adds them all (or, when
-    /// any is invalid, none) before it serves.
-    fn initial(&self) -> DiscoveryFuture<'_, Vec<WorkerSpec>>;
+    /// The workers the source knows now, applied before the gateway serves.
+    /// A source that cannot be reached yet returns what it has (nothing)
+    /// and catches up in [`Discovery::follow`].
+    fn initial(&self) -> DiscoveryFuture<'_, Vec<(String, WorkerSpec)>>;
+
+    /// Follows the source for the agent's life, applying every change
+    /// through `fleet`. A source that never changes returns at once.
+    fn follow(self: Arc<Self>, fleet: Arc<FleetUpdates>) -> DiscoveryFuture<'static, ()>;
+
+    /// The source's own series (its connection state), if it has any.
+    fn series(self: Arc<Self>) -> Option<Arc<dyn MetricsSource>> {
+        None
+    }
 }
 
 /// The workers the configuration names, fixed for the agent's life.
@@ -42,7 +59,115 @@ impl Discovery for StaticList {
         "static"
     }
 
-    fn initial(&self) -> DiscoveryFuture<'_, Vec<WorkerSpec>> {
-        Box::pin(std::future::ready(Ok(self.workers.clone())))
+    fn initial(&self) -> DiscoveryFuture<'_, Vec<(String, WorkerSpec)>> {
+        let listed = self
+            .workers
+            .iter()
+            .map(|w| (w.url.clone(), w.clone()))
+            .collect();
+        Box::pin(std::future::ready(listed))
+    }
+
+    fn follow(self: Arc<Self>, _fleet: Arc<FleetUpdates>) -> DiscoveryFuture<'static, ()> {
+        Box::pin(std::future::ready(()))
+    }
+}
+
+/// Called for each worker a source adds (the gateway starts its prober).
+pub type OnAdded = Arc<dyn Fn(&Arc<Worker>) + Send + Sync>;
+
+/// Applies one source's view of its workers to the registry. Each worker is
+/// known by the source's key for it (an etcd key); a key that changes its
+/// URL, model or labels replaces its worker, one that changes only its
+/// `resilience` patches it, and a key that goes away drains its worker
+/// (in-flight requests finish, up to the drain timeout) before removal.
+pub struct FleetUpdates {
+    registry: Arc<Registry>,
+    on_added: OnAdded,
+    drain_timeout: Duration,
+    /// Source key → the worker it made and the spec it made it from.
+    known: Mutex<HashMap<String, (Arc<Worker>, WorkerSpec)>>,
+}
+
+impl FleetUpdates {
+    pub fn new(registry: Arc<Registry>, on_added: OnAdded, drain_timeout: Duration) -> Self {
+        Self {
+            registry,
+            on_added,
+            drain_timeout,
+            known: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Adds or updates the worker of `key`. Invalid specs and duplicates of
+    /// a worker another source added are logged and change nothing.
+    pub fn upsert(&self, key: &str, spec: WorkerSpec) {
+        let mut known = self.known.lock().unwrap();
+        if let Some((worker, old)) = known.get(key) {
+            if *old == spec {
+                return;
+            }
+            let same_worker =
+                old.url == spec.url && old.model == spec.model && old.labels == spec.labels;
+            if same_worker {
+                match self.registry.patch_resilience(&worker.id, &spec.resilience) {
+                    Ok(w) => {
+                        known.insert(key.to_owned(), (w, spec));
+                    }
+                    Err(error) => tracing::warn!(key, %error, "ignoring a worker update"),
+                }
+                return;
+            }
+            let (worker, _) = known.remove(key).expect("present");
+            self.retire(worker);
+        }
+        match self.registry.add(&spec) {
+            Ok(worker) => {
+                (self.on_added)(&worker);
+                tracing::info!(key, worker = %worker.url, "discovered worker added");
+                known.insert(key.to_owned(), (worker, spec));
+            }
+            Err(RegistryError::Duplicate(url)) => {
+                tracing::warn!(key, worker = %url, "ignoring a discovered worker: its URL is already served");
+            }
+            Err(error) => tracing::warn!(key, %error, "ignoring an invalid discovered worker"),
+        }
+    }
+
+    /// Drains and removes the worker of `key`, if there is one.
+    pub fn remove(&self, key: &str) {
+        let removed = self.known.lock().unwrap().remove(key);
+        if let Some((worker, _)) = removed {
+            tracing::info!(key, worker = %worker.url, "discovered worker gone: draining");
+            self.retire(worker);
+        }
+    }
+
+    /// Makes the source's workers exactly `current`: keys not in it are
+    /// removed, the others added or updated (after a reconnection).
+    pub fn resync(&self, current: Vec<(String, WorkerSpec)>) {
+        let keys: Vec<String> = self.known.lock().unwrap().keys().cloned().collect();
+        for key in keys {
+            if !current.iter().any(|(k, _)| *k == key) {
+                self.remove(&key);
+            }
+        }
+        for (key, spec) in current {
+            self.upsert(&key, spec);
+        }
+    }
+
+    fn retire(&self, worker: Arc<Worker>) {
+        let Ok(worker) = self.registry.drain(&worker.id) else {
+            return;
+        };
+        let (registry, timeout) = (self.registry.clone(), self.drain_timeout);
+        tokio::spawn(async move {
+            let deadline = tokio::time::Instant::now() + timeout;
+            while worker.inflight() > 0 && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            registry.remove(&worker);
+        });
     }
 }

@@ -28,7 +28,8 @@ use balancer_dataplane::steering::Steering;
 
 use crate::admin::Admin;
 use crate::config::GatewayConfig;
-use crate::discovery::{Discovery, StaticList};
+use crate::discovery::etcd::EtcdDiscovery;
+use crate::discovery::{Discovery, FleetUpdates, OnAdded, StaticList};
 use crate::metrics::Exposition;
 use crate::proxy::{GatewayStats, Prober, Proxy};
 use crate::server::{ConnectionLimits, serve};
@@ -45,6 +46,8 @@ pub struct Gateway {
     pub proxy: Arc<Proxy>,
     /// The XDP dataplane, with `--xdp-iface`.
     steering: Option<Steering>,
+    /// The discovery sources' follow tasks.
+    discovery: Vec<tokio::task::AbortHandle>,
     shutdown: watch::Sender<bool>,
     listeners: JoinSet<()>,
     serving: Vec<std::thread::JoinHandle<()>>,
@@ -136,16 +139,21 @@ impl Gateway {
         config: GatewayConfig,
         clock: Arc<dyn Clock>,
     ) -> anyhow::Result<Self> {
-        let discovery = StaticList::new(config.workers.clone());
-        Self::start_with(config, clock, &discovery).await
+        let mut sources: Vec<Arc<dyn Discovery>> =
+            vec![Arc::new(StaticList::new(config.workers.clone()))];
+        if let Some(etcd) = &config.etcd {
+            sources.push(EtcdDiscovery::new(etcd.clone()));
+        }
+        Self::start_with(config, clock, sources).await
     }
 
     /// The library entry point: the agent described by `config`, its workers
-    /// from `discovery`, its breakers on `clock`.
+    /// from `sources` (each applied through its own [`FleetUpdates`]), its
+    /// breakers on `clock`.
     pub async fn start_with(
         config: GatewayConfig,
         clock: Arc<dyn Clock>,
-        discovery: &dyn Discovery,
+        sources: Vec<Arc<dyn Discovery>>,
     ) -> anyhow::Result<Self> {
         config.validate()?;
         let registry = Registry::new(
@@ -169,12 +177,23 @@ impl Gateway {
         let admission = config.admission.map(|a| Arc::new(Admission::new(a)));
 
         let prober = Prober::new(registry.clone(), config.health_check.clone());
-        let specs = discovery
-            .initial()
-            .await
-            .with_context(|| format!("cannot discover workers ({})", discovery.name()))?;
-        for worker in registry.add_all(&specs).context("invalid worker list")? {
-            prober.spawn(&worker);
+        let on_added: OnAdded = {
+            let prober = prober.clone();
+            Arc::new(move |w| prober.spawn(w))
+        };
+        let mut discovery = Vec::new();
+        let mut discovery_series = Vec::new();
+        for source in sources {
+            let fleet = Arc::new(FleetUpdates::new(
+                registry.clone(),
+                on_added.clone(),
+                config.shutdown_grace,
+            ));
+            for (key, spec) in source.initial().await {
+                fleet.upsert(&key, spec);
+            }
+            discovery_series.extend(source.clone().series());
+            discovery.push(tokio::spawn(source.follow(fleet)).abort_handle());
         }
 
         let steering = match &config.l4 {
@@ -193,6 +212,7 @@ impl Gateway {
         if let Some(s) = &steering {
             sources.push(s.metrics());
         }
+        sources.extend(discovery_series);
         let exposition = Arc::new(Exposition::new(&config.metrics_prefix, sources));
 
         let proxy = Arc::new(Proxy::new(
@@ -282,7 +302,8 @@ impl Gateway {
             Duration::from_secs(1),
         ));
 
-        tracing::info!(%addr, %metrics_addr, %admin_addr, workers = specs.len(), policy = config.policy.as_str(), discovery = discovery.name(), "balancer listening");
+        let workers = registry.fleet().workers.len();
+        tracing::info!(%addr, %metrics_addr, %admin_addr, workers, policy = config.policy.as_str(), "balancer listening");
         Ok(Self {
             addr,
             metrics_addr,
@@ -290,6 +311,7 @@ impl Gateway {
             registry,
             proxy,
             steering,
+            discovery,
             shutdown,
             listeners,
             serving,
@@ -305,6 +327,9 @@ impl Gateway {
     /// period, then stops the workers' tasks.
     pub async fn shutdown(mut self) {
         let _ = self.shutdown.send(true);
+        for task in &self.discovery {
+            task.abort();
+        }
         while self.listeners.join_next().await.is_some() {}
         let serving = std::mem::take(&mut self.serving);
         let _ = tokio::task::spawn_blocking(move || {

@@ -30,6 +30,9 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<OsString>,
     },
+    /// Keep one worker registered in etcd under a lease until SIGTERM (a
+    /// sidecar for nodes that cannot write etcd themselves).
+    Register(balancer::cli::RegisterArgs),
     /// Run the demo OpenAI-compatible worker that misbehaves on command.
     #[cfg(feature = "demo-workers")]
     MockWorker(balancer_mock_worker::MockWorkerArgs),
@@ -100,6 +103,15 @@ async fn launch(args: LaunchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// SIGINT or SIGTERM.
+async fn signal() -> std::io::Result<()> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r,
+        _ = term.recv() => Ok(()),
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -110,6 +122,13 @@ fn main() -> anyhow::Result<()> {
             let args = LaunchArgs::parse_with_config(args)?;
             init_logging(&args.log_level, args.log_json)?;
             runtime.block_on(launch(args))
+        }
+        Command::Register(args) => {
+            init_logging("info", false)?;
+            let registration = args.registration()?;
+            runtime.block_on(balancer::discovery::etcd::register(registration, async {
+                let _ = signal().await;
+            }))
         }
         #[cfg(feature = "demo-workers")]
         Command::MockWorker(args) => {

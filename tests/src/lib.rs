@@ -1,12 +1,13 @@
 //! Helpers shared by the end-to-end tests, one module per concern: the
 //! in-process gateway harness ([`gateway`]) and a worker that records what
-//! it receives ([`capture`]), raw frames ([`packet`]),
+//! it receives ([`capture`]), a real etcd ([`etcd`]), raw frames ([`packet`]),
 //! network namespaces ([`netns`]) and runtimes inside them ([`ns_runtime`]),
 //! L4 services written straight into the maps ([`l4`]), raw HTTP/1.1
 //! exchanges ([`http1`]) and the namespace scenario both forwarding modes
 //! pass ([`l4e2e`]). Helpers never assert on behalf of a test they do not
 //! know; they return what they saw.
 pub mod capture;
+pub mod etcd;
 pub mod gateway;
 
 use std::path::PathBuf;

@@ -41,3 +41,8 @@ fn the_xdp_unit_passes_systemd_analyze_verify() {
 fn the_l7_unit_passes_systemd_analyze_verify() {
     verify("balancer-l7.service");
 }
+
+#[test]
+fn the_register_sidecar_unit_passes_systemd_analyze_verify() {
+    verify("balancer-register@.service");
+}

@@ -15,14 +15,23 @@ use crate::shell::{capture, display, stdout_of, with_cargo_bin};
 /// The bpf-linker release that builds against the nightly's LLVM here.
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
-/// Debian packages the tests and benchmarks call.
-const PACKAGES: [&str; 6] = [
+/// Debian packages that building the agent needs: etcd-client compiles
+/// etcd's protos with `protoc` at build time. `cargo xtask run` installs
+/// these too.
+const BUILD_PACKAGES: [&str; 1] = ["protobuf-compiler"];
+
+/// Debian packages the build, the tests and benchmarks call.
+const PACKAGES: [&str; 9] = [
     "iproute2",
     "ethtool",
     "bpftool",
     "nftables",
     "wrk",
     "iputils-ping",
+    "protobuf-compiler",
+    // The discovery tests start their own etcd (the packaged service is not used).
+    "etcd-server",
+    "etcd-client",
 ];
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -38,9 +47,11 @@ pub fn run(scope: Scope) -> Result<()> {
     if let Err(error) = toolchain() {
         failed.push(format!("{error:#}"));
     }
-    if scope == Scope::Everything
-        && let Err(error) = packages()
-    {
+    let packages = match scope {
+        Scope::Toolchain => &BUILD_PACKAGES[..],
+        Scope::Everything => &PACKAGES[..],
+    };
+    if let Err(error) = install_packages(packages) {
         failed.push(format!("{error:#}"));
     }
     if !failed.is_empty() {
@@ -225,10 +236,10 @@ fn rustup() -> Command {
     with_cargo_bin("rustup")
 }
 
-fn packages() -> Result<()> {
+fn install_packages(packages: &[&'static str]) -> Result<()> {
     let name = "Debian packages";
     step(name, || {
-        let missing = missing_packages()?;
+        let missing = missing_packages(packages)?;
         if missing.is_empty() {
             return Ok(Done::AlreadyThere(()));
         }
@@ -253,7 +264,7 @@ fn packages() -> Result<()> {
             .env("DEBIAN_FRONTEND", "noninteractive");
         installing(name, &install);
         crate::shell::run(&mut install)?;
-        let still_missing = missing_packages()?;
+        let still_missing = missing_packages(packages)?;
         if !still_missing.is_empty() {
             bail!("still missing after apt-get: {}", still_missing.join(" "));
         }
@@ -261,9 +272,9 @@ fn packages() -> Result<()> {
     })
 }
 
-fn missing_packages() -> Result<Vec<&'static str>> {
+fn missing_packages(packages: &[&'static str]) -> Result<Vec<&'static str>> {
     let mut missing = Vec::new();
-    for package in PACKAGES {
+    for &package in packages {
         let output = capture(
             Command::new("dpkg-query").args(["--show", "--showformat=${db:Status-Status}", package]),
         )

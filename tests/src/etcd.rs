@@ -1,0 +1,127 @@
+//! A real etcd (Debian's `etcd-server`) on loopback for the discovery
+//! tests: its own temporary data directory and free ports, started and
+//! stopped by PID, removed on every exit path.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A running etcd; killed and its directory removed when dropped.
+pub struct Etcd {
+    child: Option<Child>,
+    pub dir: PathBuf,
+    pub client_port: u16,
+    peer_port: u16,
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// `/usr/bin/etcd`, or `None` after printing why the calling test is skipped.
+pub fn etcd_binary() -> Option<&'static str> {
+    const BINARY: &str = "/usr/bin/etcd";
+    if std::path::Path::new(BINARY).exists() {
+        return Some(BINARY);
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "CI is set and etcd is missing: `cargo xtask setup` installs etcd-server"
+    );
+    eprintln!("\n*** SKIPPED: etcd is not installed (cargo xtask setup installs it as root) ***\n");
+    None
+}
+
+impl Etcd {
+    /// A fresh single-member etcd; `None` (skipped) without the binary.
+    pub fn start() -> Option<Self> {
+        etcd_binary()?;
+        let dir = std::env::temp_dir().join(format!(
+            "balancer-etcd-{}-{}",
+            std::process::id(),
+            free_port()
+        ));
+        let mut etcd = Self {
+            child: None,
+            dir,
+            client_port: free_port(),
+            peer_port: free_port(),
+        };
+        etcd.run(etcd.client_port);
+        Some(etcd)
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    /// Starts (again) on the same data directory, serving clients on `port`.
+    pub fn run(&mut self, port: u16) {
+        self.stop();
+        let client = format!("http://127.0.0.1:{port}");
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let child = Command::new("/usr/bin/etcd")
+            .arg("--name=test")
+            .arg(format!("--data-dir={}", self.dir.display()))
+            .arg(format!("--listen-client-urls={client}"))
+            .arg(format!("--advertise-client-urls={client}"))
+            .arg(format!("--listen-peer-urls={peer}"))
+            .arg(format!("--initial-advertise-peer-urls={peer}"))
+            .arg(format!("--initial-cluster=test={peer}"))
+            .arg("--initial-cluster-state=new")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("etcd starts");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let healthy = Command::new("/usr/bin/etcdctl")
+                .arg(format!("--endpoints={client}"))
+                .args(["endpoint", "health", "--command-timeout=1s"])
+                .env("ETCDCTL_API", "3")
+                .output()
+                .is_ok_and(|o| o.status.success());
+            if healthy {
+                return;
+            }
+            assert!(Instant::now() < deadline, "etcd did not become healthy");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Kills etcd (by its PID) and waits for it; the data stays.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// `etcdctl ARGS` against `port`; panics when it fails.
+    pub fn ctl(&self, port: u16, args: &[&str]) -> String {
+        let out = Command::new("/usr/bin/etcdctl")
+            .arg(format!("--endpoints=http://127.0.0.1:{port}"))
+            .args(args)
+            .env("ETCDCTL_API", "3")
+            .output()
+            .expect("etcdctl runs");
+        assert!(
+            out.status.success(),
+            "etcdctl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -1,0 +1,265 @@
+//! Worker discovery through a real etcd on loopback: workers at start, put,
+//! update, delete, lease expiry, bad values, etcd down and back, and the
+//! registration sidecar. Each test starts its own etcd and stops it by PID.
+
+use std::time::Duration;
+
+use balancer::discovery::etcd::{EtcdConfig, Registration, register};
+use balancer_core::spec::WorkerSpec;
+use balancer_mock_worker::{MockWorker, MockWorkerConfig};
+use balancer_tests::etcd::Etcd;
+use balancer_tests::gateway::{CHAT, Harness, eventually, harness_with_urls, quiet};
+use http::{Method, StatusCode};
+
+const KEY: &str = "/balancer/workers/";
+
+async fn demo(name: &str) -> MockWorker {
+    MockWorker::spawn(([127, 0, 0, 1], 0).into(), MockWorkerConfig::named(name))
+        .await
+        .unwrap()
+}
+
+fn value(url: &str) -> String {
+    format!(r#"{{"url":"{url}","model":"demo-model"}}"#)
+}
+
+async fn gateway(etcd: &Etcd, static_urls: &[String]) -> Harness {
+    let url = etcd.url();
+    harness_with_urls(static_urls, move |c| {
+        quiet(c);
+        c.etcd = Some(EtcdConfig {
+            endpoints: vec![url],
+            prefix: "/balancer/".into(),
+        });
+    })
+    .await
+}
+
+fn served(h: &Harness, url: &str) -> bool {
+    h.gw.registry.fleet().get(url).is_some()
+}
+
+/// Within `limit` (the contract's bound), checked every 20 ms.
+async fn within(limit: Duration, what: &str, check: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + limit;
+    while !check() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not within {limit:?}: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn workers_in_etcd_at_start_are_served_beside_static_ones() {
+    let Some(etcd) = Etcd::start() else { return };
+    let (a, b) = (demo("a").await, demo("b").await);
+    etcd.ctl(
+        etcd.client_port,
+        &["put", &format!("{KEY}a"), &value(&a.url())],
+    );
+    let h = gateway(&etcd, &[b.url()]).await;
+    assert!(served(&h, &a.url()) && served(&h, &b.url()));
+    assert_eq!(h.chat(CHAT).await.status, StatusCode::OK);
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn a_put_adds_or_updates_and_a_delete_drains_and_removes_within_a_second() {
+    let Some(etcd) = Etcd::start() else { return };
+    let a = demo("a").await;
+    let h = gateway(&etcd, &[]).await;
+    let key = format!("{KEY}a");
+    etcd.ctl(etcd.client_port, &["put", &key, &value(&a.url())]);
+    within(Duration::from_secs(1), "added", || served(&h, &a.url())).await;
+    let listed = h.admin(Method::GET, "/workers", "").await.json();
+    assert_eq!(
+        listed["workers"][0]["url"],
+        a.url().as_str(),
+        "shown like a static worker"
+    );
+    let updated = format!(
+        r#"{{"url":"{}","model":"demo-model","resilience":{{"cb_failure_threshold":7}}}}"#,
+        a.url()
+    );
+    etcd.ctl(etcd.client_port, &["put", &key, &updated]);
+    within(Duration::from_secs(1), "updated", || {
+        h.gw.registry
+            .fleet()
+            .get(&a.url())
+            .is_some_and(|w| w.breaker.settings().failure_threshold == 7)
+    })
+    .await;
+    let effective = h.admin(Method::GET, "/workers", "").await.json();
+    assert_eq!(
+        effective["workers"][0]["effective"]["cb_failure_threshold"],
+        7
+    );
+    etcd.ctl(etcd.client_port, &["del", &key]);
+    within(Duration::from_secs(1), "removed", || !served(&h, &a.url())).await;
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn an_expired_lease_removes_its_worker() {
+    let Some(etcd) = Etcd::start() else { return };
+    let a = demo("a").await;
+    let h = gateway(&etcd, &[]).await;
+    let granted = etcd.ctl(etcd.client_port, &["lease", "grant", "2"]);
+    let lease = granted
+        .split_whitespace()
+        .nth(1)
+        .expect("lease id")
+        .to_owned();
+    etcd.ctl(
+        etcd.client_port,
+        &[
+            "put",
+            &format!("{KEY}a"),
+            &value(&a.url()),
+            &format!("--lease={lease}"),
+        ],
+    );
+    within(Duration::from_secs(1), "added", || served(&h, &a.url())).await;
+    // Nobody keeps the lease alive: etcd expires it after its 2 s.
+    within(Duration::from_secs(5), "removed at expiry", || {
+        !served(&h, &a.url())
+    })
+    .await;
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn bad_values_are_ignored_and_the_other_workers_untouched() {
+    let Some(etcd) = Etcd::start() else { return };
+    let a = demo("a").await;
+    let h = gateway(&etcd, &[]).await;
+    etcd.ctl(
+        etcd.client_port,
+        &["put", &format!("{KEY}a"), &value(&a.url())],
+    );
+    within(Duration::from_secs(1), "added", || served(&h, &a.url())).await;
+    for (key, bad) in [
+        ("json", "{not json".to_owned()),
+        ("scheme", r#"{"url":"ftp://127.0.0.1:1"}"#.to_owned()),
+        (
+            "resilience",
+            r#"{"url":"http://127.0.0.1:2","resilience":{"cb_failure_threshold":0}}"#.to_owned(),
+        ),
+        (
+            "field",
+            r#"{"url":"http://127.0.0.1:3","colour":"blue"}"#.to_owned(),
+        ),
+    ] {
+        etcd.ctl(etcd.client_port, &["put", &format!("{KEY}{key}"), &bad]);
+    }
+    // A later good put proves the bad ones were read (and skipped) first.
+    let b = demo("b").await;
+    etcd.ctl(
+        etcd.client_port,
+        &["put", &format!("{KEY}b"), &value(&b.url())],
+    );
+    within(Duration::from_secs(1), "b added", || served(&h, &b.url())).await;
+    assert_eq!(h.gw.registry.fleet().workers.len(), 2, "only a and b");
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn with_etcd_away_the_last_set_serves_and_its_return_resyncs() {
+    let Some(mut etcd) = Etcd::start() else {
+        return;
+    };
+    let (a, b, c) = (demo("a").await, demo("b").await, demo("c").await);
+    etcd.ctl(
+        etcd.client_port,
+        &["put", &format!("{KEY}a"), &value(&a.url())],
+    );
+    etcd.ctl(
+        etcd.client_port,
+        &["put", &format!("{KEY}b"), &value(&b.url())],
+    );
+    let h = gateway(&etcd, &[]).await;
+    let up = |m: &str| m.contains("balancer_discovery_up{source=\"etcd\"} 1");
+    let down = |m: &str| m.contains("balancer_discovery_up{source=\"etcd\"} 0");
+    eventually("discovery up", || async { up(&h.metrics().await) }).await;
+
+    // etcd goes away: nothing is removed, the gauge drops within 10 s.
+    etcd.stop();
+    let started = tokio::time::Instant::now();
+    eventually("discovery down", || async { down(&h.metrics().await) }).await;
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert!(
+        served(&h, &a.url()) && served(&h, &b.url()),
+        "the last known set"
+    );
+    assert_eq!(h.chat(CHAT).await.status, StatusCode::OK);
+
+    // Meanwhile the fleet changes where this balancer cannot see it: etcd
+    // runs on another port, B is deleted and C added.
+    let elsewhere = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    etcd.run(elsewhere);
+    etcd.ctl(elsewhere, &["del", &format!("{KEY}b")]);
+    etcd.ctl(elsewhere, &["put", &format!("{KEY}c"), &value(&c.url())]);
+    etcd.stop();
+
+    // Back where the balancer looks: resynced within 3 s.
+    let port = etcd.client_port;
+    etcd.run(port);
+    within(Duration::from_secs(3), "resynced", || {
+        served(&h, &a.url()) && !served(&h, &b.url()) && served(&h, &c.url())
+    })
+    .await;
+    eventually("discovery up again", || async { up(&h.metrics().await) }).await;
+    // And watching again from the resynced revision.
+    etcd.ctl(port, &["del", &format!("{KEY}a")]);
+    within(Duration::from_secs(1), "a removed", || {
+        !served(&h, &a.url())
+    })
+    .await;
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn the_register_sidecar_keeps_a_lease_and_deletes_its_key_on_stop() {
+    let Some(etcd) = Etcd::start() else { return };
+    let a = demo("a").await;
+    let h = gateway(&etcd, &[]).await;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let sidecar = tokio::spawn(register(
+        Registration {
+            etcd: EtcdConfig {
+                endpoints: vec![etcd.url()],
+                prefix: "/balancer/".into(),
+            },
+            id: "a".into(),
+            spec: WorkerSpec {
+                model: Some("demo-model".into()),
+                ..WorkerSpec::from_url(&a.url())
+            },
+            ttl: Duration::from_secs(2),
+        },
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    within(Duration::from_secs(2), "registered", || {
+        served(&h, &a.url())
+    })
+    .await;
+    // Past the 2 s TTL the lease is still kept alive.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(served(&h, &a.url()), "the lease is renewed");
+    let _ = stop.send(());
+    sidecar.await.unwrap().unwrap();
+    within(Duration::from_secs(1), "deregistered", || {
+        !served(&h, &a.url())
+    })
+    .await;
+    let left = etcd.ctl(etcd.client_port, &["get", "--prefix", KEY]);
+    assert!(left.trim().is_empty(), "{left}");
+    h.stop().await;
+}
