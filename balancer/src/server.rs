@@ -357,3 +357,43 @@ impl AsyncWrite for Watched {
         Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINUTE: Duration = Duration::from_secs(60);
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_stops_reading_is_cut_at_the_send_timeout() {
+        let activity = Activity::new();
+        activity.inflight.store(1, Ordering::Release);
+        activity
+            .blocked_since
+            .store(activity.now(), Ordering::Release);
+        let started = Instant::now();
+        let why = watchdog(&activity, MINUTE, 5 * Duration::from_secs(1)).await;
+        assert_eq!(why, "send timeout: the client stopped reading");
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_secs(5) && took < Duration::from_secs(6),
+            "{took:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_with_nothing_in_flight_is_cut_at_the_idle_timeout() {
+        let activity = Activity::new();
+        let started = Instant::now();
+        assert_eq!(watchdog(&activity, MINUTE, MINUTE).await, "idle timeout");
+        assert!(started.elapsed() >= MINUTE);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_open_stream_that_the_client_reads_is_never_idle() {
+        let activity = Activity::new();
+        activity.inflight.store(1, Ordering::Release);
+        let watched = tokio::time::timeout(10 * MINUTE, watchdog(&activity, MINUTE, MINUTE)).await;
+        assert!(watched.is_err(), "still open after ten idle timeouts");
+    }
+}

@@ -439,3 +439,33 @@ async fn an_admin_delete_completes_when_its_client_leaves() {
     assert_eq!(slow.await.unwrap(), 200, "the drained request finished");
     h.stop().await;
 }
+
+#[tokio::test]
+async fn a_client_that_stops_reading_is_disconnected_at_the_send_timeout() {
+    // A response far larger than the socket buffers between the two.
+    let worker = CaptureWorker::start(Answer {
+        body: "x".repeat(32 << 20),
+        ..Answer::default()
+    })
+    .await;
+    let h = harness_with_urls(&[worker.url()], |c| {
+        quiet(c);
+        c.connections.send_timeout = Duration::from_secs(1);
+    })
+    .await;
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n",
+        CHAT.len()
+    );
+    let mut s = raw(h.gw.addr, &head, CHAT.as_bytes()).await;
+    assert_eq!(status_of(&mut s).await, 200);
+    // The client reads nothing more, and keeps its socket open.
+    eventually("the relay released when the client was cut", || {
+        std::future::ready(h.gw.registry.fleet().workers[0].inflight() == 0)
+    })
+    .await;
+    let snapshot = h.gw.registry.fleet().workers[0].breaker.snapshot();
+    assert_eq!(snapshot.failures_total(), 0, "the client's doing");
+    drop(s);
+    h.stop().await;
+}
