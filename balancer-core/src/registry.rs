@@ -68,6 +68,9 @@ pub struct Worker {
     ready: AtomicBool,
     health: Mutex<HealthTracker>,
     draining: AtomicBool,
+    /// Out of the fleet: its transitions (from attempts still in flight)
+    /// reach no subscriber and arm no timer.
+    removed: AtomicBool,
     inflight: AtomicU32,
     selected: AtomicU64,
     /// Time to first byte of the attempts that went through.
@@ -426,6 +429,7 @@ impl Registry {
                 ready: AtomicBool::new(true),
                 health: Mutex::new(HealthTracker::new(Health::Ready, self.config.health)),
                 draining: AtomicBool::new(false),
+                removed: AtomicBool::new(false),
                 inflight: AtomicU32::new(0),
                 selected: AtomicU64::new(0),
                 ttfb: Histogram::default(),
@@ -443,13 +447,33 @@ impl Registry {
         worker
     }
 
-    /// Applies a `resilience` patch. Invalid patches change nothing.
+    /// Applies a `resilience` patch (fields it sets win). Invalid patches
+    /// change nothing.
     pub fn patch_resilience(
         &self,
         id: &str,
         patch: &Resilience,
     ) -> Result<Arc<Worker>, RegistryError> {
-        patch.validate()?;
+        self.update_resilience(id, patch, |current| current.merged(patch))
+    }
+
+    /// Replaces a worker's `resilience` block whole (a discovery source's
+    /// new value: fields it no longer sets fall back to the defaults).
+    pub fn set_resilience(
+        &self,
+        id: &str,
+        resilience: &Resilience,
+    ) -> Result<Arc<Worker>, RegistryError> {
+        self.update_resilience(id, resilience, |_| resilience.clone())
+    }
+
+    fn update_resilience(
+        &self,
+        id: &str,
+        given: &Resilience,
+        next: impl FnOnce(&Resilience) -> Resilience,
+    ) -> Result<Arc<Worker>, RegistryError> {
+        given.validate()?;
         let _write = self.write.lock().unwrap();
         let worker = self
             .fleet()
@@ -457,7 +481,7 @@ impl Registry {
             .cloned()
             .ok_or_else(|| RegistryError::NotFound(id.to_owned()))?;
         let mut current = worker.resilience.lock().unwrap();
-        let merged = current.merged(patch);
+        let merged = next(&current);
         let (settings, classifier) = self.config.breaker.resolve(&merged);
         worker.breaker.set_settings(settings);
         worker.classifier.store(Arc::new(classifier));
@@ -513,6 +537,8 @@ impl Registry {
         if workers.len() == fleet.workers.len() {
             return;
         }
+        // Attempts still in flight may move its breaker: nobody is told.
+        worker.removed.store(true, Ordering::Release);
         for task in worker.tasks.lock().unwrap().drain(..) {
             task.abort();
         }
@@ -591,7 +617,9 @@ impl OpenGate for EjectionGate {
                 .iter()
                 .filter(|w| !Arc::ptr_eq(w, &me) && w.breaker.state() == State::Open)
                 .count();
-            (open + 1) * 100 <= self.max_percent as usize * group.len()
+            // Like Envoy, one isolation is always allowed, however small
+            // the group: a share below one worker must not disable breakers.
+            open == 0 || (open + 1) * 100 <= self.max_percent as usize * group.len()
         };
         if models.is_empty() {
             return within(&fleet.workers);
@@ -614,6 +642,9 @@ impl TransitionObserver for BreakerEvents {
         let Some(worker) = self.worker.upgrade() else {
             return;
         };
+        if worker.removed.load(Ordering::Acquire) {
+            return;
+        }
         // Open and degraded states end on a deadline that traffic may never
         // check; a timer makes sure they end on time.
         if matches!(t.to, State::Open | State::Degraded) {

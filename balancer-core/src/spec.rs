@@ -243,14 +243,17 @@ impl std::fmt::Debug for Secret {
     }
 }
 
-/// `url` with any `user:password@` replaced, for messages.
+/// `url` with any `user:password@` replaced, for messages (with or without
+/// a scheme).
 fn redacted(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            format!("{}***{}", &url[..scheme + 3], &url[at..])
-        }
-        _ => url.to_owned(),
+    let Some(at) = url.rfind('@') else {
+        return url.to_owned();
+    };
+    let start = url.find("://").map_or(0, |scheme| scheme + 3);
+    if at < start {
+        return url.to_owned();
     }
+    format!("{}***{}", &url[..start], &url[at..])
 }
 
 impl WorkerAddress {

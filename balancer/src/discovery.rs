@@ -107,10 +107,10 @@ impl FleetUpdates {
             if *old == spec {
                 return;
             }
-            let same_worker =
-                old.url == spec.url && old.model == spec.model && old.labels == spec.labels;
+            let same_url = old.url == spec.url;
+            let same_worker = same_url && old.model == spec.model && old.labels == spec.labels;
             if same_worker {
-                match self.registry.patch_resilience(&worker.id, &spec.resilience) {
+                match self.registry.set_resilience(&worker.id, &spec.resilience) {
                     Ok(w) => {
                         known.insert(key.to_owned(), (w, spec));
                     }
@@ -119,9 +119,30 @@ impl FleetUpdates {
                 return;
             }
             let (worker, _) = known.remove(key).expect("present");
-            self.retire(worker);
+            if same_url {
+                // Same URL, new model or labels: the new worker takes its
+                // place at once (requests in flight finish on the old one).
+                self.registry.remove(&worker);
+            } else {
+                self.retire(worker);
+            }
         }
-        match self.registry.add(&spec) {
+        let mut added = self.registry.add(&spec);
+        if let Err(RegistryError::Duplicate(url)) = &added {
+            // Deleted and put back while it still drained: it comes back
+            // now instead of vanishing when the drain ends.
+            let draining = self
+                .registry
+                .fleet()
+                .get(url)
+                .filter(|w| w.is_draining())
+                .cloned();
+            if let Some(old) = draining {
+                self.registry.remove(&old);
+                added = self.registry.add(&spec);
+            }
+        }
+        match added {
             Ok(worker) => {
                 (self.on_added)(&worker);
                 tracing::info!(key, worker = %worker.url, "discovered worker added");

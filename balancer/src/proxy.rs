@@ -50,7 +50,9 @@ use crate::server::PeerAddr;
 use answer::json_response;
 use body::{BodyLimits, RequestBody, read_body};
 use edge::{Route, forward_headers};
-use route::{Outgoing, inference_model, request_model, with_usage_requested};
+use route::{
+    MAX_MODEL_LEN, Outgoing, inference_model, model_in_prefix, request_model, with_usage_requested,
+};
 
 /// Names the fallback a response took: `requested->served`.
 pub const FALLBACK_HEADER: &str = "x-balancer-fallback";
@@ -200,6 +202,23 @@ impl Proxy {
         let model = match &body {
             RequestBody::Replayable(bytes, _) if inference => inference_model(bytes),
             RequestBody::Replayable(bytes, _) => request_model(&parts.headers, bytes),
+            // Past the buffered limit only the prefix is here: an inference
+            // body must name its model there to be routed by it.
+            RequestBody::Streaming(prefix, _) if inference => {
+                match model_in_prefix(&prefix.concat()) {
+                    Some(m) if m.len() > MAX_MODEL_LEN => Err(format!(
+                        "the model name is longer than {MAX_MODEL_LEN} bytes"
+                    )),
+                    Some(m) => Ok(Some(m)),
+                    None => {
+                        return self.gateway_error(
+                            ErrorCode::PayloadTooLarge,
+                            "an inference body larger than --max-buffered-request-bytes must name its model within that many bytes",
+                            None,
+                        );
+                    }
+                }
+            }
             RequestBody::Streaming(..) => Ok(None),
         };
         let model = match model {

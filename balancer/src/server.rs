@@ -186,7 +186,9 @@ async fn stopped(rx: &mut watch::Receiver<bool>) {
 #[derive(Debug)]
 struct Activity {
     origin: Instant,
-    /// Milliseconds since `origin` of the last byte read or written.
+    /// Milliseconds since `origin` when the last request started or ended
+    /// (accept counts as one). Raw bytes do not count: HTTP/2 pings would
+    /// keep an idle connection alive forever.
     last: AtomicU64,
     /// Milliseconds since `origin` since which a write waits on the client;
     /// `NOT_BLOCKED` while writes go through.
@@ -243,6 +245,7 @@ struct Busy(Arc<Activity>);
 
 impl Busy {
     fn new(activity: &Arc<Activity>) -> Self {
+        activity.last.store(activity.now(), Ordering::Release);
         activity.inflight.fetch_add(1, Ordering::AcqRel);
         Self(activity.clone())
     }
@@ -282,7 +285,7 @@ impl Body for InFlight {
     }
 }
 
-/// The socket, with its progress noted for the watchdog.
+/// The socket, with write progress noted for the watchdog.
 struct Watched {
     inner: TcpStream,
     activity: Arc<Activity>,
@@ -294,13 +297,7 @@ impl AsyncRead for Watched {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
-        let poll = Pin::new(&mut self.inner).poll_read(cx, buf);
-        if matches!(poll, Poll::Ready(Ok(()))) && buf.filled().len() > before {
-            let activity = &self.activity;
-            activity.last.store(activity.now(), Ordering::Release);
-        }
-        poll
+        Pin::new(&mut self.inner).poll_read(cx, buf)
     }
 }
 
@@ -318,7 +315,6 @@ impl Watched {
             }
             Poll::Ready(_) => {
                 activity.blocked_since.store(NOT_BLOCKED, Ordering::Release);
-                activity.last.store(activity.now(), Ordering::Release);
             }
         }
     }

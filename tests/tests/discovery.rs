@@ -263,3 +263,86 @@ async fn the_register_sidecar_keeps_a_lease_and_deletes_its_key_on_stop() {
     assert!(left.trim().is_empty(), "{left}");
     h.stop().await;
 }
+
+#[tokio::test]
+async fn a_key_that_changes_or_comes_back_while_draining_keeps_its_worker() {
+    let Some(etcd) = Etcd::start() else { return };
+    let a = demo("a").await;
+    let h = gateway(&etcd, &[]).await;
+    let key = format!("{KEY}a");
+    let with = |model: &str, resilience: &str| {
+        format!(r#"{{"url":"{}","model":"{model}"{resilience}}}"#, a.url())
+    };
+    etcd.ctl(
+        etcd.client_port,
+        &[
+            "put",
+            &key,
+            &with("demo-model", r#","resilience":{"cb_timeout_secs":5}"#),
+        ],
+    );
+    within(Duration::from_secs(1), "added", || served(&h, &a.url())).await;
+    let timeout = |h: &Harness| {
+        h.gw.registry
+            .fleet()
+            .get(&a.url())
+            .map(|w| w.breaker.settings().open_timeout)
+    };
+    // A resilience block that is dropped falls back to the defaults.
+    etcd.ctl(etcd.client_port, &["put", &key, &with("demo-model", "")]);
+    within(Duration::from_secs(1), "default timeout", || {
+        timeout(&h) == Some(Duration::from_secs(60))
+    })
+    .await;
+    // A new model replaces the worker under the same URL.
+    etcd.ctl(etcd.client_port, &["put", &key, &with("other-model", "")]);
+    within(Duration::from_secs(1), "new model", || {
+        h.gw.registry
+            .fleet()
+            .get(&a.url())
+            .is_some_and(|w| w.serves("other-model") && !w.is_draining())
+    })
+    .await;
+    // Deleted and put back before its drain ends: it stays.
+    a.set_fault(balancer_mock_worker::Fault {
+        latency_ms: Some(1500),
+        ..Default::default()
+    });
+    let slow = {
+        let addr = h.gw.addr;
+        tokio::spawn(async move {
+            let body = r#"{"model":"other-model","messages":[]}"#;
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            use tokio::io::AsyncWriteExt;
+            let head = format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            s.write_all(head.as_bytes()).await.unwrap();
+            let mut buf = [0u8; 64];
+            use tokio::io::AsyncReadExt;
+            let _ = s.read(&mut buf).await;
+        })
+    };
+    eventually("in flight", || {
+        std::future::ready(
+            h.gw.registry
+                .fleet()
+                .get(&a.url())
+                .is_some_and(|w| w.inflight() > 0),
+        )
+    })
+    .await;
+    etcd.ctl(etcd.client_port, &["del", &key]);
+    etcd.ctl(etcd.client_port, &["put", &key, &with("other-model", "")]);
+    slow.await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        h.gw.registry
+            .fleet()
+            .get(&a.url())
+            .is_some_and(|w| !w.is_draining()),
+        "served again, not removed by the old drain"
+    );
+    h.stop().await;
+}

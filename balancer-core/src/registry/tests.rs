@@ -191,3 +191,50 @@ fn max_open_percent_keeps_a_share_of_the_fleet_out_of_isolation() {
         "still counting"
     );
 }
+
+#[test]
+fn credentials_never_show_in_messages_even_without_a_scheme() {
+    for url in [
+        "user:pw@127.0.0.1:8000",
+        "ftp://user:pw@h",
+        "http://user:pw@h/path",
+    ] {
+        let error = WorkerAddress::parse(url).unwrap_err().to_string();
+        assert!(!error.contains("pw"), "{error}");
+    }
+}
+
+#[test]
+fn one_isolation_is_always_allowed_however_small_the_share() {
+    let clock = Arc::new(ManualClock::new());
+    let registry = Registry::new(
+        RegistryConfig {
+            breaker: BreakerDefaults {
+                settings: Settings {
+                    failure_threshold: 1,
+                    ..Settings::default()
+                },
+                ..BreakerDefaults::default()
+            },
+            health: HealthThresholds {
+                failure: 1,
+                success: 1,
+            },
+            hash_rings: false,
+            max_open_percent: 10,
+        },
+        clock.clone(),
+    );
+    let specs: Vec<_> = (1..=3)
+        .map(|i| WorkerSpec::from_url(&format!("http://127.0.0.{i}:8000")))
+        .collect();
+    let workers = registry.add_all(&specs).unwrap();
+    for w in &workers {
+        fail(w, &*clock);
+    }
+    let open = workers
+        .iter()
+        .filter(|w| w.breaker.state() == State::Open)
+        .count();
+    assert_eq!(open, 1, "10% of three workers is still one");
+}

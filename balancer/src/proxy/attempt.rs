@@ -19,7 +19,7 @@ use balancer_core::error_chain;
 use balancer_core::registry::Worker;
 
 use super::answer::ErrorCode;
-use super::body::{RequestBody, boxed, chain};
+use super::body::{BodyError, RequestBody, boxed, chain};
 use super::relay::Completion;
 use super::route::Outgoing;
 use super::{Proxy, ResponseBody, UpstreamBody, UpstreamClient};
@@ -125,8 +125,12 @@ impl Proxy {
                             // breaker reacts at the budget rather than when
                             // the worker finally answers. The answer still
                             // goes to the client.
-                            let slow = Outcome::Failure(FailureReason::Slow);
-                            admitted.record(&mut charges, slow, &*self.clock);
+                            // Unless the client is still uploading: then
+                            // the wait is the client's pace, not the worker's.
+                            if fault.as_ref().is_none_or(|f| f.is_done()) {
+                                let slow = Outcome::Failure(FailureReason::Slow);
+                                admitted.record(&mut charges, slow, &*self.clock);
+                            }
                             send.await
                         }
                     }
@@ -180,11 +184,19 @@ impl Proxy {
                 }
                 Err(e) => e,
             };
-            if let Some(error) = fault.as_ref().and_then(|f| f.get()) {
+            if let Some(error) = fault.as_ref().and_then(|f| f.fault()) {
                 // The client's body broke its bounds or broke off: the
                 // attempt is dropped unrecorded, the answer is the client's.
                 drop(admitted);
                 return self.body_error(error);
+            }
+            if matches!(failure, AttemptError::Timeout)
+                && fault.as_ref().is_some_and(|f| !f.is_done())
+            {
+                // The request timeout ran out while the client was still
+                // sending its body: the client's doing, not the worker's.
+                drop(admitted);
+                return self.body_error(&BodyError::Stalled);
             }
             let reason = match failure {
                 AttemptError::Timeout => FailureReason::Timeout,

@@ -12,7 +12,7 @@
 
 use std::collections::VecDeque;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -40,8 +40,28 @@ pub(crate) enum BodyError {
     OverBudget,
 }
 
-/// Where a streamed body's fault is recorded for the attempt loop.
-pub(crate) type ClientFault = Arc<OnceLock<BodyError>>;
+/// How a streamed body is doing, for the attempt loop: its fault, and
+/// whether it has all arrived (until then, slowness is the client's).
+#[derive(Debug, Default)]
+pub(crate) struct ClientProgress {
+    fault: OnceLock<BodyError>,
+    done: AtomicBool,
+}
+
+impl ClientProgress {
+    /// The body's fault, if it broke a bound or broke off.
+    pub(crate) fn fault(&self) -> Option<&BodyError> {
+        self.fault.get()
+    }
+
+    /// Whether the whole body has arrived.
+    pub(crate) fn is_done(&self) -> bool {
+        self.done.load(Ordering::Acquire)
+    }
+}
+
+/// Shared between a streamed body and the attempt loop.
+pub(crate) type ClientFault = Arc<ClientProgress>;
 
 /// The bounds of every request body.
 #[derive(Debug, Clone)]
@@ -203,7 +223,7 @@ impl ClientBody {
 
     fn fail(&self, error: BodyError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let message = format!("client request body: {error:?}");
-        let _ = self.fault.set(error);
+        let _ = self.fault.fault.set(error);
         Poll::Ready(Some(Err(message.into())))
     }
 }
@@ -225,12 +245,18 @@ impl hyper::body::Body for ClientBody {
                         return this.fail(BodyError::TooLarge);
                     }
                 }
+                if this.inner.is_end_stream() {
+                    this.fault.done.store(true, Ordering::Release);
+                }
                 let deadline = Instant::now() + this.stall;
                 this.idle.as_mut().reset(deadline);
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(_))) => this.fail(BodyError::Aborted),
-            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Ready(None) => {
+                this.fault.done.store(true, Ordering::Release);
+                Poll::Ready(None)
+            }
             Poll::Pending => match this.idle.as_mut().poll(cx) {
                 Poll::Ready(()) => this.fail(BodyError::Stalled),
                 Poll::Pending => Poll::Pending,

@@ -80,9 +80,14 @@ impl Routes {
     /// Checks an `--allow-path` value: an absolute path, optionally ending
     /// in `/*` for a prefix.
     pub fn check(path: &str) -> Result<(), String> {
-        let bare = path.strip_suffix("/*").unwrap_or(path);
+        // `/*` is the prefix of every path.
+        let bare = match path.strip_suffix("/*") {
+            Some("") => "/",
+            Some(prefix) => prefix,
+            None => path,
+        };
         match normalize_path(bare) {
-            Some(n) if n == bare || (bare.is_empty() && path == "/*") => Ok(()),
+            Some(n) if n == bare => Ok(()),
             _ => Err(format!(
                 "{path:?} is not a normalised absolute path (or a prefix ending in /*)"
             )),
@@ -170,6 +175,9 @@ fn decode_unreserved(path: &str) -> Option<String> {
     while i < bytes.len() {
         if bytes[i] == b'%' {
             let hex = path.get(i + 1..i + 3)?;
+            if !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return None;
+            }
             let value = u8::from_str_radix(hex, 16).ok()?;
             if value.is_ascii_alphanumeric() || b"-._~".contains(&value) {
                 out.push(char::from(value));
@@ -274,6 +282,7 @@ mod tests {
             ("/v1/chat%2Fcompletions", Some("/v1/chat%2Fcompletions")),
             ("/../etc/passwd", None),
             ("/v1/%zz", None),
+            ("/v1/%+5", None),
             ("v1/models", None),
             ("/", Some("/")),
         ] {

@@ -96,10 +96,73 @@ fn named_model(parsed: ModelOnly) -> Result<Option<String>, String> {
 /// whatever its `Content-Type` says: anything else is a 400 from the
 /// gateway, never a worker's error.
 pub(crate) fn inference_model(body: &Bytes) -> Result<Option<String>, String> {
+    // A derived struct would also accept a JSON array; the body must be an object.
+    let first = body.iter().find(|b| !b.is_ascii_whitespace());
+    if first != Some(&b'{') {
+        return Err("the request body is not a JSON object".to_owned());
+    }
     match serde_json::from_slice::<ModelOnly>(body) {
         Ok(parsed) => named_model(parsed),
         Err(e) => Err(format!("the request body is not a JSON object: {e}")),
     }
+}
+
+/// The top-level `model` string of a JSON object that begins with `prefix`
+/// (an inference body past the buffered limit, whose rest streams on);
+/// `None` when the prefix names no complete top-level `model` string.
+pub(crate) fn model_in_prefix(prefix: &[u8]) -> Option<String> {
+    fn string_end(b: &[u8], start: usize) -> Option<usize> {
+        let mut i = start + 1;
+        while i < b.len() {
+            match b[i] {
+                b'\\' => i += 2,
+                b'"' => return Some(i),
+                _ => i += 1,
+            }
+        }
+        None
+    }
+    let skip_space = |mut i: usize| {
+        while prefix.get(i).is_some_and(u8::is_ascii_whitespace) {
+            i += 1;
+        }
+        i
+    };
+    let (mut depth, mut expect_key, mut i) = (0usize, false, 0usize);
+    while i < prefix.len() {
+        match prefix[i] {
+            b'"' => {
+                let end = string_end(prefix, i)?;
+                if depth == 1 && expect_key {
+                    expect_key = false;
+                    if &prefix[i..=end] == b"\"model\"" {
+                        let colon = skip_space(end + 1);
+                        if prefix.get(colon) != Some(&b':') {
+                            return None;
+                        }
+                        let start = skip_space(colon + 1);
+                        if prefix.get(start) != Some(&b'"') {
+                            return None;
+                        }
+                        let value_end = string_end(prefix, start)?;
+                        return serde_json::from_slice(&prefix[start..=value_end]).ok();
+                    }
+                }
+                i = end + 1;
+                continue;
+            }
+            b'{' => {
+                depth += 1;
+                expect_key = depth == 1;
+            }
+            b'[' => depth += 1,
+            b'}' | b']' => depth = depth.checked_sub(1)?,
+            b',' if depth == 1 => expect_key = true,
+            _ => {}
+        }
+        i += 1;
+    }
+    None
 }
 
 /// `body` asking the worker to end its stream with a `usage` chunk
@@ -137,5 +200,51 @@ pub(crate) fn request_model(headers: &HeaderMap, body: &Bytes) -> Result<Option<
         Ok(parsed) => named_model(parsed),
         Err(e) if declared_json => Err(format!("the request body is not valid JSON: {e}")),
         Err(_) => Ok(None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_model_of_a_streamed_body_is_read_from_its_prefix() {
+        for (prefix, model) in [
+            (
+                &br#"{"model":"m1","messages":[{"content":"x"#[..],
+                Some("m1"),
+            ),
+            (
+                br#" { "stream": true, "model" : "a\"b", "x": 1"#,
+                Some("a\"b"),
+            ),
+            (
+                br#"{"messages":[{"model":"inner"}],"model":"outer","#,
+                Some("outer"),
+            ),
+            (br#"{"messages":[{"content":"\"model\":\"no\""}]"#, None),
+            (br#"{"model":"cut"#, None),
+            (br#"["model","m"]"#, None),
+            (br#"{"model":7,"#, None),
+        ] {
+            assert_eq!(
+                model_in_prefix(prefix).as_deref(),
+                model,
+                "{}",
+                String::from_utf8_lossy(prefix)
+            );
+        }
+    }
+
+    #[test]
+    fn an_inference_body_must_be_a_json_object() {
+        assert!(inference_model(&Bytes::from_static(br#"["llama"]"#)).is_err());
+        assert!(inference_model(&Bytes::from_static(b"model=x")).is_err());
+        assert_eq!(
+            inference_model(&Bytes::from_static(b"  {\"model\":\"m\"}"))
+                .unwrap()
+                .as_deref(),
+            Some("m")
+        );
     }
 }
