@@ -164,12 +164,14 @@ impl FleetUpdates {
         }
     }
 
-    /// Makes the source's workers exactly `current`: keys not in it are
-    /// removed, the others added or updated (after a reconnection).
-    pub fn resync(&self, current: Vec<(String, WorkerSpec)>) {
+    /// Makes the source's workers `current` (after a reconnection): keys
+    /// that are gone from `present` are removed, the others added or
+    /// updated. A key still present whose value is now invalid keeps its
+    /// worker, as a bad put does while watching.
+    pub fn resync(&self, current: Vec<(String, WorkerSpec)>, present: &[String]) {
         let keys: Vec<String> = self.known.lock().unwrap().keys().cloned().collect();
         for key in keys {
-            if !current.iter().any(|(k, _)| *k == key) {
+            if !present.contains(&key) {
                 self.remove(&key);
             }
         }

@@ -48,6 +48,13 @@ impl EtcdConfig {
     }
 }
 
+/// One load of the prefix.
+struct Loaded {
+    specs: Vec<(String, WorkerSpec)>,
+    present: Vec<String>,
+    revision: i64,
+}
+
 /// The etcd source.
 pub struct EtcdDiscovery {
     config: EtcdConfig,
@@ -72,8 +79,9 @@ impl EtcdDiscovery {
         }
     }
 
-    /// The workers under the prefix now, and the revision they are at.
-    async fn load(&self, client: &mut Client) -> anyhow::Result<(Vec<(String, WorkerSpec)>, i64)> {
+    /// The valid workers under the prefix now, every key present (valid or
+    /// not), and the revision they are at.
+    async fn load(&self, client: &mut Client) -> anyhow::Result<Loaded> {
         let prefix = self.config.workers_prefix();
         let response = client
             .get(prefix.as_str(), Some(GetOptions::new().with_prefix()))
@@ -85,14 +93,27 @@ impl EtcdDiscovery {
             .iter()
             .filter_map(|kv| parse(kv.key(), kv.value()))
             .collect();
-        Ok((specs, revision))
+        let present = response
+            .kvs()
+            .iter()
+            .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
+            .collect();
+        Ok(Loaded {
+            specs,
+            present,
+            revision,
+        })
     }
 
     /// One connection's life: resync, then follow the watch until it ends.
     async fn session(&self, fleet: &FleetUpdates) -> anyhow::Result<()> {
         let mut client = connect(&self.config.endpoints).await?;
-        let (specs, revision) = self.load(&mut client).await?;
-        fleet.resync(specs);
+        let Loaded {
+            specs,
+            present,
+            revision,
+        } = self.load(&mut client).await?;
+        fleet.resync(specs, &present);
         let prefix = self.config.workers_prefix();
         let options = WatchOptions::new()
             .with_prefix()
@@ -135,7 +156,7 @@ impl Discovery for EtcdDiscovery {
                 self.load(&mut client).await
             };
             match tokio::time::timeout(INITIAL_LOAD, load).await {
-                Ok(Ok((specs, _))) => specs,
+                Ok(Ok(loaded)) => loaded.specs,
                 Ok(Err(error)) => {
                     tracing::warn!(error = %format!("{error:#}"), "etcd not reachable at start; serving without its workers until it is");
                     Vec::new()

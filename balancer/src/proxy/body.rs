@@ -180,8 +180,13 @@ pub(crate) async fn read_body(
             return Err(BodyError::TooLarge);
         }
         if buf.len() + data.len() > limits.max_buffered {
+            // The prefix stays in memory until it is sent: it keeps its
+            // share of the budget until then.
+            if !lease.grow(data.len()) {
+                return Err(BodyError::OverBudget);
+            }
             let read = (buf.len() + data.len()) as u64;
-            let rest = ClientBody::new(body, limits, read);
+            let rest = ClientBody::new(body, limits, read, lease);
             return Ok(RequestBody::Streaming(vec![buf.freeze(), data], rest));
         }
         if !lease.grow(data.len()) {
@@ -202,10 +207,12 @@ pub(crate) struct ClientBody {
     stall: Duration,
     idle: Pin<Box<Sleep>>,
     fault: ClientFault,
+    /// The budget share of the prefix read before streaming began.
+    _lease: Lease,
 }
 
 impl ClientBody {
-    fn new(inner: Incoming, limits: &BodyLimits, read: u64) -> Self {
+    fn new(inner: Incoming, limits: &BodyLimits, read: u64, lease: Lease) -> Self {
         Self {
             inner,
             read,
@@ -213,6 +220,7 @@ impl ClientBody {
             stall: limits.stall,
             idle: Box::pin(tokio::time::sleep(limits.stall)),
             fault: ClientFault::default(),
+            _lease: lease,
         }
     }
 
