@@ -23,23 +23,26 @@
 //! `tracing` has enabled for that target.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::thread::JoinHandle;
-use std::time::Duration;
 
 use aya::maps::{MapError, PerCpuArray};
 use aya::programs::tc::SchedClassifierLinkId;
 use aya::programs::xdp::XdpLinkId;
 use aya::programs::{ProgramError, SchedClassifier, TcAttachType, Xdp};
-use aya::{Ebpf, EbpfError, EbpfLoader, TestRun, TestRunOptions};
+use aya::{Ebpf, EbpfError, EbpfLoader};
 use balancer_common::l4::{self as common, EGRESS_PROGRAM_NAME};
 use balancer_common::{PROGRAM_NAME, VERDICTS_MAP, Verdict};
 use balancer_core::error_chain;
 
 pub mod l4;
+mod log;
 pub mod maglev;
 pub mod steering;
+mod test_run;
+
+use log::{LogReader, ebpf_log_level};
+pub use test_run::{TcTestRun, XdpAction, XdpTestRun};
 
 pub use l4::L4Maps;
 
@@ -203,53 +206,6 @@ impl std::fmt::Debug for VerdictCounts {
             .finish()
     }
 }
-
-/// What an XDP program told the kernel to do with a packet.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum XdpAction {
-    Aborted,
-    Drop,
-    Pass,
-    Tx,
-    Redirect,
-    Unknown(u32),
-}
-
-impl From<u32> for XdpAction {
-    fn from(code: u32) -> Self {
-        // Values of `enum xdp_action` in the kernel's UAPI.
-        match code {
-            0 => Self::Aborted,
-            1 => Self::Drop,
-            2 => Self::Pass,
-            3 => Self::Tx,
-            4 => Self::Redirect,
-            other => Self::Unknown(other),
-        }
-    }
-}
-
-/// The outcome of [`Dataplane::test_run_egress`]: the TC program's return
-/// code and the packet as it left it.
-#[derive(Clone, Debug)]
-pub struct TcTestRun {
-    pub code: i32,
-    pub packet: Vec<u8>,
-}
-
-/// The outcome of [`Dataplane::test_run`].
-#[derive(Clone, Debug)]
-pub struct XdpTestRun {
-    pub action: XdpAction,
-    /// Average time of one run, as measured by the kernel.
-    pub duration: Duration,
-    /// The packet as the program left it.
-    pub packet: Vec<u8>,
-}
-
-/// Headroom for programs that grow the packet in a test run (encapsulation);
-/// without it the kernel answers ENOSPC.
-const TEST_RUN_GROWTH: usize = 256;
 
 /// Finds the eBPF object to load.
 ///
@@ -519,71 +475,6 @@ impl Dataplane {
         }
         Ok(counts)
     }
-
-    /// Runs the program `repeat` times on `packet` through
-    /// `BPF_PROG_TEST_RUN`, without attaching it.
-    ///
-    /// The kernel does not restore the packet between repeats, so a program
-    /// that rewrites it sees its own output from the second run on. Without
-    /// `ingress_ifindex` the packet appears to arrive on `lo` of the calling
-    /// thread's network namespace; anything that looks up routes needs the
-    /// real interface there.
-    pub fn test_run(
-        &self,
-        packet: &[u8],
-        repeat: u32,
-        ingress_ifindex: Option<u32>,
-    ) -> Result<XdpTestRun, DataplaneError> {
-        let program: &Xdp = self
-            .ebpf
-            .program(PROGRAM_NAME)
-            .and_then(|program| program.try_into().ok())
-            .ok_or(DataplaneError::MissingProgram)?;
-        let context = ingress_ifindex.map(|ifindex| xdp_md(packet.len(), ifindex));
-        let mut out = vec![0; packet.len() + TEST_RUN_GROWTH];
-        let result = program
-            .test_run(TestRunOptions {
-                data_in: Some(packet),
-                data_out: Some(&mut out),
-                ctx_in: context.as_ref().map(|c| c.as_slice()),
-                repeat,
-                ..TestRunOptions::default()
-            })
-            .map_err(DataplaneError::TestRun)?;
-        out.truncate(result.data_size_out as usize);
-        Ok(XdpTestRun {
-            action: result.return_value.into(),
-            duration: result.duration,
-            packet: out,
-        })
-    }
-}
-
-impl Dataplane {
-    /// Runs the TC egress program once on `packet` through
-    /// `BPF_PROG_TEST_RUN` (the frame starts with its Ethernet header, as on
-    /// egress).
-    pub fn test_run_egress(&self, packet: &[u8]) -> Result<TcTestRun, DataplaneError> {
-        let program: &SchedClassifier = self
-            .ebpf
-            .program(EGRESS_PROGRAM_NAME)
-            .and_then(|program| program.try_into().ok())
-            .ok_or(DataplaneError::MissingEgressProgram)?;
-        let mut out = vec![0; packet.len() + TEST_RUN_GROWTH];
-        let result = program
-            .test_run(TestRunOptions {
-                data_in: Some(packet),
-                data_out: Some(&mut out),
-                repeat: 1,
-                ..TestRunOptions::default()
-            })
-            .map_err(DataplaneError::TestRun)?;
-        out.truncate(result.data_size_out as usize);
-        Ok(TcTestRun {
-            code: result.return_value as i32,
-            packet: out,
-        })
-    }
 }
 
 impl Drop for Dataplane {
@@ -619,109 +510,4 @@ fn attach_in(program: &mut Xdp, iface: &str, mode: XdpMode) -> Result<XdpLinkId,
             mode,
             source,
         })
-}
-
-/// `struct xdp_md` for a test run: the packet starts at offset 0 and ends
-/// at its length (the kernel checks both), and arrives on `ifindex`.
-fn xdp_md(len: usize, ifindex: u32) -> [u8; 24] {
-    let len = u32::try_from(len).unwrap_or(u32::MAX);
-    // data, data_end, data_meta, ingress_ifindex, rx_queue_index, egress_ifindex
-    let fields = [0, len, 0, ifindex, 0, 0];
-    let mut md = [0; 24];
-    for (chunk, field) in md.chunks_exact_mut(4).zip(fields) {
-        chunk.copy_from_slice(&field.to_ne_bytes());
-    }
-    md
-}
-
-/// The most verbose `aya_log::Level` that `tracing` shows for the program's
-/// target, as the `AYA_LOG_LEVEL` value (0 turns logging off).
-fn ebpf_log_level() -> u8 {
-    use aya_log::Level;
-    let level = if tracing::enabled!(target: EBPF_LOG_TARGET, tracing::Level::TRACE) {
-        Level::Trace
-    } else if tracing::enabled!(target: EBPF_LOG_TARGET, tracing::Level::DEBUG) {
-        Level::Debug
-    } else if tracing::enabled!(target: EBPF_LOG_TARGET, tracing::Level::INFO) {
-        Level::Info
-    } else if tracing::enabled!(target: EBPF_LOG_TARGET, tracing::Level::WARN) {
-        Level::Warn
-    } else if tracing::enabled!(target: EBPF_LOG_TARGET, tracing::Level::ERROR) {
-        Level::Error
-    } else {
-        return 0;
-    };
-    level as u8
-}
-
-/// A thread that drains the program's log ring buffer whenever it has data.
-///
-/// A plain thread rather than a tokio task: the dataplane is also used from
-/// synchronous code (tests, benchmarks) that has no runtime.
-struct LogReader {
-    // Written to on drop to wake the thread up and make it exit.
-    stop: OwnedFd,
-    thread: Option<JoinHandle<()>>,
-}
-
-#[allow(unsafe_code)] // eventfd, poll: see the SAFETY notes.
-impl LogReader {
-    /// Calls `drain` whenever `ring` has records, until the reader is
-    /// dropped. `drain` owns the ring buffer, which keeps `ring` open.
-    fn spawn(ring: RawFd, mut drain: impl FnMut() + Send + 'static) -> io::Result<Self> {
-        // SAFETY: eventfd has no memory-safety preconditions; the result is
-        // checked before it is wrapped.
-        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-        if raw < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `raw` is a fresh descriptor that nothing else owns.
-        let stop = unsafe { OwnedFd::from_raw_fd(raw) };
-        let stop_fd = stop.as_raw_fd();
-        let thread = std::thread::Builder::new()
-            .name("ebpf-log".into())
-            .spawn(move || {
-                loop {
-                    let mut fds = [ring, stop_fd].map(|fd| libc::pollfd {
-                        fd,
-                        events: libc::POLLIN,
-                        revents: 0,
-                    });
-                    // SAFETY: `fds` is a valid array of two pollfds; `ring`
-                    // lives as long as `drain` and `stop_fd` is closed only
-                    // after this thread has been joined.
-                    let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-                    if ready < 0 {
-                        let error = io::Error::last_os_error();
-                        if error.kind() == io::ErrorKind::Interrupted {
-                            continue;
-                        }
-                        tracing::warn!(%error, "stopped reading the XDP program's log records");
-                        return;
-                    }
-                    drain();
-                    if fds[1].revents != 0 {
-                        return;
-                    }
-                }
-            })?;
-        Ok(Self {
-            stop,
-            thread: Some(thread),
-        })
-    }
-}
-
-#[allow(unsafe_code)] // write to our own eventfd: see the SAFETY note.
-impl Drop for LogReader {
-    fn drop(&mut self) {
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: writes 8 bytes from a live buffer to a descriptor we own.
-        let written = unsafe { libc::write(self.stop.as_raw_fd(), one.as_ptr().cast(), one.len()) };
-        if written == one.len() as isize
-            && let Some(thread) = self.thread.take()
-        {
-            let _ = thread.join();
-        }
-    }
 }

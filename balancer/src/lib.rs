@@ -6,7 +6,7 @@
 //! the XDP dataplane of `balancer-dataplane`, which steers L4 connections by
 //! the same breakers.
 //!
-//! Layers, bottom up: [`config`] is the typed description of an agent and
+//! Layers, bottom up: [`bodies`] names the body types; [`config`] is the typed description of an agent and
 //! [`cli`] maps flags and TOML onto it; [`discovery`] says where workers come
 //! from; [`proxy`] is the request path, phase by phase; [`server`] accepts
 //! connections; [`admin`] and [`metrics`] face the operator; [`gateway`]
@@ -17,6 +17,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod bodies;
 pub mod cli;
 pub mod config;
 pub mod discovery;

@@ -25,7 +25,6 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::header::HeaderName;
 use http::{Method, Request, Response, StatusCode};
-use http_body_util::combinators::UnsyncBoxBody;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -38,12 +37,12 @@ use balancer_core::ring::hash_key;
 use balancer_core::selection::Selector;
 use balancer_core::tokens::Tokens;
 
+pub use crate::bodies::{BoxError, ResponseBody, UpstreamBody};
 pub use answer::{ErrorCode, error_response};
 pub use attempt::RetryPolicy;
 pub use body::BufferBudget;
 pub use edge::Routes;
 pub use probe::{HealthCheckConfig, Prober};
-pub use relay::BoxError;
 pub use stats::GatewayStats;
 
 use crate::server::PeerAddr;
@@ -57,10 +56,6 @@ use route::{
 /// Names the fallback a response took: `requested->served`.
 pub const FALLBACK_HEADER: &str = "x-balancer-fallback";
 
-/// The body type of every response the gateway sends.
-pub type ResponseBody = UnsyncBoxBody<Bytes, BoxError>;
-/// The body type of every request the gateway sends to a worker.
-pub type UpstreamBody = UnsyncBoxBody<Bytes, BoxError>;
 /// A connection pool to the workers. Each serving thread has its own, so a
 /// request and its upstream connection are polled on the same thread and no
 /// lock or wake-up crosses threads on the request path.

@@ -33,7 +33,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 use tokio::time::Instant;
 
-use crate::proxy::{BoxError, ResponseBody};
+use crate::bodies::{BoxError, ResponseBody};
 
 /// The client's address, in every request's extensions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -31,9 +31,7 @@ use super::answer::sse_error_event;
 use super::body::boxed;
 use super::edge::HOP_BY_HOP;
 use super::stats::GatewayStats;
-use super::{FALLBACK_HEADER, Proxy, ResponseBody};
-
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use super::{BoxError, FALLBACK_HEADER, Proxy, ResponseBody};
 
 /// Everything that must happen exactly once when a response ends.
 pub struct Completion {
