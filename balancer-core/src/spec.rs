@@ -243,6 +243,32 @@ impl std::fmt::Debug for Secret {
     }
 }
 
+/// `user:password` as written in a URL, its escapes (`%2F` for `/`, `%40`
+/// for `@`) decoded; a malformed escape stays as written.
+fn percent_decoded(userinfo: &str) -> Vec<u8> {
+    let bytes = userinfo.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let escaped = (bytes[i] == b'%')
+            .then(|| userinfo.get(i + 1..i + 3))
+            .flatten()
+            .filter(|hex| hex.bytes().all(|b| b.is_ascii_hexdigit()))
+            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+        match escaped {
+            Some(byte) => {
+                out.push(byte);
+                i += 3;
+            }
+            None => {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    out
+}
+
 /// `url` with any `user:password@` replaced, for messages (with or without
 /// a scheme).
 fn redacted(url: &str) -> String {
@@ -285,7 +311,7 @@ impl WorkerAddress {
             use base64::Engine as _;
             Secret(format!(
                 "Basic {}",
-                base64::engine::general_purpose::STANDARD.encode(u)
+                base64::engine::general_purpose::STANDARD.encode(percent_decoded(u))
             ))
         });
         Ok(Self {

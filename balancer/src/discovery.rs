@@ -87,6 +87,9 @@ pub struct FleetUpdates {
     drain_timeout: Duration,
     /// Source key → the worker it made and the spec it made it from.
     known: Mutex<HashMap<String, (Arc<Worker>, WorkerSpec)>>,
+    /// Keys whose URL another key of this source serves: applied when that
+    /// key goes away.
+    waiting: Mutex<HashMap<String, WorkerSpec>>,
 }
 
 impl FleetUpdates {
@@ -96,12 +99,14 @@ impl FleetUpdates {
             on_added,
             drain_timeout,
             known: Mutex::new(HashMap::new()),
+            waiting: Mutex::new(HashMap::new()),
         }
     }
 
     /// Adds or updates the worker of `key`. Invalid specs and duplicates of
     /// a worker another source added are logged and change nothing.
     pub fn upsert(&self, key: &str, spec: WorkerSpec) {
+        self.waiting.lock().unwrap().remove(key);
         let mut known = self.known.lock().unwrap();
         if let Some((worker, old)) = known.get(key) {
             if *old == spec {
@@ -149,18 +154,32 @@ impl FleetUpdates {
                 known.insert(key.to_owned(), (worker, spec));
             }
             Err(RegistryError::Duplicate(url)) => {
-                tracing::warn!(key, worker = %url, "ignoring a discovered worker: its URL is already served");
+                tracing::warn!(key, worker = %url, "a discovered worker's URL is already served; it waits for that one to go");
+                self.waiting.lock().unwrap().insert(key.to_owned(), spec);
             }
             Err(error) => tracing::warn!(key, %error, "ignoring an invalid discovered worker"),
         }
     }
 
-    /// Drains and removes the worker of `key`, if there is one.
+    /// Drains and removes the worker of `key`, if there is one; a key that
+    /// waited for its URL then takes it.
     pub fn remove(&self, key: &str) {
+        self.waiting.lock().unwrap().remove(key);
         let removed = self.known.lock().unwrap().remove(key);
-        if let Some((worker, _)) = removed {
+        if let Some((worker, spec)) = removed {
             tracing::info!(key, worker = %worker.url, "discovered worker gone: draining");
             self.retire(worker);
+            let next = {
+                let mut waiting = self.waiting.lock().unwrap();
+                let key = waiting
+                    .iter()
+                    .find(|(_, s)| s.url == spec.url)
+                    .map(|(k, _)| k.clone());
+                key.and_then(|k| waiting.remove(&k).map(|s| (k, s)))
+            };
+            if let Some((key, spec)) = next {
+                self.upsert(&key, spec);
+            }
         }
     }
 

@@ -346,3 +346,29 @@ async fn a_key_that_changes_or_comes_back_while_draining_keeps_its_worker() {
     );
     h.stop().await;
 }
+
+#[tokio::test]
+async fn a_key_naming_a_url_another_key_serves_takes_it_when_that_key_goes() {
+    let Some(etcd) = Etcd::start() else { return };
+    let a = demo("a").await;
+    let h = gateway(&etcd, &[]).await;
+    etcd.ctl(
+        etcd.client_port,
+        &["put", &format!("{KEY}first"), &value(&a.url())],
+    );
+    within(Duration::from_secs(1), "added", || served(&h, &a.url())).await;
+    let second = format!(
+        r#"{{"url":"{}","model":"demo-model","resilience":{{"cb_failure_threshold":4}}}}"#,
+        a.url()
+    );
+    etcd.ctl(etcd.client_port, &["put", &format!("{KEY}second"), &second]);
+    etcd.ctl(etcd.client_port, &["del", &format!("{KEY}first")]);
+    within(Duration::from_secs(1), "the second key's worker", || {
+        h.gw.registry
+            .fleet()
+            .get(&a.url())
+            .is_some_and(|w| !w.is_draining() && w.breaker.settings().failure_threshold == 4)
+    })
+    .await;
+    h.stop().await;
+}

@@ -238,3 +238,11 @@ fn one_isolation_is_always_allowed_however_small_the_share() {
         .count();
     assert_eq!(open, 1, "10% of three workers is still one");
 }
+
+#[test]
+fn escaped_credentials_are_decoded_for_the_worker() {
+    let address = WorkerAddress::parse("http://u:p%2Fw%40x@127.0.0.1:8000").unwrap();
+    // base64("u:p/w@x")
+    assert_eq!(address.basic_auth.unwrap().expose(), "Basic dTpwL3dAeA==");
+    assert_eq!(address.base, "http://127.0.0.1:8000");
+}
