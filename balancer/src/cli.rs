@@ -846,6 +846,37 @@ resilience = { capacity_status_codes = [429, 503], cb_failure_threshold = 2 }
     }
 
     #[test]
+    fn an_admin_api_off_loopback_needs_a_token_which_a_file_can_hold() {
+        let err = parse(&["--admin-host", "0.0.0.0"]).unwrap_err().to_string();
+        assert!(err.contains("--admin-token"), "{err}");
+        let path = std::env::temp_dir().join(format!("balancer-token-{}", std::process::id()));
+        std::fs::write(&path, "s3cret\n").unwrap();
+        let c = parse(&[
+            "--admin-host",
+            "0.0.0.0",
+            "--admin-token-file",
+            path.to_str().unwrap(),
+        ])
+        .unwrap()
+        .to_config()
+        .unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(c.admin_token.as_deref(), Some("s3cret"));
+    }
+
+    #[test]
+    fn the_shipped_example_config_is_valid() {
+        let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/balancer.toml");
+        let args = parse(&["--config", example]).expect("deploy/balancer.toml parses");
+        let config = args.to_config().expect("and validates");
+        assert_eq!(config.workers.len(), 2);
+        assert_eq!(
+            config.workers[1].resilience.capacity_status_codes,
+            Some(vec![429, 503])
+        );
+    }
+
+    #[test]
     fn l4_flags_are_checked_together() {
         assert!(parse(&[]).unwrap().to_config().unwrap().l4.is_none());
         let a = parse(&[
