@@ -4,11 +4,12 @@
 //! overrides of the gateway document, their validation ([`SpecError`] names
 //! the field), and [`BreakerDefaults`], which merges flags and overrides into
 //! one breaker's [`Settings`] and [`Classifier`]. Pure data: it must not depend
-//! on the registry's live state or on any I/O beyond resolving a worker's
-//! host once, when its spec is validated.
+//! on the registry's live state; its only I/O is resolving a worker's host
+//! name, on demand ([`WorkerAddress::resolve`]), never while validating.
 
 use std::collections::BTreeMap;
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -218,9 +219,10 @@ pub struct WorkerAddress {
     pub base: String,
     /// The `host[:port]` the proxy puts in request URIs.
     pub authority: http::uri::Authority,
-    /// The first address the host resolved to at validation (port 80 when none is given); `None`
-    /// when it did not resolve.
-    pub socket: Option<SocketAddr>,
+    /// The worker's socket address (port 80 when none is given), known at
+    /// once for an IP literal; a host name is resolved on first use by
+    /// [`WorkerAddress::resolve`], never while validating.
+    socket: OnceLock<Option<SocketAddr>>,
     /// `user:password@` of the URL as an `Authorization: Basic` value, sent to
     /// the worker; never shown.
     pub basic_auth: Option<Secret>,
@@ -283,8 +285,27 @@ fn redacted(url: &str) -> String {
 }
 
 impl WorkerAddress {
-    /// Parses and normalises an `http://[user:password@]host[:port]` URL,
-    /// resolving the host once; other schemes, paths and queries are refused.
+    /// Whether [`WorkerAddress::resolve`] answers without a DNS lookup.
+    pub fn is_resolved(&self) -> bool {
+        self.socket.get().is_some()
+    }
+
+    /// The worker's socket address: an IP literal's at once, a host name's
+    /// first resolution (kept). Resolving a name blocks on DNS: call it off
+    /// the async runtime (`spawn_blocking`); `None` when the name does not
+    /// resolve.
+    pub fn resolve(&self) -> Option<SocketAddr> {
+        *self.socket.get_or_init(|| {
+            let port = self.authority.port_u16().unwrap_or(80);
+            (self.authority.host().trim_matches(['[', ']']), port)
+                .to_socket_addrs()
+                .ok()
+                .and_then(|mut addrs| addrs.next())
+        })
+    }
+
+    /// Parses and normalises an `http://[user:password@]host[:port]` URL
+    /// without any DNS lookup; other schemes, paths and queries are refused.
     /// Credentials are kept apart and redacted from every message.
     pub fn parse(url: &str) -> Result<Self, SpecError> {
         let shown = redacted(url);
@@ -303,10 +324,10 @@ impl WorkerAddress {
         };
         let authority: http::uri::Authority = host_port.parse().map_err(|_| bad("no host"))?;
         let port = authority.port_u16().unwrap_or(80);
-        let socket = (authority.host().trim_matches(['[', ']']), port)
-            .to_socket_addrs()
-            .ok()
-            .and_then(|mut addrs| addrs.next());
+        let socket = OnceLock::new();
+        if let Ok(ip) = authority.host().trim_matches(['[', ']']).parse::<IpAddr>() {
+            let _ = socket.set(Some(SocketAddr::new(ip, port)));
+        }
         let basic_auth = userinfo.map(|u| {
             use base64::Engine as _;
             Secret(format!(

@@ -319,7 +319,7 @@ impl Shared {
     /// routability changed (the tables need a rebuild) and whether anything
     /// was written.
     fn upsert(&self, worker: &Worker) -> Result<Change, DataplaneError> {
-        let Some(SocketAddr::V4(addr)) = worker.address.socket else {
+        let Some(SocketAddr::V4(addr)) = worker.address.resolve() else {
             tracing::warn!(
                 worker = %worker.url,
                 "not steering L4 connections to a worker without an IPv4 address"
@@ -490,6 +490,11 @@ async fn event_loop(
                 continue;
             }
         };
+        if !worker.address.is_resolved() {
+            // A host name: DNS blocks, so it is looked up off the runtime.
+            let w = worker.clone();
+            let _ = tokio::task::spawn_blocking(move || w.address.resolve()).await;
+        }
         match shared.upsert(worker) {
             Ok(change) => {
                 if let (true, Some(at)) = (change.written, transition_at) {

@@ -246,3 +246,14 @@ fn escaped_credentials_are_decoded_for_the_worker() {
     assert_eq!(address.basic_auth.unwrap().expose(), "Basic dTpwL3dAeA==");
     assert_eq!(address.base, "http://127.0.0.1:8000");
 }
+
+#[test]
+fn validating_a_worker_url_does_no_dns_lookup() {
+    let literal = WorkerAddress::parse("http://[::1]:8000").unwrap();
+    assert!(literal.is_resolved());
+    assert_eq!(literal.resolve(), Some("[::1]:8000".parse().unwrap()));
+    let named = WorkerAddress::parse("http://localhost:8000").unwrap();
+    assert!(!named.is_resolved(), "no lookup while validating");
+    assert_eq!(named.resolve().map(|a| a.port()), Some(8000));
+    assert!(named.is_resolved(), "kept after the first lookup");
+}
