@@ -148,8 +148,9 @@ fn not_ready_worker_reaches_half_open_only_through_its_promotion() {
     assert_eq!(snap.transitions[1][2], 1, "one move to half-open");
 }
 
-#[test]
-fn max_open_percent_keeps_a_share_of_the_fleet_out_of_isolation() {
+/// `n` workers of model `m` that open at their first failure, under
+/// `--cb-max-open-percent max_open_percent`, each sent one failure.
+fn isolate_all(n: u8, max_open_percent: u32) -> Vec<Arc<Worker>> {
     let clock = Arc::new(ManualClock::new());
     let registry = Registry::new(
         RegistryConfig {
@@ -165,11 +166,11 @@ fn max_open_percent_keeps_a_share_of_the_fleet_out_of_isolation() {
                 success: 1,
             },
             hash_rings: false,
-            max_open_percent: 50,
+            max_open_percent,
         },
         clock.clone(),
     );
-    let specs: Vec<_> = (1..=4)
+    let specs: Vec<_> = (1..=n)
         .map(|i| WorkerSpec {
             model: Some("m".into()),
             ..WorkerSpec::from_url(&format!("http://127.0.0.{i}:8000"))
@@ -179,17 +180,36 @@ fn max_open_percent_keeps_a_share_of_the_fleet_out_of_isolation() {
     for w in &workers {
         fail(w, &*clock);
     }
-    let open = workers
+    workers
+}
+
+fn open_count(workers: &[Arc<Worker>]) -> usize {
+    workers
         .iter()
         .filter(|w| w.breaker.state() == State::Open)
-        .count();
-    assert_eq!(open, 2, "half of the model's four workers at most");
+        .count()
+}
+
+#[test]
+fn max_open_percent_keeps_a_share_of_the_fleet_out_of_isolation() {
+    let workers = isolate_all(4, 50);
+    assert_eq!(
+        open_count(&workers),
+        2,
+        "half of the model's four workers at most"
+    );
     let held = &workers[3];
     assert_eq!(
         held.breaker.snapshot().consecutive_failures,
         1,
         "still counting"
     );
+}
+
+#[test]
+fn one_isolation_is_always_allowed_however_small_the_share() {
+    let workers = isolate_all(3, 10);
+    assert_eq!(open_count(&workers), 1, "10% of three workers is still one");
 }
 
 #[test]
@@ -202,41 +222,6 @@ fn credentials_never_show_in_messages_even_without_a_scheme() {
         let error = WorkerAddress::parse(url).unwrap_err().to_string();
         assert!(!error.contains("pw"), "{error}");
     }
-}
-
-#[test]
-fn one_isolation_is_always_allowed_however_small_the_share() {
-    let clock = Arc::new(ManualClock::new());
-    let registry = Registry::new(
-        RegistryConfig {
-            breaker: BreakerDefaults {
-                settings: Settings {
-                    failure_threshold: 1,
-                    ..Settings::default()
-                },
-                ..BreakerDefaults::default()
-            },
-            health: HealthThresholds {
-                failure: 1,
-                success: 1,
-            },
-            hash_rings: false,
-            max_open_percent: 10,
-        },
-        clock.clone(),
-    );
-    let specs: Vec<_> = (1..=3)
-        .map(|i| WorkerSpec::from_url(&format!("http://127.0.0.{i}:8000")))
-        .collect();
-    let workers = registry.add_all(&specs).unwrap();
-    for w in &workers {
-        fail(w, &*clock);
-    }
-    let open = workers
-        .iter()
-        .filter(|w| w.breaker.state() == State::Open)
-        .count();
-    assert_eq!(open, 1, "10% of three workers is still one");
 }
 
 #[test]
