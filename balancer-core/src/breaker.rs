@@ -220,14 +220,6 @@ pub struct Ticket {
     probe: bool,
 }
 
-impl Ticket {
-    /// The state epoch the request was admitted in; every transition starts
-    /// a new one.
-    pub fn epoch(&self) -> u32 {
-        self.epoch
-    }
-}
-
 /// The largest `--cb-half-open-max-inflight`: the in-flight count shares a
 /// word with the state and the epoch, and has 24 bits of it.
 pub const MAX_HALF_OPEN_INFLIGHT: u32 = 0x00ff_ffff;
