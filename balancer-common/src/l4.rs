@@ -27,12 +27,23 @@ pub const CLIENT_HOPS: &str = "CLIENT_HOPS";
 /// The Maglev tables of every service, as backend indices (flat `u32` array;
 /// a service's table is the slice at [`Service::table_offset`]).
 pub const MAGLEV: &str = "MAGLEV";
-/// Every backend of every service, routable or not: [`MAX_SERVICE_BACKENDS`]
-/// slots of backend indices per service, the fallback when the Maglev table
-/// is stale (`u32` array).
+/// The routable backends of every service: two lists of
+/// [`MAX_SERVICE_BACKENDS`] backend indices per service (the one in use, at
+/// [`Service::list_offset`], and the next, written whole before the service
+/// is switched to it). The fallback when no probe of the table finds a
+/// routable backend; the agent rewrites it on every change of routability
+/// (`u32` array).
 pub const SERVICE_BACKENDS: &str = "SERVICE_BACKENDS";
-/// [`FlowKey`] → [`Flow`] (LRU hash): both directions of every connection.
+/// [`FlowKey`] → [`Flow`] (LRU hash): both directions of every established
+/// connection.
 pub const CONNS: &str = "CONNS";
+/// [`FlowKey`] → [`Flow`] (LRU hash): both directions of connections that
+/// have not proven themselves yet (a SYN whose handshake has not completed,
+/// a mid-flow packet nothing knew). Floods of SYNs or stray ACKs churn this
+/// table only; an entry moves to [`CONNS`] once the handshake completes (the
+/// client acknowledges the backend's SYN-ACK) or, for a mid-flow packet, once
+/// the backend answers with something other than a reset.
+pub const EMBRYONIC: &str = "EMBRYONIC";
 /// Port (host order) → [`PORT_SERVICE`] | [`PORT_REPLY_INGRESS`] |
 /// [`PORT_REPLY_EGRESS`] bits (`u32` array of 65536): lets the program skip
 /// the hash lookups for traffic on ports nothing is steered on.
@@ -50,8 +61,8 @@ pub const OUTCOMES: &str = "OUTCOMES";
 pub const MAX_SERVICES: u32 = 64;
 /// Backends the maps have room for, all services together.
 pub const MAX_BACKENDS: u32 = 256;
-/// Backends one service's fallback list has room for.
-pub const MAX_SERVICE_BACKENDS: u32 = 64;
+/// Backends one service's list has room for: all of them.
+pub const MAX_SERVICE_BACKENDS: u32 = MAX_BACKENDS;
 /// Maglev table size in production: a prime, so every skip value of the
 /// permutation visits every slot, and about 100 times the backends a service
 /// can have, which keeps each backend's share within about 1% of even.
@@ -59,9 +70,13 @@ pub const DEFAULT_TABLE_SIZE: u32 = 65_537;
 /// Connections (both directions) the LRU connection table holds by default.
 pub const DEFAULT_CONNTRACK_SIZE: u32 = 262_144;
 /// Table slots a new connection tries (a fresh hash each) before falling
-/// back to scanning the service's backend list: enough that a stale table
-/// with a few isolated backends almost never needs the scan.
+/// back to the service's list of routable backends: enough that a table
+/// with a few isolated backends almost never needs the list.
 pub const MAX_PROBES: u32 = 8;
+/// Entries of the routable list a new connection tries, from the one its
+/// hash gives: more than one only matters in the microseconds between a
+/// state bit flipping and the agent rewriting the list.
+pub const LIST_TRIES: u32 = 4;
 
 /// `PORTS` bit: some service listens on this destination port.
 pub const PORT_SERVICE: u32 = 1;
@@ -81,6 +96,14 @@ pub const FLAG_REPLY: u32 = 2;
 pub const FLAG_FIN_CLIENT: u32 = 4;
 /// [`Flow::flags`]: the backend sent a FIN (set in both entries).
 pub const FLAG_FIN_BACKEND: u32 = 8;
+/// [`Flow::flags`]: [`Flow::seq`], [`Flow::ack`] and [`Flow::window`] hold
+/// what the entry's sender last sent (for a reply entry in [`EMBRYONIC`]:
+/// the backend's SYN-ACK has been seen).
+pub const FLAG_SEQ: u32 = 16;
+/// [`Flow::flags`]: made for a mid-flow packet of a connection no table
+/// knew (evicted, or older than the agent); it moves to [`CONNS`] when the
+/// backend answers with anything but a reset.
+pub const FLAG_RECOVERED: u32 = 32;
 
 /// [`Flow::closed`] counts in units of 2^20 ns (about a millisecond).
 pub const CLOSED_SHIFT: u32 = 20;
@@ -92,6 +115,8 @@ pub const CLOSE_GRACE: u32 = 2_000;
 
 /// `IPPROTO_TCP`.
 pub const PROTO_TCP: u8 = 6;
+/// `IPPROTO_ICMP`.
+pub const PROTO_ICMP: u8 = 1;
 
 /// An IPv4 address as it sits in a packet.
 pub const fn addr_be(octets: [u8; 4]) -> u32 {
@@ -128,24 +153,27 @@ impl ServiceKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Service {
-    /// Slot in `SERVICE_STATS`, and the service's block of
-    /// `SERVICE_BACKENDS`.
+    /// Slot in `SERVICE_STATS`.
     pub index: u32,
     /// Where the service's current Maglev table starts in `MAGLEV`. The agent
     /// writes a new table next to the current one and then moves this, so a
     /// lookup never sees a half-written table.
     pub table_offset: u32,
-    /// Slots of the current table; 0 when no backend was routable at the
-    /// last rebuild.
+    /// Slots of the current table; 0 when the service has no live backend.
     pub table_size: u32,
-    /// Entries in the service's `SERVICE_BACKENDS` block.
+    /// Entries in the service's current routable list.
     pub backend_count: u32,
     /// [`FLAG_REMOTE`] or 0.
     pub flags: u32,
-    pub _pad: u32,
+    /// Where the service's current backend list starts in
+    /// `SERVICE_BACKENDS` (switched like `table_offset`).
+    pub list_offset: u32,
 }
 
-/// Whether a backend may take connections.
+/// Whether a backend may take connections. Every state but `Unused` is
+/// "live": the backend is in the service's Maglev table, and a mid-flow
+/// packet of a connection the tables lost still goes to it, so a
+/// connection on an isolated or draining backend is not moved.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum BackendState {
@@ -208,6 +236,32 @@ pub struct NextHop {
     pub addr: u32,
     pub dst_mac: [u8; 6],
     pub src_mac: [u8; 6],
+    /// The egress interface's MTU: larger packets are not redirected.
+    pub mtu: u32,
+    /// [`NextHop::check`] of the other fields, written last: entries are
+    /// filled by the program on any CPU while others read them, and a read
+    /// that does not match its check is a torn one, treated as a miss.
+    pub check: u32,
+}
+
+impl NextHop {
+    /// The value [`NextHop::check`] must hold: a mix of every other field,
+    /// never 0, so that an all-zero entry (unused, or cleared by the agent)
+    /// never validates.
+    #[inline(always)]
+    pub fn checksum(&self) -> u32 {
+        let macs = |m: [u8; 6]| u64::from_le_bytes([m[0], m[1], m[2], m[3], m[4], m[5], 0, 0]);
+        let words = (u64::from(self.ifindex) << 32 | u64::from(self.generation))
+            ^ mix64(u64::from(self.addr) << 32 | u64::from(self.mtu))
+            ^ mix64(macs(self.dst_mac) ^ macs(self.src_mac).rotate_left(48));
+        (mix64(words) as u32) | 1
+    }
+
+    /// Whether the entry is whole (not torn by a concurrent write).
+    #[inline(always)]
+    pub fn is_whole(&self) -> bool {
+        self.check == self.checksum()
+    }
 }
 
 /// Settings the agent changes at run time.
@@ -276,6 +330,43 @@ pub struct Flow {
     /// what keeps a closed connection's reply entry from rewriting the
     /// replies of a later, unrelated connection on the same four-tuple.
     pub closed: u32,
+    /// The sender's next sequence number as seen (host order): the end of
+    /// the furthest segment it sent. A reset carrying exactly this is the
+    /// sender's own.
+    pub seq: u32,
+    /// The sender's last acknowledgement (host order): the next byte it
+    /// expects, where the peer's in-window resets start.
+    pub ack: u32,
+    /// The sender's last advertised window, unscaled: a lower bound of the
+    /// real one, so the in-window test errs toward ignoring a reset.
+    pub window: u32,
+}
+
+impl Flow {
+    /// The other direction's key and entry, rebuilt from this one: each
+    /// entry holds what the other needs, so either can restore the other.
+    /// `key` is this entry's key.
+    #[inline(always)]
+    pub fn peer(&self, key: &FlowKey) -> (FlowKey, Flow) {
+        // Forward (client -> service, rewritten to backend `addr`): the
+        // reply comes from the backend to the client and gets the service
+        // back. Reply (backend -> client, restored to service `addr`): the
+        // forward comes from the client to the service. Same shape.
+        let peer_key = FlowKey::tcp(self.addr, self.port, key.src_addr, key.src_port);
+        let peer = Flow {
+            addr: key.dst_addr,
+            port: key.dst_port,
+            _pad: 0,
+            flags: (self.flags ^ FLAG_REPLY) & (FLAG_REMOTE | FLAG_REPLY | FLAG_FIN_CLIENT | FLAG_FIN_BACKEND | FLAG_RECOVERED),
+            service: self.service,
+            backend: self.backend,
+            closed: self.closed,
+            seq: 0,
+            ack: 0,
+            window: 0,
+        };
+        (peer_key, peer)
+    }
 }
 
 /// Per-service counters (per CPU; the agent sums them).
@@ -286,7 +377,7 @@ pub struct ServiceStats {
     /// (Ethernet frame included).
     pub packets: u64,
     pub bytes: u64,
-    /// Connections given a backend (SYNs, and packets of unknown flows).
+    /// New connections given a backend (SYNs only).
     pub connections: u64,
     /// Packets that found no routable backend and went to the local stack.
     pub no_backend: u64,
@@ -315,8 +406,7 @@ pub struct BackendStats {
 pub enum Outcome {
     /// Neither for a service nor a reply of a steered connection: passed.
     NotService = 0,
-    /// A new connection (SYN, or a packet of a flow the table did not know)
-    /// given a routable backend.
+    /// A new connection (a SYN) given a routable backend.
     NewFlow = 1,
     /// A packet of a known connection sent to its backend.
     Established = 2,
@@ -329,16 +419,35 @@ pub enum Outcome {
     /// Remote mode: rewritten, but no next hop to redirect to, so passed for
     /// the kernel to route (and resolve the neighbour).
     Unresolved = 5,
-    /// Remote mode: TTL would expire on forwarding; passed so that the
-    /// kernel answers with ICMP.
+    /// Remote mode: TTL would expire on forwarding; answered with ICMP
+    /// time exceeded (quoting the packet as the client sent it).
     TtlExpired = 6,
-    /// The connection table refused the entry (it stays steered, but by hash
-    /// only, until an insert succeeds).
+    /// A table refused an entry: the packet is still steered, and the next
+    /// one of its connection tries again.
     ConntrackFull = 7,
+    /// A mid-flow packet of a connection no table knew, sent to the live
+    /// backend the table gives its hash (isolated and draining ones
+    /// included: that is where the connection was).
+    Recovered = 8,
+    /// A reset outside the tracked sequence window: passed on to the
+    /// endpoint (whose stack decides), but it closes nothing here.
+    RstIgnored = 9,
+    /// One direction of a connection was missing from the table and was
+    /// rebuilt from the other.
+    PeerRestored = 10,
+    /// An ICMP error about a steered connection, translated and sent to the
+    /// endpoint of the connection it quotes.
+    Icmp = 11,
+    /// Remote mode: larger than the next hop's MTU with DF set; answered
+    /// with ICMP fragmentation needed.
+    FragNeeded = 12,
+    /// An entry of a connection whose handshake completed (or whose backend
+    /// answered) moved to the established table.
+    Promoted = 13,
 }
 
 impl Outcome {
-    pub const COUNT: usize = 8;
+    pub const COUNT: usize = 14;
 
     pub const ALL: [Self; Self::COUNT] = [
         Self::NotService,
@@ -349,6 +458,12 @@ impl Outcome {
         Self::Unresolved,
         Self::TtlExpired,
         Self::ConntrackFull,
+        Self::Recovered,
+        Self::RstIgnored,
+        Self::PeerRestored,
+        Self::Icmp,
+        Self::FragNeeded,
+        Self::Promoted,
     ];
 
     pub const fn index(self) -> u32 {
@@ -365,6 +480,12 @@ impl Outcome {
             Self::Unresolved => "unresolved",
             Self::TtlExpired => "ttl_expired",
             Self::ConntrackFull => "conntrack_full",
+            Self::Recovered => "recovered",
+            Self::RstIgnored => "rst_ignored",
+            Self::PeerRestored => "peer_restored",
+            Self::Icmp => "icmp",
+            Self::FragNeeded => "frag_needed",
+            Self::Promoted => "promoted",
         }
     }
 }
@@ -379,9 +500,9 @@ const _: () = {
     assert!(size_of::<ServiceKey>() == 8);
     assert!(size_of::<Service>() == 24);
     assert!(size_of::<Backend>() == 12);
-    assert!(size_of::<NextHop>() == 24);
+    assert!(size_of::<NextHop>() == 32);
     assert!(size_of::<FlowKey>() == 16);
-    assert!(size_of::<Flow>() == 24);
+    assert!(size_of::<Flow>() == 36);
     assert!(size_of::<ServiceStats>() == 32);
     assert!(size_of::<BackendStats>() == 48);
 };

@@ -23,7 +23,9 @@ pub const VERDICTS_MAP: &str = "VERDICTS";
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Verdict {
-    /// Not an IPv4 frame (ARP, IPv6, VLAN-tagged, ...): the kernel's business.
+    /// Not an IPv4 frame (ARP, IPv6, stacked VLAN tags, other
+    /// encapsulations, ...): the kernel's business. A single 802.1Q tag is
+    /// looked through.
     PassNotIpv4 = 0,
     /// A header the program needs runs past the end of the frame.
     PassTruncated = 1,
@@ -39,11 +41,14 @@ pub enum Verdict {
     TcpSyn = 5,
     /// Any other TCP segment, which will follow its connection's decision.
     TcpOther = 6,
+    /// ICMP: errors quoting a steered connection are translated and sent
+    /// to its endpoint, everything else passes.
+    Icmp = 7,
 }
 
 impl Verdict {
     /// Number of verdicts, which is also the size of the `VERDICTS` map.
-    pub const COUNT: usize = 7;
+    pub const COUNT: usize = 8;
 
     /// Every verdict, in index order.
     pub const ALL: [Self; Self::COUNT] = [
@@ -54,6 +59,7 @@ impl Verdict {
         Self::PassNotTcp,
         Self::TcpSyn,
         Self::TcpOther,
+        Self::Icmp,
     ];
 
     /// The verdict's slot in the `VERDICTS` map.
@@ -71,6 +77,7 @@ impl Verdict {
             Self::PassNotTcp => "pass_not_tcp",
             Self::TcpSyn => "tcp_syn",
             Self::TcpOther => "tcp_other",
+            Self::Icmp => "icmp",
         }
     }
 }

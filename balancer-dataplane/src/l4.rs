@@ -31,6 +31,7 @@ pub struct L4Maps {
     maglev: Mutex<Array<MapData, u32>>,
     service_backends: Mutex<Array<MapData, u32>>,
     conns: Mutex<HashMap<MapData, FlowKey, Flow>>,
+    embryonic: Mutex<HashMap<MapData, FlowKey, Flow>>,
     ports: Mutex<Array<MapData, u32>>,
     config: Mutex<Array<MapData, Config>>,
     service_stats: PerCpuArray<MapData, ServiceStats>,
@@ -72,20 +73,21 @@ impl std::fmt::Debug for OutcomeCounts {
 }
 
 /// A service as whoever programs it keeps it: its key and slot, and a copy
-/// of what each of its two tables in the `MAGLEV` map holds, so a rebuild
-/// writes only the slots that change.
+/// of what each of its two tables in the `MAGLEV` map and its two lists in
+/// `SERVICE_BACKENDS` hold, so a rebuild writes only the slots that change.
+/// A copy is emptied when a write into its slice fails, so that it never
+/// claims what the kernel does not hold.
 #[derive(Debug, Clone)]
 pub struct ServiceState {
     pub key: ServiceKey,
     pub index: u32,
     pub flags: u32,
-    /// Which of the two tables the map entry points at.
+    /// Which table and list the map entry points at.
     current: usize,
     tables: [Vec<u32>; 2],
-    /// Slots of the current table (0: no routable backend).
+    /// Slots of the current table (0: no live backend).
     table_len: u32,
-    /// The backend list as last written to `SERVICE_BACKENDS`.
-    backends: Vec<u32>,
+    lists: [Vec<u32>; 2],
 }
 
 impl ServiceState {
@@ -134,6 +136,7 @@ impl L4Maps {
             maglev: Mutex::new(typed!(ebpf, common::MAGLEV)),
             service_backends: Mutex::new(typed!(ebpf, common::SERVICE_BACKENDS)),
             conns: Mutex::new(typed!(ebpf, common::CONNS)),
+            embryonic: Mutex::new(typed!(ebpf, common::EMBRYONIC)),
             ports: Mutex::new(typed!(ebpf, common::PORTS)),
             config: Mutex::new(typed!(ebpf, common::CONFIG)),
             service_stats: typed!(ebpf, common::SERVICE_STATS),
@@ -233,20 +236,21 @@ impl L4Maps {
             current: 0,
             tables: [Vec::new(), Vec::new()],
             table_len: 0,
-            backends: Vec::new(),
+            lists: [Vec::new(), Vec::new()],
         };
         self.write_service(&state)?;
         Ok(state)
     }
 
-    /// Points `service` at `backends` (every backend it has, routable or
-    /// not: the program's fallback when the table is stale) and at `table`
-    /// (a Maglev table of [`L4Maps::table_size`] slots over the routable
-    /// ones, or empty when none is).
+    /// Points `service` at `backends` (every backend it has, whatever its
+    /// state: the program's fallback scan) and at `table` (a Maglev table
+    /// of [`L4Maps::table_size`] slots over the live ones, or empty when
+    /// none is).
     ///
-    /// The new table is written next to the one the program uses, and the
-    /// service entry is switched to it last, so a lookup sees either table
-    /// whole, never a mix.
+    /// The new table and list are written next to the ones the program
+    /// uses, and the service entry is switched to them last, so a lookup
+    /// sees either version whole, never a mix. On failure the program keeps
+    /// the version it had.
     pub fn update_service(
         &self,
         service: &mut ServiceState,
@@ -260,35 +264,33 @@ impl L4Maps {
             table.len()
         );
         let backends = &backends[..backends.len().min(MAX_SERVICE_BACKENDS as usize)];
-        {
-            let mut list = lock(&self.service_backends);
-            let base = service.index * MAX_SERVICE_BACKENDS;
-            for (i, &backend) in backends.iter().enumerate() {
-                if service.backends.get(i) != Some(&backend) {
-                    list.set(base + i as u32, backend, 0)
-                        .map_err(map_error(common::SERVICE_BACKENDS))?;
-                }
-            }
-        }
-        service.backends = backends.to_vec();
-
         let next = 1 - service.current;
-        if !table.is_empty() {
-            let offset = self.table_offset(service.index, next);
-            let mirror = &mut service.tables[next];
-            let mut maglev = lock(&self.maglev);
-            for (slot, &backend) in table.iter().enumerate() {
-                if mirror.get(slot) != Some(&backend) {
-                    maglev
-                        .set(offset + slot as u32, backend, 0)
-                        .map_err(map_error(common::MAGLEV))?;
-                }
-            }
-            *mirror = table.to_vec();
-        }
+        write_slice(
+            &self.service_backends,
+            common::SERVICE_BACKENDS,
+            self.list_offset(service.index, next),
+            &mut service.lists[next],
+            backends,
+        )?;
+        write_slice(
+            &self.maglev,
+            common::MAGLEV,
+            self.table_offset(service.index, next),
+            &mut service.tables[next],
+            table,
+        )?;
+        let previous = (service.current, service.table_len);
         service.current = next;
         service.table_len = table.len() as u32;
-        self.write_service(service)
+        if let Err(error) = self.write_service(service) {
+            (service.current, service.table_len) = previous;
+            return Err(error);
+        }
+        Ok(())
+    }
+
+    fn list_offset(&self, service: u32, which: usize) -> u32 {
+        (service * 2 + which as u32) * MAX_SERVICE_BACKENDS
     }
 
     fn table_offset(&self, service: u32, which: usize) -> u32 {
@@ -300,9 +302,9 @@ impl L4Maps {
             index: service.index,
             table_offset: self.table_offset(service.index, service.current),
             table_size: service.table_len,
-            backend_count: service.backends.len() as u32,
+            backend_count: service.lists[service.current].len() as u32,
             flags: service.flags,
-            _pad: 0,
+            list_offset: self.list_offset(service.index, service.current),
         };
         lock(&self.services)
             .insert(service.key, entry, 0)
@@ -327,9 +329,38 @@ impl L4Maps {
         }
     }
 
-    /// Entries in the connection table (both directions count).
+    /// The embryonic-table entry of `key`, if any.
+    pub fn embryonic_flow(&self, key: &FlowKey) -> Result<Option<Flow>, DataplaneError> {
+        match lock(&self.embryonic).get(key, 0) {
+            Ok(flow) => Ok(Some(flow)),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(source) => Err(map_error(common::EMBRYONIC)(source)),
+        }
+    }
+
+    /// Removes `key` from both connection tables (what an LRU eviction
+    /// does, for tests), returning whether it was in either.
+    pub fn evict_flow(&self, key: &FlowKey) -> Result<bool, DataplaneError> {
+        let mut found = false;
+        for (map, name) in [(&self.conns, common::CONNS), (&self.embryonic, common::EMBRYONIC)] {
+            match lock(map).remove(key) {
+                Ok(()) => found = true,
+                Err(MapError::KeyNotFound) => {}
+                Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
+                Err(source) => return Err(map_error(name)(source)),
+            }
+        }
+        Ok(found)
+    }
+
+    /// Entries in the established connection table (both directions count).
     pub fn flow_count(&self) -> usize {
         lock(&self.conns).keys().filter(Result::is_ok).count()
+    }
+
+    /// Entries in the embryonic table (both directions count).
+    pub fn embryonic_count(&self) -> usize {
+        lock(&self.embryonic).keys().filter(Result::is_ok).count()
     }
 
     /// Counters of service slot `index`, summed over all CPUs.
@@ -395,6 +426,30 @@ impl L4Maps {
         }
         Ok(counts)
     }
+}
+
+/// Writes `wanted` into `map` at `offset`, skipping the slots `mirror`
+/// says already hold their value; `mirror` then holds `wanted`, or is
+/// emptied if a write failed (so the next call rewrites every slot).
+fn write_slice(
+    map: &Mutex<Array<MapData, u32>>,
+    name: &'static str,
+    offset: u32,
+    mirror: &mut Vec<u32>,
+    wanted: &[u32],
+) -> Result<(), DataplaneError> {
+    let mut map = lock(map);
+    for (slot, &value) in wanted.iter().enumerate() {
+        if mirror.get(slot) != Some(&value)
+            && let Err(source) = map.set(offset + slot as u32, value, 0)
+        {
+            mirror.clear();
+            return Err(map_error(name)(source));
+        }
+    }
+    mirror.clear();
+    mirror.extend_from_slice(wanted);
+    Ok(())
 }
 
 /// The map value of a backend at `addr` in `state`.

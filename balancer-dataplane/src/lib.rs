@@ -244,8 +244,17 @@ pub struct LoadOptions {
     pub table_size: u32,
     /// Services the Maglev map has room for (two tables each).
     pub services: u32,
-    /// Entries of the connection table (each connection takes two).
+    /// Entries of the connection table (each connection takes two). The
+    /// table of connections still proving themselves gets a quarter of it.
     pub conntrack_size: u32,
+}
+
+impl LoadOptions {
+    /// Entries of the embryonic table: a quarter of the established one,
+    /// at least 256, so a flood has room to churn without touching it.
+    pub fn embryonic_size(&self) -> u32 {
+        (self.conntrack_size / 4).max(256)
+    }
 }
 
 impl Default for LoadOptions {
@@ -305,6 +314,7 @@ impl Dataplane {
             .override_global(aya_log::LEVEL, &ebpf_log_level(), false)
             .map_max_entries(common::MAGLEV, maglev)
             .map_max_entries(common::CONNS, options.conntrack_size)
+            .map_max_entries(common::EMBRYONIC, options.embryonic_size())
             .load_file(object)
             .map_err(|source| DataplaneError::Load {
                 path: object.to_path_buf(),

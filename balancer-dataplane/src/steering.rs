@@ -342,9 +342,11 @@ impl Shared {
             let was = slot.state;
             slot.state = state;
             tracing::debug!(worker = %worker.url, from = was.name(), to = state.name(), "L4 backend state");
+            // The table lists every live backend; the state bit alone
+            // decides whether new connections may go there.
             return Ok(Change {
                 written: true,
-                rebuild: (was == BackendState::Routable) != (state == BackendState::Routable),
+                rebuild: false,
             });
         }
         let Some(index) = slots.allocate() else {
@@ -412,8 +414,11 @@ impl Shared {
         }
     }
 
-    /// Writes every service's backend list and a Maglev table over the
-    /// routable backends.
+    /// Writes every service's backend list and a Maglev table over the live
+    /// backends (routable, isolated or draining: a slot's state bit decides
+    /// whether a new connection may take it, and a mid-flow packet the
+    /// connection tables lost still finds its backend there). Only changes
+    /// of membership rebuild; a breaker transition is one state write.
     fn rebuild(&self) {
         let started = Instant::now();
         let (mut all, members): (Vec<u32>, Vec<Member>) = {
@@ -422,7 +427,6 @@ impl Shared {
             let members = slots
                 .by_worker
                 .values()
-                .filter(|s| s.state == BackendState::Routable)
                 .map(|s| {
                     let b = backend_at(s.addr, s.state);
                     Member {
@@ -442,8 +446,7 @@ impl Shared {
             }
         }
         tracing::debug!(
-            routable = members.len(),
-            backends = all.len(),
+            live = members.len(),
             took = ?started.elapsed(),
             "Maglev tables rebuilt"
         );

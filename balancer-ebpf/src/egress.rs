@@ -10,12 +10,11 @@
 
 use aya_ebpf::bindings::{BPF_F_PSEUDO_HDR, TC_ACT_OK};
 use aya_ebpf::programs::TcContext;
-use balancer_common::l4::{
-    FLAG_FIN_BACKEND, FLAG_REPLY, Flow, FlowKey, Outcome, PORT_REPLY_EGRESS,
-};
+use balancer_common::l4::{Flow, FlowKey, Outcome, PORT_REPLY_EGRESS};
 
-use crate::headers::{EthHdr, Ipv4Hdr, TcpHdr};
-use crate::maps::{CONNS, backend_stats, note_close, outcome, port_has, stale};
+use crate::conntrack;
+use crate::headers::{EthHdr, Ipv4Hdr, TcpHdr, VlanHdr};
+use crate::maps::{backend_stats, outcome, port_has};
 
 pub fn restore(ctx: &TcContext) -> i32 {
     // Whatever goes wrong, the packet leaves as it is: this program only
@@ -26,10 +25,20 @@ pub fn restore(ctx: &TcContext) -> i32 {
 
 fn try_restore(ctx: &TcContext) -> Result<(), i64> {
     let eth: EthHdr = ctx.load(0)?;
-    if eth.ether_type() != EthHdr::ETHER_TYPE_IPV4 {
-        return Ok(());
-    }
-    let ip: Ipv4Hdr = ctx.load(EthHdr::LEN)?;
+    // A VLAN tag is in the frame only without transmit VLAN offload;
+    // with it, the tag is metadata and the frame looks untagged.
+    let l3 = match eth.ether_type() {
+        EthHdr::ETHER_TYPE_IPV4 => EthHdr::LEN,
+        EthHdr::ETHER_TYPE_VLAN => {
+            let vlan: VlanHdr = ctx.load(EthHdr::LEN)?;
+            if u16::from_be_bytes(vlan.ether_type) != EthHdr::ETHER_TYPE_IPV4 {
+                return Ok(());
+            }
+            EthHdr::LEN + VlanHdr::LEN
+        }
+        _ => return Ok(()),
+    };
+    let ip: Ipv4Hdr = ctx.load(l3)?;
     let header_len = ip.header_len();
     if ip.version() != 4
         || header_len < Ipv4Hdr::MIN_LEN
@@ -38,7 +47,7 @@ fn try_restore(ctx: &TcContext) -> Result<(), i64> {
     {
         return Ok(());
     }
-    let tcp_offset = EthHdr::LEN + header_len;
+    let tcp_offset = l3 + header_len;
     let tcp: TcpHdr = ctx.load(tcp_offset)?;
     if !port_has(u16::from_be_bytes(tcp.source), PORT_REPLY_EGRESS) {
         return Ok(());
@@ -51,28 +60,10 @@ fn try_restore(ctx: &TcContext) -> Result<(), i64> {
         u32::from_ne_bytes(ip.daddr),
         u16::from_ne_bytes(tcp.dest),
     );
-    let Some(flow) = CONNS.get_ptr(key) else {
+    let payload = u32::from(ip.total_len()).saturating_sub(header_len as u32);
+    let mut flow = Flow::default();
+    if !conntrack::reply(&key, &tcp.segment(payload), &mut flow) {
         return Ok(());
-    };
-    // SAFETY: a successful lookup, copied at once.
-    let flow: Flow = unsafe { *flow };
-    if flow.flags & FLAG_REPLY == 0 {
-        return Ok(());
-    }
-    if stale(&flow, tcp.is_syn_ack()) {
-        // A later connection on the same four-tuple that did not come
-        // through the XDP program: not ours to rewrite.
-        let _ = CONNS.remove(key);
-        return Ok(());
-    }
-    if tcp.flags & (TcpHdr::FIN | TcpHdr::RST) != 0 {
-        let forward = FlowKey::tcp(key.dst_addr, key.dst_port, flow.addr, flow.port);
-        let fin = if tcp.flags & TcpHdr::FIN != 0 {
-            FLAG_FIN_BACKEND
-        } else {
-            0
-        };
-        note_close(forward, key, fin, tcp.flags & TcpHdr::RST != 0);
     }
 
     let tcp_check = tcp_offset + TcpHdr::CHECK_OFFSET;
@@ -85,12 +76,12 @@ fn try_restore(ctx: &TcContext) -> Result<(), i64> {
     )?;
     ctx.l4_csum_replace(tcp_check, u64::from(src_port), u64::from(flow.port), 2)?;
     ctx.l3_csum_replace(
-        EthHdr::LEN + Ipv4Hdr::CHECK_OFFSET,
+        l3 + Ipv4Hdr::CHECK_OFFSET,
         u64::from(src_addr),
         u64::from(flow.addr),
         4,
     )?;
-    ctx.store(EthHdr::LEN + Ipv4Hdr::SADDR_OFFSET, &flow.addr, 0)?;
+    ctx.store(l3 + Ipv4Hdr::SADDR_OFFSET, &flow.addr, 0)?;
     ctx.store(tcp_offset, &flow.port, 0)?;
 
     outcome(Outcome::Reply);

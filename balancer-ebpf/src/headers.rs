@@ -15,11 +15,25 @@ pub struct EthHdr {
 impl EthHdr {
     pub const LEN: usize = size_of::<Self>();
     pub const ETHER_TYPE_IPV4: u16 = 0x0800;
+    /// 802.1Q: one VLAN tag follows, then the real EtherType.
+    pub const ETHER_TYPE_VLAN: u16 = 0x8100;
 
     #[inline(always)]
     pub fn ether_type(&self) -> u16 {
         u16::from_be_bytes(self.ether_type)
     }
+}
+
+/// An 802.1Q tag: the VLAN id and priority, then the encapsulated
+/// EtherType.
+#[repr(C)]
+pub struct VlanHdr {
+    pub tci: [u8; 2],
+    pub ether_type: [u8; 2],
+}
+
+impl VlanHdr {
+    pub const LEN: usize = size_of::<Self>();
 }
 
 #[repr(C)]
@@ -39,6 +53,8 @@ pub struct Ipv4Hdr {
 impl Ipv4Hdr {
     pub const MIN_LEN: usize = size_of::<Self>();
     pub const PROTO_TCP: u8 = 6;
+    pub const PROTO_ICMP: u8 = 1;
+    pub const DONT_FRAGMENT: u16 = 0x4000;
     const MORE_FRAGMENTS: u16 = 0x2000;
     const FRAGMENT_OFFSET: u16 = 0x1fff;
 
@@ -51,6 +67,16 @@ impl Ipv4Hdr {
     #[inline(always)]
     pub fn header_len(&self) -> usize {
         usize::from(self.version_ihl & 0x0f) * 4
+    }
+
+    #[inline(always)]
+    pub fn total_len(&self) -> u16 {
+        u16::from_be_bytes(self.tot_len)
+    }
+
+    #[inline(always)]
+    pub fn dont_fragment(&self) -> bool {
+        u16::from_be_bytes(self.frag_off) & Self::DONT_FRAGMENT != 0
     }
 
     /// True for every piece of a fragmented datagram, the first included.
@@ -81,11 +107,87 @@ impl TcpHdr {
     /// Offset of `check` in the header.
     pub const CHECK_OFFSET: usize = 16;
 
-    /// A SYN-ACK: the server's answer that opens a connection.
+    /// What connection tracking needs of the segment; `ip_payload` is the
+    /// IPv4 total length minus the IPv4 header.
+    #[inline(always)]
+    pub fn segment(&self, ip_payload: u32) -> Segment {
+        let header = u32::from(self.data_offset >> 4) * 4;
+        let mut len = ip_payload.saturating_sub(header);
+        // SYN and FIN each take a sequence number.
+        if self.flags & Self::SYN != 0 {
+            len += 1;
+        }
+        if self.flags & Self::FIN != 0 {
+            len += 1;
+        }
+        Segment {
+            flags: self.flags,
+            seq: u32::from_be_bytes(self.seq),
+            ack: u32::from_be_bytes(self.ack_seq),
+            window: u32::from(u16::from_be_bytes(self.window)),
+            len,
+        }
+    }
+}
+
+/// The parts of a TCP segment connection tracking looks at, in host order.
+#[derive(Clone, Copy)]
+pub struct Segment {
+    pub flags: u8,
+    pub seq: u32,
+    pub ack: u32,
+    pub window: u32,
+    /// Sequence space the segment takes: payload, plus one each for SYN
+    /// and FIN.
+    pub len: u32,
+}
+
+impl Segment {
+    #[inline(always)]
+    pub fn has(&self, flag: u8) -> bool {
+        self.flags & flag != 0
+    }
+
     #[inline(always)]
     pub fn is_syn_ack(&self) -> bool {
-        self.flags & (Self::SYN | Self::ACK) == Self::SYN | Self::ACK
+        self.flags & (TcpHdr::SYN | TcpHdr::ACK) == TcpHdr::SYN | TcpHdr::ACK
     }
+}
+
+/// An ICMP header; `rest` is the type-specific word (the next-hop MTU of
+/// "fragmentation needed" sits in its second half).
+#[repr(C)]
+pub struct IcmpHdr {
+    pub kind: u8,
+    pub code: u8,
+    pub check: [u8; 2],
+    pub rest: [u8; 4],
+}
+
+impl IcmpHdr {
+    pub const LEN: usize = size_of::<Self>();
+    pub const DEST_UNREACHABLE: u8 = 3;
+    pub const TIME_EXCEEDED: u8 = 11;
+    pub const PARAMETER_PROBLEM: u8 = 12;
+    /// Destination unreachable, code 4.
+    pub const FRAG_NEEDED: u8 = 4;
+
+    /// An error message, which quotes the packet it is about.
+    #[inline(always)]
+    pub fn is_error(&self) -> bool {
+        matches!(
+            self.kind,
+            Self::DEST_UNREACHABLE | Self::TIME_EXCEEDED | Self::PARAMETER_PROBLEM
+        )
+    }
+}
+
+/// The first eight bytes of a TCP header: all an ICMP error must quote.
+#[repr(C)]
+pub struct TcpPorts {
+    pub source: [u8; 2],
+    pub dest: [u8; 2],
+    pub seq: [u8; 4],
 }
 
 impl Ipv4Hdr {
@@ -97,6 +199,9 @@ impl Ipv4Hdr {
 
 const _: () = {
     assert!(EthHdr::LEN == 14);
+    assert!(VlanHdr::LEN == 4);
+    assert!(IcmpHdr::LEN == 8);
+    assert!(size_of::<TcpPorts>() == 8);
     assert!(Ipv4Hdr::MIN_LEN == 20);
     assert!(size_of::<TcpHdr>() == 20);
 };

@@ -1,20 +1,28 @@
 //! The balancer's XDP program, and the TC program that goes with it.
 //!
-//! `balancer` (XDP) parses Ethernet / IPv4 / TCP and counts every packet
-//! under one [`Verdict`] in the per-CPU `VERDICTS` array; a TCP packet then
-//! goes through L4 steering ([`l4`]), which counts what it did under an
-//! `Outcome`. `balancer_egress` (TC egress, local mode) restores the service
-//! address on the replies of local backends ([`egress`]).
+//! `balancer` (XDP) parses Ethernet (with at most one 802.1Q tag) / IPv4 /
+//! TCP or ICMP and counts every packet under one [`Verdict`] in the per-CPU
+//! `VERDICTS` array; a TCP packet then goes through L4 steering ([`l4`]), an
+//! ICMP one through [`icmp`], which count what they did under an `Outcome`.
+//! `balancer_egress` (TC egress, local mode) restores the service address on
+//! the replies of local backends ([`egress`]). Connection state is
+//! [`conntrack`]'s.
 //!
 //! The crate only means something for `bpfel-unknown-none`; on the host it
 //! builds to a binary that says so, which keeps `cargo test --workspace` and
 //! `cargo clippy --workspace` working.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
+// `atomic` uses the atomic intrinsics the target's library types lack.
+#![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
+#![cfg_attr(target_arch = "bpf", allow(internal_features))]
 
+mod atomic;
+mod conntrack;
 mod csum;
 mod egress;
 mod headers;
+mod icmp;
 mod l4;
 mod maps;
 
@@ -25,19 +33,14 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::debug;
 use balancer_common::Verdict;
-use headers::{EthHdr, Ipv4Hdr, TcpHdr};
+use headers::{EthHdr, Ipv4Hdr, TcpHdr, VlanHdr};
 use l4::TcpPacket;
 
 #[xdp]
 pub fn balancer(ctx: XdpContext) -> u32 {
     // Fail open: when this program cannot do its job the packet still gets
     // to the kernel, which is where it would have gone without us.
-    let (verdict, tcp) = classify(&ctx);
-    maps::bump(&maps::VERDICTS, verdict.index());
-    match tcp {
-        Some(packet) => l4::steer(&ctx, &packet),
-        None => xdp_action::XDP_PASS,
-    }
+    dispatch(&ctx)
 }
 
 #[classifier]
@@ -45,21 +48,39 @@ pub fn balancer_egress(ctx: TcContext) -> i32 {
     egress::restore(&ctx)
 }
 
-/// The packet's verdict, and for TCP the headers steering works on.
-fn classify(ctx: &XdpContext) -> (Verdict, Option<TcpPacket>) {
+/// Counts the packet under its verdict and hands TCP and ICMP to steering.
+/// (It dispatches itself rather than returning what it parsed: LLVM turns
+/// an enum of parsed headers into code the verifier rejects.)
+fn dispatch(ctx: &XdpContext) -> u32 {
+    let pass = |verdict: Verdict| {
+        maps::bump(&maps::VERDICTS, verdict.index());
+        xdp_action::XDP_PASS
+    };
     // SAFETY (the dereferences below): `header` checked that each header
     // lies inside the frame, and nothing writes the frame during parsing.
     let Some(eth) = header::<EthHdr>(ctx, 0).map(|p| unsafe { &*p }) else {
         debug!(ctx, "frame shorter than an Ethernet header");
-        return (Verdict::PassTruncated, None);
+        return pass(Verdict::PassTruncated);
     };
-    if eth.ether_type() != EthHdr::ETHER_TYPE_IPV4 {
-        return (Verdict::PassNotIpv4, None);
-    }
+    let (l3, tagged) = match eth.ether_type() {
+        EthHdr::ETHER_TYPE_IPV4 => (EthHdr::LEN, false),
+        // One 802.1Q tag (GPU nodes often sit on VLANs); stacked tags and
+        // other encapsulations are the kernel's.
+        EthHdr::ETHER_TYPE_VLAN => {
+            let Some(vlan) = header::<VlanHdr>(ctx, EthHdr::LEN).map(|p| unsafe { &*p }) else {
+                return pass(Verdict::PassTruncated);
+            };
+            if u16::from_be_bytes(vlan.ether_type) != EthHdr::ETHER_TYPE_IPV4 {
+                return pass(Verdict::PassNotIpv4);
+            }
+            (EthHdr::LEN + VlanHdr::LEN, true)
+        }
+        _ => return pass(Verdict::PassNotIpv4),
+    };
 
-    let Some(ip_ptr) = header::<Ipv4Hdr>(ctx, EthHdr::LEN) else {
+    let Some(ip_ptr) = header::<Ipv4Hdr>(ctx, l3) else {
         debug!(ctx, "IPv4 header runs past the frame");
-        return (Verdict::PassTruncated, None);
+        return pass(Verdict::PassTruncated);
     };
     let ip = unsafe { &*ip_ptr };
     let header_len = ip.header_len();
@@ -70,20 +91,24 @@ fn classify(ctx: &XdpContext) -> (Verdict, Option<TcpPacket>) {
             ip.version(),
             header_len
         );
-        return (Verdict::PassMalformed, None);
+        return pass(Verdict::PassMalformed);
     }
     // Before the protocol check: a later fragment carries no transport
     // header at all, whatever protocol it belongs to.
     if ip.is_fragment() {
-        return (Verdict::PassFragment, None);
+        return pass(Verdict::PassFragment);
+    }
+    if ip.protocol == Ipv4Hdr::PROTO_ICMP {
+        maps::bump(&maps::VERDICTS, Verdict::Icmp.index());
+        return icmp::steer(ctx, l3, tagged);
     }
     if ip.protocol != Ipv4Hdr::PROTO_TCP {
-        return (Verdict::PassNotTcp, None);
+        return pass(Verdict::PassNotTcp);
     }
 
-    let Some(tcp_ptr) = header::<TcpHdr>(ctx, EthHdr::LEN + header_len) else {
+    let Some(tcp_ptr) = header::<TcpHdr>(ctx, l3 + header_len) else {
         debug!(ctx, "TCP header runs past the frame");
-        return (Verdict::PassTruncated, None);
+        return pass(Verdict::PassTruncated);
     };
     let tcp = unsafe { &*tcp_ptr };
     // A SYN-ACK answers a connection someone else opened, so it is not
@@ -94,12 +119,15 @@ fn classify(ctx: &XdpContext) -> (Verdict, Option<TcpPacket>) {
     } else {
         Verdict::TcpOther
     };
+    maps::bump(&maps::VERDICTS, verdict.index());
     let packet = TcpPacket {
         ip: ip_ptr,
         tcp: tcp_ptr,
         syn,
+        l3,
+        tagged,
     };
-    (verdict, Some(packet))
+    l4::steer(ctx, &packet)
 }
 
 /// A pointer to the `T` at `offset` bytes into the frame, if all of it lies
@@ -109,7 +137,7 @@ fn classify(ctx: &XdpContext) -> (Verdict, Option<TcpPacket>) {
 /// the explicit `data_end` comparison is what the verifier needs to see
 /// before it allows the read.
 #[inline(always)]
-fn header<T>(ctx: &XdpContext, offset: usize) -> Option<*mut T> {
+pub(crate) fn header<T>(ctx: &XdpContext, offset: usize) -> Option<*mut T> {
     let start = ctx.data() + offset;
     if start + size_of::<T>() > ctx.data_end() {
         return None;

@@ -1,15 +1,17 @@
-//! Every map of the object. Userspace finds them by these symbol names,
-//! which `balancer_common` spells out for it; the agent resizes the large
-//! ones (`MAGLEV`, `CONNS`) at load time to what its flags ask for.
+//! Every map of the object, and the counter helpers. Userspace finds the
+//! maps by these symbol names, which `balancer_common` spells out for it;
+//! the agent resizes the large ones (`MAGLEV`, `CONNS`, `EMBRYONIC`) at
+//! load time to what its flags ask for. What the connection tables mean is
+//! [`crate::conntrack`]'s business.
 
-use aya_ebpf::helpers::generated::bpf_ktime_get_coarse_ns;
+use aya_ebpf::bindings::bpf_fib_lookup as FibParams;
 use aya_ebpf::macros::map;
 use aya_ebpf::maps::{Array, HashMap, LruHashMap, PerCpuArray};
 use balancer_common::Verdict;
 use balancer_common::l4::{
-    Backend, BackendStats, CLOSE_GRACE, CLOSED_SHIFT, Config, DEFAULT_CONNTRACK_SIZE,
-    DEFAULT_TABLE_SIZE, FLAG_FIN_BACKEND, FLAG_FIN_CLIENT, Flow, FlowKey, MAX_BACKENDS,
-    MAX_SERVICE_BACKENDS, MAX_SERVICES, NextHop, Outcome, Service, ServiceKey, ServiceStats,
+    Backend, BackendStats, Config, DEFAULT_CONNTRACK_SIZE, DEFAULT_TABLE_SIZE, Flow, FlowKey,
+    MAX_BACKENDS, MAX_SERVICE_BACKENDS, MAX_SERVICES, NextHop, Outcome, Service, ServiceKey,
+    ServiceStats,
 };
 
 #[map]
@@ -38,13 +40,19 @@ pub static CLIENT_HOPS: LruHashMap<u32, NextHop> =
 #[map]
 pub static MAGLEV: Array<u32> = Array::with_max_entries(2 * DEFAULT_TABLE_SIZE, 0);
 
+/// Two lists per service (current and next).
 #[map]
 pub static SERVICE_BACKENDS: Array<u32> =
-    Array::with_max_entries(MAX_SERVICES * MAX_SERVICE_BACKENDS, 0);
+    Array::with_max_entries(MAX_SERVICES * 2 * MAX_SERVICE_BACKENDS, 0);
 
 #[map]
 pub static CONNS: LruHashMap<FlowKey, Flow> =
     LruHashMap::with_max_entries(DEFAULT_CONNTRACK_SIZE, 0);
+
+/// Sized by the agent with the connection table (a quarter of it).
+#[map]
+pub static EMBRYONIC: LruHashMap<FlowKey, Flow> =
+    LruHashMap::with_max_entries(DEFAULT_CONNTRACK_SIZE / 4, 0);
 
 #[map]
 pub static PORTS: Array<u32> = Array::with_max_entries(65_536, 0);
@@ -59,6 +67,11 @@ pub static SERVICE_STATS: PerCpuArray<ServiceStats> =
 #[map]
 pub static BACKEND_STATS: PerCpuArray<BackendStats> =
     PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
+
+/// Scratch space for `bpf_fib_lookup`'s parameter block: 64 bytes the
+/// program's stack (512 bytes for a whole call chain) cannot spare.
+#[map]
+pub static FIB_SCRATCH: PerCpuArray<FibParams> = PerCpuArray::with_max_entries(1, 0);
 
 /// Adds one to a per-CPU `u64` counter.
 #[inline(always)]
@@ -89,45 +102,6 @@ pub fn service_stats(index: u32) -> Option<&'static mut ServiceStats> {
 pub fn backend_stats(index: u32) -> Option<&'static mut BackendStats> {
     // SAFETY: as for `service_stats`.
     BACKEND_STATS.get_ptr_mut(index).map(|p| unsafe { &mut *p })
-}
-
-/// The time in [`Flow::closed`] units; never 0, which means "open".
-#[inline(always)]
-fn now_closed_units() -> u32 {
-    // SAFETY: a helper without arguments.
-    let ns = unsafe { bpf_ktime_get_coarse_ns() };
-    ((ns >> CLOSED_SHIFT) as u32).max(1)
-}
-
-/// Records, in both entries of a connection, a FIN from one side (`fin` is
-/// [`FLAG_FIN_CLIENT`], [`FLAG_FIN_BACKEND`] or 0) or a RST. With FINs from
-/// both sides, or a RST, the connection counts as closed from now.
-///
-/// Only FIN and RST packets get here, so the fast path pays one flags test.
-pub fn note_close(forward: FlowKey, reply: FlowKey, fin: u32, rst: bool) {
-    let now = now_closed_units();
-    let both = FLAG_FIN_CLIENT | FLAG_FIN_BACKEND;
-    for key in [forward, reply] {
-        if let Some(entry) = CONNS.get_ptr_mut(key) {
-            // SAFETY: a successful lookup; racing writers (the other
-            // direction's program on another CPU) only add bits or set the
-            // same close time.
-            let entry = unsafe { &mut *entry };
-            entry.flags |= fin;
-            if entry.closed == 0 && (rst || entry.flags & both == both) {
-                entry.closed = now;
-            }
-        }
-    }
-}
-
-/// Whether a reply entry belongs to a connection that has closed and must
-/// no longer rewrite anything: its grace period is over, or the packet is
-/// a SYN-ACK, which opens a new connection this balancer did not steer (a
-/// SYN it steered would have reset the entry).
-#[inline(always)]
-pub fn stale(flow: &Flow, syn_ack: bool) -> bool {
-    flow.closed != 0 && (syn_ack || now_closed_units().wrapping_sub(flow.closed) > CLOSE_GRACE)
 }
 
 /// Whether `port` (host order) has any of `bits` set in `PORTS`.

@@ -87,8 +87,8 @@ impl Steered {
         Ok(steered)
     }
 
-    /// Flips backend `i`'s state bit only, leaving the table stale, as
-    /// the agent does right after a transition.
+    /// Flips backend `i`'s state bit only, as the agent does on a breaker
+    /// transition (the table changes only with membership).
     pub fn set_state(&mut self, i: usize, state: BackendState) -> Result<()> {
         self.states[i] = state;
         self.maps
@@ -96,11 +96,11 @@ impl Steered {
         Ok(())
     }
 
-    /// Rebuilds the table over the routable backends, as the agent's
-    /// table thread does after a transition.
+    /// Rebuilds the table over the live backends (every state but
+    /// `Unused`), as the agent's table thread does when membership changes.
     pub fn rebuild(&mut self) -> Result<()> {
         let members: Vec<Member> = (0..self.backends.len())
-            .filter(|&i| self.states[i] == BackendState::Routable)
+            .filter(|&i| self.states[i] != BackendState::Unused)
             .map(|i| {
                 let b = backend_at(self.backends[i], BackendState::Routable);
                 Member {

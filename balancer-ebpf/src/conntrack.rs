@@ -1,0 +1,369 @@
+//! Connection tracking, shared by the XDP program (forward packets, and
+//! replies in remote mode) and the TC egress program (replies in local
+//! mode). It owns the two connection tables and the rules of moving an
+//! entry between them; it never rewrites a packet or picks a backend.
+//!
+//! - `EMBRYONIC` holds connections that have not proven themselves: a SYN
+//!   until the client acknowledges the backend's SYN-ACK, a mid-flow packet
+//!   of an unknown connection until the backend answers it with anything but
+//!   a reset. A flood of SYNs or stray ACKs only churns this table.
+//! - `CONNS` holds established connections. Each direction has its entry,
+//!   and every hit checks the other one and rebuilds it when the LRU
+//!   evicted it, so the two directions never fall out of step for long.
+//!
+//! Each entry tracks what its sender last sent (sequence end, ACK, window),
+//! which is what makes resets checkable: a reset closes the connection here
+//! only if it carries the sender's own next sequence number or falls inside
+//! the receiver's advertised window (RFC 5961's test, with the unscaled
+//! window as a lower bound). Segments outside any plausible window change no
+//! state at all; they are passed on, and the endpoint's stack decides.
+
+use aya_ebpf::helpers::generated::bpf_ktime_get_coarse_ns;
+use aya_ebpf::maps::LruHashMap;
+use balancer_common::l4::{
+    CLOSE_GRACE, CLOSED_SHIFT, FLAG_FIN_BACKEND, FLAG_FIN_CLIENT, FLAG_RECOVERED, FLAG_REPLY,
+    FLAG_SEQ, Flow, FlowKey, Outcome,
+};
+
+use crate::atomic;
+use crate::headers::{Segment, TcpHdr};
+use crate::maps::{CONNS, EMBRYONIC, outcome};
+
+type Table = LruHashMap<FlowKey, Flow>;
+
+/// How far past the furthest byte seen a segment may start and still count:
+/// everything between two packets of one sender passes through here, so
+/// only reordering moves a real sender ahead.
+const MAX_AHEAD: i32 = 1 << 18;
+/// How far behind it may start (retransmissions: at most a window, and
+/// windows scale to 1 GiB).
+const MAX_BEHIND: i32 = 1 << 30;
+
+/// A packet from client to service of a connection either table knows:
+/// its entry, after tracking the segment. `None` for an unknown connection.
+#[inline(always)]
+fn forward_entry(key: &FlowKey, seg: &Segment) -> Option<Flow> {
+    if let Some(entry) = CONNS.get_ptr_mut(key) {
+        // SAFETY: a successful lookup; the copy is taken at once.
+        let flow = unsafe { *entry };
+        if flow.flags & FLAG_REPLY == 0 {
+            track(&CONNS, key, entry, seg, &mut Flow::default());
+            return Some(flow);
+        }
+    }
+    let entry = EMBRYONIC.get_ptr_mut(key)?;
+    // SAFETY: as above.
+    let flow = unsafe { *entry };
+    if flow.flags & FLAG_REPLY != 0 {
+        return None;
+    }
+    let mut peer = Flow::default();
+    let paired = track(&EMBRYONIC, key, entry, seg, &mut peer);
+    // The client acknowledging the backend's SYN-ACK completes the
+    // handshake: only a client that received it knows the number.
+    if paired
+        && flow.flags & FLAG_RECOVERED == 0
+        && seg.has(TcpHdr::ACK)
+        && !seg.has(TcpHdr::RST)
+        && peer.flags & FLAG_SEQ != 0
+        && seg.ack == peer.seq
+    {
+        promote(key, entry, &flow.peer(key).0);
+    }
+    Some(flow)
+}
+
+/// A packet from a backend to a client of a connection either table knows:
+/// its (reply) entry, after tracking. `None` when the packet is not a reply
+/// of a steered connection, which then passes untouched.
+#[inline(always)]
+fn reply_entry(key: &FlowKey, seg: &Segment) -> Option<Flow> {
+    if let Some(entry) = CONNS.get_ptr_mut(key) {
+        // SAFETY: a successful lookup; the copy is taken at once.
+        let flow = unsafe { *entry };
+        if flow.flags & FLAG_REPLY != 0 {
+            if !stale(&flow, seg.is_syn_ack()) {
+                track(&CONNS, key, entry, seg, &mut Flow::default());
+                return Some(flow);
+            }
+            // A later connection on the same four-tuple that did not come
+            // through here: not ours to rewrite.
+            let _ = CONNS.remove(key);
+        }
+    }
+    let entry = EMBRYONIC.get_ptr_mut(key)?;
+    // SAFETY: as above.
+    let flow = unsafe { *entry };
+    if flow.flags & FLAG_REPLY == 0 || stale(&flow, seg.is_syn_ack()) {
+        return None;
+    }
+    let paired = track(&EMBRYONIC, key, entry, seg, &mut Flow::default());
+    // A backend that answers a recovered connection with anything but a
+    // reset has it: the connection is real.
+    if paired && flow.flags & FLAG_RECOVERED != 0 && !seg.has(TcpHdr::RST) {
+        promote(key, entry, &flow.peer(key).0);
+    }
+    Some(flow)
+}
+
+/// The entry of `key` in either table, without tracking anything: a reply
+/// entry if `reply`, else a forward one.
+#[inline(always)]
+fn find_entry(key: &FlowKey, reply: bool) -> Option<Flow> {
+    let wanted = if reply { FLAG_REPLY } else { 0 };
+    for table in [&CONNS, &EMBRYONIC] {
+        if let Some(entry) = table.get_ptr(key) {
+            // SAFETY: a successful lookup, copied at once.
+            let flow = unsafe { *entry };
+            if flow.flags & FLAG_REPLY == wanted {
+                return Some(flow);
+            }
+        }
+    }
+    None
+}
+
+// The public entry points are BPF subprograms of their own: inlined, their
+// copies of entries would sit on the caller's stack frame, and the frames of
+// one call chain share 512 bytes. They fill `out` rather than return the
+// entry: a subprogram may not return a pointer into its caller's stack,
+// which is how LLVM returns a struct.
+
+/// [`forward_entry`] into `out`; whether there was one.
+#[inline(always)]
+pub fn forward(key: &FlowKey, seg: &Segment, out: &mut Flow) -> bool {
+    fill(forward_entry(key, seg), out)
+}
+
+/// [`reply_entry`] into `out`; whether there was one.
+#[inline(always)]
+pub fn reply(key: &FlowKey, seg: &Segment, out: &mut Flow) -> bool {
+    fill(reply_entry(key, seg), out)
+}
+
+/// [`find_entry`] into `out`; whether there was one.
+#[inline(always)]
+pub fn find(key: &FlowKey, reply: bool, out: &mut Flow) -> bool {
+    fill(find_entry(key, reply), out)
+}
+
+#[inline(always)]
+fn fill(found: Option<Flow>, out: &mut Flow) -> bool {
+    match found {
+        Some(flow) => {
+            *out = flow;
+            true
+        }
+        None => false,
+    }
+}
+
+/// Stores both entries of a connection that has not proven itself yet. On
+/// failure neither is left behind (a forward entry without its reply would
+/// send packets whose answers nothing restores).
+// Not inlined: its copies of entries would sit on the caller's stack
+// frame, and the frames of one call chain share 512 bytes.
+#[inline(always)]
+pub fn open(key: &FlowKey, flow: &Flow) {
+    let (peer_key, peer) = flow.peer(key);
+    if EMBRYONIC.insert(key, flow, 0).is_err() {
+        outcome(Outcome::ConntrackFull);
+    } else if EMBRYONIC.insert(&peer_key, &peer, 0).is_err() {
+        let _ = EMBRYONIC.remove(key);
+        outcome(Outcome::ConntrackFull);
+    }
+}
+
+/// Forgets an established connection whose four-tuple a new SYN reuses, so
+/// that the new connection's packets do not follow the old entry.
+// Not inlined: its copies of entries would sit on the caller's stack
+// frame, and the frames of one call chain share 512 bytes.
+#[inline(always)]
+pub fn forget(key: &FlowKey) {
+    if let Some(entry) = CONNS.get_ptr(key) {
+        // SAFETY: a successful lookup, copied at once.
+        let flow = unsafe { *entry };
+        if flow.flags & FLAG_REPLY == 0 {
+            let (peer_key, _) = flow.peer(key);
+            let _ = CONNS.remove(key);
+            let _ = CONNS.remove(&peer_key);
+        }
+    }
+}
+
+/// Tracks `seg` in `entry` (key `key` of `table`) and applies its FIN or
+/// reset to both entries of the connection. Fills `peer` with the other
+/// entry, rebuilding that entry first if it was missing; returns whether
+/// there is one.
+#[inline(always)]
+fn track(
+    table: &'static Table,
+    key: &FlowKey,
+    entry: *mut Flow,
+    seg: &Segment,
+    peer: &mut Flow,
+) -> bool {
+    // SAFETY: `entry` comes from a successful lookup in `table`.
+    let own = unsafe { *entry };
+    let (peer_key, fresh) = own.peer(key);
+    let peer_entry = match table.get_ptr_mut(&peer_key) {
+        Some(found) => Some(found),
+        None => {
+            outcome(Outcome::PeerRestored);
+            if table.insert(&peer_key, &fresh, 0).is_err() {
+                outcome(Outcome::ConntrackFull);
+            }
+            table.get_ptr_mut(&peer_key)
+        }
+    };
+    // SAFETY: as for `entry`.
+    let found = peer_entry.map(|p| unsafe { *p });
+    let fin = if own.flags & FLAG_REPLY != 0 {
+        FLAG_FIN_BACKEND
+    } else {
+        FLAG_FIN_CLIENT
+    };
+
+    let plausible = own.flags & FLAG_SEQ == 0 || {
+        let ahead = seg.seq.wrapping_add(seg.len).wrapping_sub(own.seq) as i32;
+        (-MAX_BEHIND..=MAX_AHEAD).contains(&ahead)
+    };
+    if seg.has(TcpHdr::RST) {
+        if rst_valid(&own, found.as_ref(), seg) {
+            close(entry, peer_entry, 0, true);
+        } else {
+            outcome(Outcome::RstIgnored);
+        }
+    } else if !plausible {
+        outcome(Outcome::RstIgnored);
+    } else {
+        note(entry, &own, found.as_ref(), seg);
+        if seg.has(TcpHdr::FIN) {
+            close(entry, peer_entry, fin, false);
+        }
+    }
+    match found {
+        Some(found) => {
+            *peer = found;
+            true
+        }
+        None => false,
+    }
+}
+
+/// Whether a reset is the connection's own: it carries exactly the next
+/// sequence number its sender was at, or it falls inside the window the
+/// receiver advertised from the byte the receiver expects next. A reset
+/// answering a SYN (no sequence of the backend known yet) must acknowledge
+/// the SYN instead.
+#[inline(always)]
+fn rst_valid(own: &Flow, peer: Option<&Flow>, seg: &Segment) -> bool {
+    if own.flags & FLAG_SEQ != 0 && seg.seq == own.seq {
+        return true;
+    }
+    let Some(peer) = peer else {
+        return false;
+    };
+    if peer.flags & FLAG_SEQ == 0 {
+        return false;
+    }
+    if own.flags & FLAG_SEQ == 0 {
+        return seg.has(TcpHdr::ACK) && seg.ack == peer.seq;
+    }
+    peer.ack != 0 && seg.seq.wrapping_sub(peer.ack) < peer.window.max(1)
+}
+
+/// Records what the sender of a plausible segment is at. Only this
+/// direction's packets write these fields, and they arrive on one CPU.
+#[inline(always)]
+fn note(entry: *mut Flow, own: &Flow, peer: Option<&Flow>, seg: &Segment) {
+    // SAFETY: `entry` comes from a successful lookup.
+    let e = unsafe { &mut *entry };
+    let end = seg.seq.wrapping_add(seg.len);
+    let known = own.flags & FLAG_SEQ != 0;
+    if !known || end.wrapping_sub(own.seq) as i32 > 0 {
+        e.seq = end;
+    }
+    if seg.has(TcpHdr::ACK) {
+        // An acknowledgement moves forward, and never past what the peer
+        // has sent: otherwise a forged ACK could move the window resets
+        // are checked against.
+        let forward = own.ack == 0 || seg.ack.wrapping_sub(own.ack) as i32 >= 0;
+        let sent = peer.is_none_or(|p| p.flags & FLAG_SEQ == 0 || p.seq.wrapping_sub(seg.ack) as i32 >= 0);
+        if forward && sent {
+            e.ack = seg.ack;
+            e.window = seg.window;
+        }
+    }
+    if !known {
+        // SAFETY: as above; `flags` is 4-aligned in the 4-aligned value.
+        unsafe { atomic::fetch_or(&raw mut e.flags, FLAG_SEQ) };
+    }
+}
+
+/// Records a FIN (`fin`, one side's bit) or a reset in both entries. The
+/// two sides can close at once on two CPUs, hence the atomic updates: the
+/// second to set its bit sees both and marks the connection closed.
+#[inline(always)]
+fn close(entry: *mut Flow, peer: Option<*mut Flow>, fin: u32, rst: bool) {
+    let now = now_closed_units();
+    let both = FLAG_FIN_CLIENT | FLAG_FIN_BACKEND;
+    let mark = |target: *mut Flow| {
+        // SAFETY: `target` points at a live map value (a successful lookup;
+        // map values outlive the program run), 4-aligned like its fields.
+        unsafe {
+            let flags = atomic::fetch_or(&raw mut (*target).flags, fin) | fin;
+            if rst || flags & both == both {
+                atomic::set_if(&raw mut (*target).closed, 0, now);
+            }
+        }
+    };
+    mark(entry);
+    if let Some(peer) = peer {
+        mark(peer);
+    }
+}
+
+/// Moves a connection from `EMBRYONIC` to `CONNS`: both entries, as they
+/// are now, or neither.
+#[inline(always)]
+fn promote(key: &FlowKey, entry: *mut Flow, peer_key: &FlowKey) {
+    // SAFETY: `entry` comes from a successful lookup.
+    let mut own = unsafe { *entry };
+    let Some(peer) = EMBRYONIC.get_ptr(peer_key) else {
+        return;
+    };
+    // SAFETY: as above.
+    let mut peer = unsafe { *peer };
+    own.flags &= !FLAG_RECOVERED;
+    peer.flags &= !FLAG_RECOVERED;
+    if CONNS.insert(key, &own, 0).is_err() {
+        outcome(Outcome::ConntrackFull);
+        return;
+    }
+    if CONNS.insert(peer_key, &peer, 0).is_err() {
+        let _ = CONNS.remove(key);
+        outcome(Outcome::ConntrackFull);
+        return;
+    }
+    let _ = EMBRYONIC.remove(key);
+    let _ = EMBRYONIC.remove(peer_key);
+    outcome(Outcome::Promoted);
+}
+
+/// The time in [`Flow::closed`] units; never 0, which means "open".
+#[inline(always)]
+fn now_closed_units() -> u32 {
+    // SAFETY: a helper without arguments.
+    let ns = unsafe { bpf_ktime_get_coarse_ns() };
+    ((ns >> CLOSED_SHIFT) as u32).max(1)
+}
+
+/// Whether a reply entry belongs to a connection that has closed and must
+/// no longer rewrite anything: its grace period is over, or the packet is
+/// a SYN-ACK, which opens a new connection this balancer did not steer (a
+/// SYN it steered would have replaced the entry).
+#[inline(always)]
+fn stale(flow: &Flow, syn_ack: bool) -> bool {
+    flow.closed != 0 && (syn_ack || now_closed_units().wrapping_sub(flow.closed) > CLOSE_GRACE)
+}
