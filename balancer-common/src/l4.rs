@@ -351,13 +351,27 @@ impl Flow {
         // Forward (client -> service, rewritten to backend `addr`): the
         // reply comes from the backend to the client and gets the service
         // back. Reply (backend -> client, restored to service `addr`): the
-        // forward comes from the client to the service. Same shape.
-        let peer_key = FlowKey::tcp(self.addr, self.port, key.src_addr, key.src_port);
+        // forward comes from the client to the service and goes to the
+        // backend.
+        let (peer_key, addr, port) = if self.flags & FLAG_REPLY == 0 {
+            (
+                FlowKey::tcp(self.addr, self.port, key.src_addr, key.src_port),
+                key.dst_addr,
+                key.dst_port,
+            )
+        } else {
+            (
+                FlowKey::tcp(key.dst_addr, key.dst_port, self.addr, self.port),
+                key.src_addr,
+                key.src_port,
+            )
+        };
+        let kept = FLAG_REMOTE | FLAG_FIN_CLIENT | FLAG_FIN_BACKEND | FLAG_RECOVERED;
         let peer = Flow {
-            addr: key.dst_addr,
-            port: key.dst_port,
+            addr,
+            port,
             _pad: 0,
-            flags: (self.flags ^ FLAG_REPLY) & (FLAG_REMOTE | FLAG_REPLY | FLAG_FIN_CLIENT | FLAG_FIN_BACKEND | FLAG_RECOVERED),
+            flags: (self.flags & kept) | (!self.flags & FLAG_REPLY),
             service: self.service,
             backend: self.backend,
             closed: self.closed,

@@ -82,11 +82,13 @@ pub struct ServiceState {
     pub key: ServiceKey,
     pub index: u32,
     pub flags: u32,
-    /// Which table and list the map entry points at.
+    /// Which table the map entry points at.
     current: usize,
     tables: [Vec<u32>; 2],
     /// Slots of the current table (0: no live backend).
     table_len: u32,
+    /// Which routable list the map entry points at.
+    current_list: usize,
     lists: [Vec<u32>; 2],
 }
 
@@ -99,10 +101,15 @@ impl ServiceState {
         )
     }
 
-    /// The table the program currently uses (empty without routable
+    /// The table the program currently uses (empty without live
     /// backends).
     pub fn table(&self) -> &[u32] {
         &self.tables[self.current][..self.table_len as usize]
+    }
+
+    /// The routable list the program currently uses.
+    pub fn routable(&self) -> &[u32] {
+        &self.lists[self.current_list]
     }
 }
 
@@ -236,54 +243,59 @@ impl L4Maps {
             current: 0,
             tables: [Vec::new(), Vec::new()],
             table_len: 0,
+            current_list: 0,
             lists: [Vec::new(), Vec::new()],
         };
         self.write_service(&state)?;
         Ok(state)
     }
 
-    /// Points `service` at `backends` (every backend it has, whatever its
-    /// state: the program's fallback scan) and at `table` (a Maglev table
-    /// of [`L4Maps::table_size`] slots over the live ones, or empty when
-    /// none is).
+    /// Points `service` at `routable` (its routable backends: the
+    /// program's fallback when no table probe finds one) and, if given, at
+    /// `table` (a Maglev table of [`L4Maps::table_size`] slots over its live
+    /// backends, or empty when it has none; `None` keeps the current one).
     ///
-    /// The new table and list are written next to the ones the program
+    /// The new list and table are written next to the ones the program
     /// uses, and the service entry is switched to them last, so a lookup
     /// sees either version whole, never a mix. On failure the program keeps
     /// the version it had.
     pub fn update_service(
         &self,
         service: &mut ServiceState,
-        backends: &[u32],
-        table: &[u32],
+        routable: &[u32],
+        table: Option<&[u32]>,
     ) -> Result<(), DataplaneError> {
         let size = self.options.table_size;
-        assert!(
-            table.is_empty() || table.len() == size as usize,
-            "a table of {} slots for maps sized for {size}",
-            table.len()
-        );
-        let backends = &backends[..backends.len().min(MAX_SERVICE_BACKENDS as usize)];
-        let next = 1 - service.current;
+        let routable = &routable[..routable.len().min(MAX_SERVICE_BACKENDS as usize)];
+        let next_list = 1 - service.current_list;
         write_slice(
             &self.service_backends,
             common::SERVICE_BACKENDS,
-            self.list_offset(service.index, next),
-            &mut service.lists[next],
-            backends,
+            self.list_offset(service.index, next_list),
+            &mut service.lists[next_list],
+            routable,
         )?;
-        write_slice(
-            &self.maglev,
-            common::MAGLEV,
-            self.table_offset(service.index, next),
-            &mut service.tables[next],
-            table,
-        )?;
-        let previous = (service.current, service.table_len);
-        service.current = next;
-        service.table_len = table.len() as u32;
+        let (mut current, mut table_len) = (service.current, service.table_len);
+        if let Some(table) = table {
+            assert!(
+                table.is_empty() || table.len() == size as usize,
+                "a table of {} slots for maps sized for {size}",
+                table.len()
+            );
+            let next = 1 - service.current;
+            write_slice(
+                &self.maglev,
+                common::MAGLEV,
+                self.table_offset(service.index, next),
+                &mut service.tables[next],
+                table,
+            )?;
+            (current, table_len) = (next, table.len() as u32);
+        }
+        let previous = (service.current, service.table_len, service.current_list);
+        (service.current, service.table_len, service.current_list) = (current, table_len, next_list);
         if let Err(error) = self.write_service(service) {
-            (service.current, service.table_len) = previous;
+            (service.current, service.table_len, service.current_list) = previous;
             return Err(error);
         }
         Ok(())
@@ -302,9 +314,9 @@ impl L4Maps {
             index: service.index,
             table_offset: self.table_offset(service.index, service.current),
             table_size: service.table_len,
-            backend_count: service.lists[service.current].len() as u32,
+            backend_count: service.lists[service.current_list].len() as u32,
             flags: service.flags,
-            list_offset: self.list_offset(service.index, service.current),
+            list_offset: self.list_offset(service.index, service.current_list),
         };
         lock(&self.services)
             .insert(service.key, entry, 0)

@@ -20,6 +20,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::net::{SocketAddr, SocketAddrV4};
 use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -143,6 +144,8 @@ impl Steering {
             labels: config.services.iter().map(ToString::to_string).collect(),
             services: Mutex::new(states),
             slots: Mutex::new(Slots::default()),
+            members: Mutex::new(Vec::new()),
+            built: AtomicBool::new(false),
             ports: Mutex::new(HashMap::new()),
             sync_delay: Histogram::new(SYNC_BUCKETS),
             registry: registry.clone(),
@@ -283,6 +286,11 @@ struct Shared {
     labels: Vec<String>,
     services: Mutex<Vec<ServiceState>>,
     slots: Mutex<Slots>,
+    /// The live backends the current Maglev tables were built over.
+    members: Mutex<Vec<Member>>,
+    /// Whether every service's table has been written since the last
+    /// failure (or since the start).
+    built: AtomicBool,
     /// `PORTS` bits as written.
     ports: Mutex<HashMap<u16, u32>>,
     /// Delay from a breaker transition to the map write that made the
@@ -342,11 +350,11 @@ impl Shared {
             let was = slot.state;
             slot.state = state;
             tracing::debug!(worker = %worker.url, from = was.name(), to = state.name(), "L4 backend state");
-            // The table lists every live backend; the state bit alone
-            // decides whether new connections may go there.
+            // The table lists every live backend and stays; the routable
+            // list follows the state bit.
             return Ok(Change {
                 written: true,
-                rebuild: false,
+                rebuild: (was == BackendState::Routable) != (state == BackendState::Routable),
             });
         }
         let Some(index) = slots.allocate() else {
@@ -414,16 +422,22 @@ impl Shared {
         }
     }
 
-    /// Writes every service's backend list and a Maglev table over the live
-    /// backends (routable, isolated or draining: a slot's state bit decides
-    /// whether a new connection may take it, and a mid-flow packet the
-    /// connection tables lost still finds its backend there). Only changes
-    /// of membership rebuild; a breaker transition is one state write.
+    /// Writes every service's list of routable backends and, when the set
+    /// of live backends (routable, isolated or draining) changed, a Maglev
+    /// table over them. A slot's state bit decides whether a new connection
+    /// may take it, and a mid-flow packet the connection tables lost still
+    /// finds an isolated or draining backend in the table: a breaker
+    /// transition changes a state bit and the list, never the table.
     fn rebuild(&self) {
         let started = Instant::now();
-        let (mut all, members): (Vec<u32>, Vec<Member>) = {
+        let (mut routable, mut members): (Vec<u32>, Vec<Member>) = {
             let slots = lock(&self.slots);
-            let all = slots.by_worker.values().map(|s| s.index).collect();
+            let routable = slots
+                .by_worker
+                .values()
+                .filter(|s| s.state == BackendState::Routable)
+                .map(|s| s.index)
+                .collect();
             let members = slots
                 .by_worker
                 .values()
@@ -435,20 +449,30 @@ impl Shared {
                     }
                 })
                 .collect();
-            (all, members)
+            (routable, members)
         };
-        all.sort_unstable();
-        let table = maglev::build(&members, self.maps.table_size());
+        routable.sort_unstable();
+        members.sort_unstable_by_key(|m| m.index);
+        let mut built = lock(&self.members);
+        let table = (*built != members || !self.built.swap(true, Ordering::Relaxed))
+            .then(|| maglev::build(&members, self.maps.table_size()));
         let mut services = lock(&self.services);
         for service in services.iter_mut() {
-            if let Err(error) = self.maps.update_service(service, &all, &table) {
+            if let Err(error) = self.maps.update_service(service, &routable, table.as_deref()) {
+                // Build the table again next time: this service may lack it.
+                self.built.store(false, Ordering::Relaxed);
                 tracing::warn!(service = %service.addr(), error = %error_chain(&error), "writing the Maglev table");
             }
         }
+        if table.is_some() {
+            *built = members;
+        }
         tracing::debug!(
-            live = members.len(),
+            live = built.len(),
+            routable = routable.len(),
+            table_rebuilt = table.is_some(),
             took = ?started.elapsed(),
-            "Maglev tables rebuilt"
+            "L4 backend lists written"
         );
     }
 }

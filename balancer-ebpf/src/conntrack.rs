@@ -297,13 +297,15 @@ fn note(entry: *mut Flow, own: &Flow, peer: Option<&Flow>, seg: &Segment) {
     }
     if !known {
         // SAFETY: as above; `flags` is 4-aligned in the 4-aligned value.
-        unsafe { atomic::fetch_or(&raw mut e.flags, FLAG_SEQ) };
+        unsafe { atomic::or(&raw mut e.flags, FLAG_SEQ) };
     }
 }
 
 /// Records a FIN (`fin`, one side's bit) or a reset in both entries. The
-/// two sides can close at once on two CPUs, hence the atomic updates: the
-/// second to set its bit sees both and marks the connection closed.
+/// two sides can close at once on two CPUs: each ORs its bit in atomically
+/// (a full barrier) and then reads the word back, so at least the second
+/// to set its bit sees both and marks the connection closed. Two CPUs
+/// writing the close time at once write the same millisecond or so.
 #[inline(always)]
 fn close(entry: *mut Flow, peer: Option<*mut Flow>, fin: u32, rst: bool) {
     let now = now_closed_units();
@@ -312,9 +314,13 @@ fn close(entry: *mut Flow, peer: Option<*mut Flow>, fin: u32, rst: bool) {
         // SAFETY: `target` points at a live map value (a successful lookup;
         // map values outlive the program run), 4-aligned like its fields.
         unsafe {
-            let flags = atomic::fetch_or(&raw mut (*target).flags, fin) | fin;
-            if rst || flags & both == both {
-                atomic::set_if(&raw mut (*target).closed, 0, now);
+            if fin != 0 {
+                atomic::or(&raw mut (*target).flags, fin);
+            }
+            let flags = core::ptr::read_volatile(&raw const (*target).flags);
+            let closed = &raw mut (*target).closed;
+            if (rst || flags & both == both) && core::ptr::read_volatile(closed) == 0 {
+                core::ptr::write_volatile(closed, now);
             }
         }
     };

@@ -87,8 +87,8 @@ impl Steered {
         Ok(steered)
     }
 
-    /// Flips backend `i`'s state bit only, as the agent does on a breaker
-    /// transition (the table changes only with membership).
+    /// Flips backend `i`'s state bit only, leaving the routable list stale
+    /// for [`Steered::rebuild`], as the agent does on a breaker transition.
     pub fn set_state(&mut self, i: usize, state: BackendState) -> Result<()> {
         self.states[i] = state;
         self.maps
@@ -110,8 +110,12 @@ impl Steered {
             })
             .collect();
         let table = maglev::build(&members, TABLE_SIZE);
-        let all: Vec<u32> = (0..self.backends.len() as u32).collect();
-        self.maps.update_service(&mut self.service, &all, &table)?;
+        let routable: Vec<u32> = (0..self.backends.len())
+            .filter(|&i| self.states[i] == BackendState::Routable)
+            .map(|i| i as u32)
+            .collect();
+        self.maps
+            .update_service(&mut self.service, &routable, Some(&table))?;
         Ok(())
     }
 

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use balancer_common::Verdict;
-use balancer_common::l4::{BackendState, FlowKey, Outcome, addr_be, port_be};
+use balancer_common::l4::{BackendState, FLAG_RECOVERED, FlowKey, Outcome, addr_be, port_be};
 use balancer_dataplane::{VerdictCounts, XdpAction};
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::l4::{Router, Steered};
@@ -149,15 +149,17 @@ fn syn_to_service_is_rewritten_to_a_routable_backend_with_valid_checksums() {
     let stats = steered.maps.backend_stats(backend as u32).unwrap();
     assert_eq!((stats.connections, stats.packets), (1, 1));
 
+    // A SYN's entries wait in the embryonic table for the handshake.
+    assert_eq!(steered.maps.flow(&flow_key(CLIENT, VIP)).unwrap(), None);
     let forward = steered
         .maps
-        .flow(&flow_key(CLIENT, VIP))
+        .embryonic_flow(&flow_key(CLIENT, VIP))
         .unwrap()
         .expect("forward entry");
     assert_eq!(forward.backend, backend as u32);
     let reply = steered
         .maps
-        .flow(&flow_key(dst, CLIENT))
+        .embryonic_flow(&flow_key(dst, CLIENT))
         .unwrap()
         .expect("reply entry");
     assert_eq!(
@@ -172,9 +174,10 @@ fn new_flows_never_pick_an_isolated_backend_and_spread_evenly() {
     let Some(mut steered) = local() else { return };
     assert_spread(&spread(&steered, 1, None), &[], "all routable");
 
-    // The state bit flips first; the table still lists the backend.
+    // The state bit flips first; the table and the routable list still
+    // list the backend.
     steered.set_state(1, BackendState::Isolated).unwrap();
-    assert_spread(&spread(&steered, 2, None), &[1], "isolated, stale table");
+    assert_spread(&spread(&steered, 2, None), &[1], "isolated, stale list");
     let before = steered.maps.service(&steered.service.key).unwrap().unwrap();
     steered.rebuild().unwrap();
     let after = steered.maps.service(&steered.service.key).unwrap().unwrap();
@@ -182,19 +185,22 @@ fn new_flows_never_pick_an_isolated_backend_and_spread_evenly() {
         before.table_offset, after.table_offset,
         "a rebuild switches to the other table"
     );
-    assert!(!steered.service.table().contains(&1));
-    assert_spread(&spread(&steered, 3, None), &[1], "isolated, rebuilt table");
+    // Live backends stay in the table (a connection the tables lost must
+    // still find its backend); only the routable list drops it.
+    assert!(steered.service.table().contains(&1));
+    assert!(!steered.service.routable().contains(&1));
+    assert_spread(&spread(&steered, 3, None), &[1], "isolated, rebuilt list");
 
     steered.set_state(2, BackendState::Draining).unwrap();
     assert_spread(
         &spread(&steered, 4, None),
         &[1, 2],
-        "isolated + draining, stale table",
+        "isolated + draining, stale list",
     );
 
     steered.set_state(1, BackendState::Routable).unwrap();
     steered.set_state(2, BackendState::Routable).unwrap();
-    // Back in the bit but not yet in the table: found through the list.
+    // Back in the bit but not yet in the list: found through the table.
     let got = spread(&steered, 5, None);
     assert_eq!(got.iter().sum::<usize>(), FLOWS);
     steered.rebuild().unwrap();
@@ -234,15 +240,27 @@ fn established_flow_keeps_its_backend_after_isolation() {
 }
 
 #[test]
-fn unknown_flow_is_steered_like_a_new_one() {
+fn unknown_flow_is_recovered_onto_its_live_backend() {
     let Some(steered) = local() else { return };
-    // An ACK without a SYN seen first (the table was flushed, or the
-    // connection started before the agent) gets a backend by hash.
+    // An ACK without a SYN seen first (the tables lost it, or the
+    // connection started before the agent) gets the backend at its hash's
+    // first table slot, and embryonic entries until the backend answers.
     let (action, out) = xdp(&steered, &ack(CLIENT), None);
     assert_eq!(action, XdpAction::Pass);
     let (_, dst) = packet::endpoints(&out);
     assert!(steered.backend_of(dst).is_some());
-    assert_eq!(steered.maps.outcomes().unwrap().get(Outcome::NewFlow), 1);
+    let outcomes = steered.maps.outcomes().unwrap();
+    assert_eq!(
+        (outcomes.get(Outcome::Recovered), outcomes.get(Outcome::NewFlow)),
+        (1, 0)
+    );
+    assert_eq!(
+        steered.maps.service_stats(0).unwrap().connections,
+        0,
+        "only SYNs count as new connections"
+    );
+    let forward = steered.maps.embryonic_flow(&flow_key(CLIENT, VIP)).unwrap();
+    assert!(forward.is_some_and(|f| f.flags & FLAG_RECOVERED != 0));
 }
 
 #[test]
@@ -346,12 +364,11 @@ fn no_routable_backend_passes_to_the_local_stack_and_counts() {
     let (action, out) = xdp(&steered, &frame, None);
     assert_eq!((action, &out), (XdpAction::Pass, &frame));
     steered.rebuild().unwrap();
-    assert!(steered.service.table().is_empty());
     let entry = steered.maps.service(&steered.service.key).unwrap().unwrap();
     assert_eq!(
         (entry.table_size, entry.backend_count),
-        (0, 3),
-        "no table, but the fallback list still has every backend"
+        (balancer_tests::l4::TABLE_SIZE, 0),
+        "the table keeps the live backends, the routable list is empty"
     );
     let (action, out) = xdp(&steered, &frame, None);
     assert_eq!((action, &out), (XdpAction::Pass, &frame));
@@ -545,11 +562,12 @@ fn remote_checks(object: &std::path::Path, net: &Router) -> Result<()> {
     let moved = steered.maps.outcomes()?.since(&before);
     ensure!(moved.get(Outcome::Unresolved) == 1, "{moved:?}");
 
-    // A TTL that would expire is left to the kernel, which answers ICMP.
+    // A TTL that would expire is answered with ICMP time exceeded (the
+    // fixture table checks the answer byte by byte).
     let mut dying = syn(CLIENT);
     dying[packet::IPV4_OFFSET + 8] = 1;
     let (action, _) = xdp(&steered, &dying, from_client);
-    ensure!(action == XdpAction::Pass, "TTL 1: {action:?}");
+    ensure!(action == XdpAction::Tx, "TTL 1: {action:?}");
     ensure!(steered.maps.outcomes()?.get(Outcome::TtlExpired) == 1);
     Ok(())
 }
