@@ -12,7 +12,13 @@ pub const PROTO_TCP: u8 = 6;
 pub const PROTO_UDP: u8 = 17;
 pub const TCP_FIN: u8 = 0x01;
 pub const TCP_SYN: u8 = 0x02;
+pub const TCP_RST: u8 = 0x04;
 pub const TCP_ACK: u8 = 0x10;
+pub const PROTO_ICMP: u8 = 1;
+pub const ETHERTYPE_VLAN: u16 = 0x8100;
+pub const ETHERTYPE_QINQ: u16 = 0x88a8;
+/// IPv4 "don't fragment" flag.
+pub const DONT_FRAGMENT: u16 = 0x4000;
 /// Offset of the IPv4 header in an Ethernet frame.
 pub const IPV4_OFFSET: usize = 14;
 /// IPv4 "more fragments" flag, in the flags/fragment-offset field.
@@ -28,12 +34,24 @@ pub fn ethernet(ether_type: u16, payload: &[u8]) -> Vec<u8> {
     frame
 }
 
+/// An Ethernet frame with one 802.1Q tag (VLAN `vid`) around `ether_type`.
+pub fn vlan_ethernet(outer: u16, vid: u16, ether_type: u16, payload: &[u8]) -> Vec<u8> {
+    let mut inner = Vec::with_capacity(4 + payload.len());
+    inner.extend_from_slice(&vid.to_be_bytes());
+    inner.extend_from_slice(&ether_type.to_be_bytes());
+    inner.extend_from_slice(payload);
+    ethernet(outer, &inner)
+}
+
 /// An IPv4 header, written out around a transport payload by [`Ipv4::packet`].
 #[derive(Clone, Debug)]
 pub struct Ipv4 {
     pub src: Ipv4Addr,
     pub dst: Ipv4Addr,
     pub protocol: u8,
+    pub ttl: u8,
+    pub tos: u8,
+    pub id: u16,
     /// Flags and fragment offset (in 8-byte units), as on the wire.
     pub flags_fragment: u16,
     /// Options, padded by the caller to a multiple of 4 bytes.
@@ -46,6 +64,9 @@ impl Ipv4 {
             src,
             dst,
             protocol,
+            ttl: 64,
+            tos: 0,
+            id: 0x1234,
             flags_fragment: 0,
             options: Vec::new(),
         }
@@ -57,11 +78,11 @@ impl Ipv4 {
         let total_len = u16::try_from(header_len + payload.len()).expect("packet fits IPv4");
         let mut packet = Vec::with_capacity(usize::from(total_len));
         packet.push(0x40 | (header_len / 4) as u8);
-        packet.push(0);
+        packet.push(self.tos);
         packet.extend_from_slice(&total_len.to_be_bytes());
-        packet.extend_from_slice(&0x1234u16.to_be_bytes());
+        packet.extend_from_slice(&self.id.to_be_bytes());
         packet.extend_from_slice(&self.flags_fragment.to_be_bytes());
-        packet.push(64);
+        packet.push(self.ttl);
         packet.push(self.protocol);
         packet.extend_from_slice(&[0, 0]);
         packet.extend_from_slice(&self.src.octets());
@@ -72,6 +93,81 @@ impl Ipv4 {
         packet.extend_from_slice(payload);
         packet
     }
+}
+
+/// A TCP segment with the sequence numbers, window and payload of one's
+/// choosing (no options).
+#[derive(Clone, Debug)]
+pub struct Tcp {
+    pub src: SocketAddrV4,
+    pub dst: SocketAddrV4,
+    pub flags: u8,
+    pub seq: u32,
+    pub ack: u32,
+    pub window: u16,
+    pub payload: Vec<u8>,
+}
+
+impl Tcp {
+    pub fn new(src: SocketAddrV4, dst: SocketAddrV4, flags: u8, seq: u32, ack: u32) -> Self {
+        Self {
+            src,
+            dst,
+            flags,
+            seq,
+            ack,
+            window: 64240,
+            payload: Vec::new(),
+        }
+    }
+
+    pub fn segment(&self) -> Vec<u8> {
+        let mut segment = Vec::with_capacity(20 + self.payload.len());
+        segment.extend_from_slice(&self.src.port().to_be_bytes());
+        segment.extend_from_slice(&self.dst.port().to_be_bytes());
+        segment.extend_from_slice(&self.seq.to_be_bytes());
+        segment.extend_from_slice(&self.ack.to_be_bytes());
+        segment.push(5 << 4);
+        segment.push(self.flags);
+        segment.extend_from_slice(&self.window.to_be_bytes());
+        segment.extend_from_slice(&[0, 0, 0, 0]);
+        segment.extend_from_slice(&self.payload);
+        let checksum = transport_checksum(*self.src.ip(), *self.dst.ip(), PROTO_TCP, &segment);
+        segment[16..18].copy_from_slice(&checksum.to_be_bytes());
+        segment
+    }
+
+    /// The IPv4 packet carrying the segment.
+    pub fn ip(&self) -> Vec<u8> {
+        Ipv4::new(*self.src.ip(), *self.dst.ip(), PROTO_TCP).packet(&self.segment())
+    }
+
+    /// The Ethernet frame carrying the segment.
+    pub fn frame(&self) -> Vec<u8> {
+        ethernet(ETHERTYPE_IPV4, &self.ip())
+    }
+}
+
+/// An ICMP error message of `kind` and `code` quoting `quoted` (an IPv4
+/// header and at least eight bytes of what follows), with `rest` as its
+/// type-specific word.
+pub fn icmp_error(kind: u8, code: u8, rest: [u8; 4], quoted: &[u8]) -> Vec<u8> {
+    let mut message = vec![kind, code, 0, 0];
+    message.extend_from_slice(&rest);
+    message.extend_from_slice(quoted);
+    let checksum = internet_checksum(&message, 0);
+    message[2..4].copy_from_slice(&checksum.to_be_bytes());
+    message
+}
+
+/// Whether the IPv4 header checksum and the ICMP checksum of an ICMP frame
+/// (IPv4 header at `l3`) verify.
+pub fn icmp_checksums_verify(frame: &[u8], l3: usize) -> bool {
+    let ip = &frame[l3..];
+    let header_len = usize::from(ip[0] & 0x0f) * 4;
+    let total_len = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
+    internet_checksum(&ip[..header_len], 0) == 0
+        && internet_checksum(&ip[header_len..total_len], 0) == 0
 }
 
 /// A TCP segment without payload or options.
@@ -136,12 +232,18 @@ pub fn ttl(frame: &[u8]) -> u8 {
 /// Whether both the IPv4 header checksum and the TCP checksum of a
 /// TCP frame verify (sum to zero with the checksum included).
 pub fn checksums_verify(frame: &[u8]) -> bool {
-    let ip = &frame[IPV4_OFFSET..];
+    checksums_verify_at(frame, IPV4_OFFSET)
+}
+
+/// [`checksums_verify`] for a frame whose IPv4 header is at `l3`.
+pub fn checksums_verify_at(frame: &[u8], l3: usize) -> bool {
+    let ip = &frame[l3..];
     let header_len = usize::from(ip[0] & 0x0f) * 4;
     let total_len = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
-    let (src, dst) = endpoints(frame);
+    let src = Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]);
+    let dst = Ipv4Addr::new(ip[16], ip[17], ip[18], ip[19]);
     internet_checksum(&ip[..header_len], 0) == 0
-        && transport_checksum(*src.ip(), *dst.ip(), ip[9], &ip[header_len..total_len]) == 0
+        && transport_checksum(src, dst, ip[9], &ip[header_len..total_len]) == 0
 }
 
 fn transport_checksum(src: Ipv4Addr, dst: Ipv4Addr, protocol: u8, segment: &[u8]) -> u16 {

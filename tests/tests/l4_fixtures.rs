@@ -1,0 +1,560 @@
+//! The datapath's behaviour as a table of fixtures, in the style of
+//! Katran's tests: each step is a packet in, the verdict expected, the
+//! packet expected out (byte for byte, built independently with
+//! `balancer_tests::packet`, whose checksums are computed from scratch, and
+//! checked to verify on their own), and the L4 outcomes it must count.
+//! Steps run in order through `BPF_PROG_TEST_RUN` against one set of maps,
+//! so a table tells the story of a connection: handshake, eviction of one
+//! direction, a draining backend, forged resets, ICMP errors, IPv4 options,
+//! VLAN tags, TTL and MTU.
+//!
+//! Which backend a connection gets is computed here from the Maglev table
+//! and the flow hash, not read back from the program. Remote-mode steps run
+//! in a namespace the test creates (`Router`), where next hops are real.
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use balancer_common::Verdict;
+use balancer_common::l4::{BackendState, FlowKey, Outcome, addr_be, flow_hash, port_be};
+use balancer_dataplane::XdpAction;
+use balancer_tests::ebpf_prerequisites;
+use balancer_tests::l4::{Router, Steered, TABLE_SIZE};
+use balancer_tests::netns;
+use balancer_tests::packet::{self, Ipv4, Tcp};
+
+const VIP: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 99, 0, 100), 80);
+const CLIENT: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 99, 1, 2), 40_000);
+const BACKENDS: [SocketAddrV4; 3] = [
+    SocketAddrV4::new(Ipv4Addr::new(10, 99, 2, 11), 8000),
+    SocketAddrV4::new(Ipv4Addr::new(10, 99, 2, 12), 8001),
+    SocketAddrV4::new(Ipv4Addr::new(10, 99, 2, 13), 8002),
+];
+/// A router on the client's side and one on the backends' side, the
+/// sources of ICMP errors.
+const CLIENT_ROUTER: Ipv4Addr = Ipv4Addr::new(10, 99, 1, 254);
+const BACKEND_ROUTER: Ipv4Addr = Ipv4Addr::new(10, 99, 2, 254);
+const CLIENT_ISN: u32 = 1_000;
+const BACKEND_ISN: u32 = 5_000;
+const STEP: Duration = Duration::from_secs(30);
+
+/// Which program a step runs.
+#[derive(Clone, Copy, Debug)]
+enum Hook {
+    /// XDP, arriving on this interface (`None`: `lo`).
+    Xdp(Option<u32>),
+    /// TC egress (local mode's reply path).
+    Egress,
+}
+
+/// What to do to the maps before a step's packet: what an LRU eviction or
+/// the agent would do.
+#[derive(Clone, Debug)]
+enum Setup {
+    Evict(FlowKey),
+    State(usize, BackendState),
+    /// Rewrite the routable list (and table), as the agent's table thread.
+    Rebuild,
+}
+
+/// What must hold of the tables after a step.
+#[derive(Clone, Debug)]
+enum Check {
+    /// Both directions of the connection are in the established table,
+    /// open (`true`) or closed.
+    Established(FlowKey, FlowKey, bool),
+    /// The embryonic table holds at most this many entries, and the
+    /// established one exactly that many.
+    Counts { embryonic_at_most: usize, established: usize },
+}
+
+struct Step {
+    name: &'static str,
+    setup: Vec<Setup>,
+    hook: Hook,
+    input: Vec<u8>,
+    action: XdpAction,
+    /// The frame out; `None`: unchanged.
+    output: Option<Vec<u8>>,
+    /// Outcomes the step must count (each exactly once; no others).
+    outcomes: Vec<Outcome>,
+    checks: Vec<Check>,
+}
+
+impl Step {
+    fn new(name: &'static str, hook: Hook, input: Vec<u8>, action: XdpAction) -> Self {
+        Self {
+            name,
+            setup: Vec::new(),
+            hook,
+            input,
+            action,
+            output: None,
+            outcomes: Vec::new(),
+            checks: Vec::new(),
+        }
+    }
+
+    fn out(mut self, frame: Vec<u8>) -> Self {
+        self.output = Some(frame);
+        self
+    }
+
+    fn counts(mut self, outcomes: &[Outcome]) -> Self {
+        self.outcomes = outcomes.to_vec();
+        self
+    }
+
+    fn before(mut self, setup: Setup) -> Self {
+        self.setup.push(setup);
+        self
+    }
+
+    fn then(mut self, check: Check) -> Self {
+        self.checks.push(check);
+        self
+    }
+}
+
+fn key(src: SocketAddrV4, dst: SocketAddrV4) -> FlowKey {
+    FlowKey::tcp(
+        addr_be(src.ip().octets()),
+        port_be(src.port()),
+        addr_be(dst.ip().octets()),
+        port_be(dst.port()),
+    )
+}
+
+/// The backend a SYN from `client` gets while every backend is routable:
+/// the table slot of its flow hash.
+fn chosen(steered: &Steered, client: SocketAddrV4) -> SocketAddrV4 {
+    let k = key(client, VIP);
+    let hash = flow_hash(k.src_addr, k.src_port, k.dst_addr, k.dst_port);
+    let index = steered.service.table()[(hash % u64::from(TABLE_SIZE)) as usize];
+    steered.backends[index as usize]
+}
+
+fn seg(src: SocketAddrV4, dst: SocketAddrV4, flags: u8, seq: u32, ack: u32) -> Tcp {
+    Tcp::new(src, dst, flags, seq, ack)
+}
+
+/// Runs the steps in order; the first that does not hold fails the table.
+fn run(steered: &mut Steered, steps: Vec<Step>) -> Result<()> {
+    for step in steps {
+        let name = step.name;
+        for setup in &step.setup {
+            match setup {
+                Setup::Evict(k) => {
+                    ensure!(steered.maps.evict_flow(k)?, "{name}: nothing to evict at {k:?}");
+                }
+                Setup::State(i, state) => steered.set_state(*i, *state)?,
+                Setup::Rebuild => steered.rebuild()?,
+            }
+        }
+        let before = steered.maps.outcomes()?;
+        let (action, out) = match step.hook {
+            Hook::Xdp(ifindex) => {
+                let run = steered.dataplane.test_run(&step.input, 1, ifindex)?;
+                (run.action, run.packet)
+            }
+            Hook::Egress => {
+                let run = steered.dataplane.test_run_egress(&step.input)?;
+                ensure!(run.code == 0, "{name}: TC returned {}", run.code);
+                (XdpAction::Pass, run.packet)
+            }
+        };
+        ensure!(action == step.action, "{name}: {action:?}, expected {:?}", step.action);
+        let expected = step.output.as_ref().unwrap_or(&step.input);
+        ensure!(
+            &out == expected,
+            "{name}: output differs\n   got {out:02x?}\nwanted {expected:02x?}"
+        );
+        let moved = steered.maps.outcomes()?.since(&before);
+        for (outcome, count) in moved.iter() {
+            let wanted = step.outcomes.iter().filter(|o| **o == outcome).count() as u64;
+            ensure!(count == wanted, "{name}: outcomes {moved:?}, expected {:?}", step.outcomes);
+        }
+        for check in &step.checks {
+            match check {
+                Check::Established(forward, reply, open) => {
+                    for k in [forward, reply] {
+                        let flow = steered.maps.flow(k)?.with_context(|| {
+                            format!("{name}: {k:?} not in the established table")
+                        })?;
+                        ensure!(
+                            (flow.closed == 0) == *open,
+                            "{name}: {k:?} closed = {}, expected open = {open}",
+                            flow.closed
+                        );
+                    }
+                }
+                Check::Counts {
+                    embryonic_at_most,
+                    established,
+                } => {
+                    let (e, c) = (steered.maps.embryonic_count(), steered.maps.flow_count());
+                    ensure!(
+                        e <= *embryonic_at_most && c == *established,
+                        "{name}: {e} embryonic (max {embryonic_at_most}), {c} established \
+                         (expected {established})"
+                    );
+                }
+            }
+        }
+        eprintln!("ok: {name}");
+    }
+    Ok(())
+}
+
+/// Every frame a step expects carries checksums that verify on their own.
+fn assert_verifies(frame: &[u8], l3: usize, icmp: bool) {
+    let ok = if icmp {
+        packet::icmp_checksums_verify(frame, l3)
+    } else {
+        packet::checksums_verify_at(frame, l3)
+    };
+    assert!(ok, "an expected frame's checksums do not verify: {frame:02x?}");
+}
+
+#[test]
+fn local_mode_fixtures() {
+    let Some(object) = ebpf_prerequisites() else {
+        return;
+    };
+    let mut steered = Steered::load_sized(&object, VIP, &BACKENDS, false, 1024)
+        .expect("programming the service");
+    let steps = local_steps(&steered);
+    run(&mut steered, steps).unwrap_or_else(|error| panic!("{error:#}"));
+}
+
+fn local_steps(steered: &Steered) -> Vec<Step> {
+    use Outcome::*;
+    let xdp = Hook::Xdp(None);
+    let b = chosen(steered, CLIENT);
+    let bi = steered.backend_of(b).expect("a backend");
+    let (fwd, rep) = (key(CLIENT, VIP), key(b, CLIENT));
+    let (c1, b1) = (CLIENT_ISN + 1, BACKEND_ISN + 1);
+    let frame = |s: Tcp| {
+        let f = s.frame();
+        assert_verifies(&f, packet::IPV4_OFFSET, false);
+        f
+    };
+    let syn = frame(seg(CLIENT, VIP, packet::TCP_SYN, CLIENT_ISN, 0));
+    let ack_in = |seq| frame(seg(CLIENT, VIP, packet::TCP_ACK, seq, b1));
+    let ack_out = |seq| frame(seg(CLIENT, b, packet::TCP_ACK, seq, b1));
+    let reply_in = || frame(seg(b, CLIENT, packet::TCP_ACK, b1, c1));
+    let reply_out = || frame(seg(VIP, CLIENT, packet::TCP_ACK, b1, c1));
+    let far = c1.wrapping_add(1 << 31);
+    let rst_in = |seq| frame(seg(CLIENT, VIP, packet::TCP_RST, seq, 0));
+    let rst_out = |seq| frame(seg(CLIENT, b, packet::TCP_RST, seq, 0));
+
+    // An ICMP error from a router on the client's side about a reply
+    // (quoting service -> client) goes to the backend, quoting it.
+    let mtu = 1400u16.to_be_bytes();
+    let icmp_about = |from: SocketAddrV4, to: Ipv4Addr| {
+        let quoted = seg(from, CLIENT, packet::TCP_ACK, b1, c1).ip();
+        let icmp = packet::icmp_error(3, 4, [0, 0, mtu[0], mtu[1]], &quoted[..28]);
+        let f = packet::ethernet(
+            packet::ETHERTYPE_IPV4,
+            &Ipv4::new(CLIENT_ROUTER, to, packet::PROTO_ICMP).packet(&icmp),
+        );
+        assert_verifies(&f, packet::IPV4_OFFSET, true);
+        f
+    };
+
+    // IPv4 options (NOP, NOP, NOP, end) move the TCP header.
+    let c2 = SocketAddrV4::new(*CLIENT.ip(), 40_002);
+    let b2 = chosen(steered, c2);
+    let with_options = |dst: SocketAddrV4| {
+        let mut ip = Ipv4::new(*c2.ip(), *dst.ip(), packet::PROTO_TCP);
+        ip.options = vec![1, 1, 1, 0];
+        let f = packet::ethernet(
+            packet::ETHERTYPE_IPV4,
+            &ip.packet(&seg(c2, dst, packet::TCP_SYN, CLIENT_ISN, 0).segment()),
+        );
+        assert_verifies(&f, packet::IPV4_OFFSET, false);
+        f
+    };
+
+    // One 802.1Q tag is looked through and kept.
+    let c3 = SocketAddrV4::new(*CLIENT.ip(), 40_003);
+    let b3 = chosen(steered, c3);
+    let tagged = |dst: SocketAddrV4| {
+        let ip = seg(c3, dst, packet::TCP_SYN, CLIENT_ISN, 0).ip();
+        let f = packet::vlan_ethernet(packet::ETHERTYPE_VLAN, 42, packet::ETHERTYPE_IPV4, &ip);
+        assert_verifies(&f, packet::IPV4_OFFSET + 4, false);
+        f
+    };
+    let qinq = packet::vlan_ethernet(
+        packet::ETHERTYPE_QINQ,
+        42,
+        packet::ETHERTYPE_VLAN,
+        &[0, 7, 8, 0],
+    );
+
+    vec![
+        Step::new("SYN to the service", xdp, syn, XdpAction::Pass)
+            .out(frame(seg(CLIENT, b, packet::TCP_SYN, CLIENT_ISN, 0)))
+            .counts(&[NewFlow])
+            .then(Check::Counts {
+                embryonic_at_most: 2,
+                established: 0,
+            }),
+        Step::new(
+            "backend's SYN-ACK restored",
+            Hook::Egress,
+            frame(seg(b, CLIENT, packet::TCP_SYN | packet::TCP_ACK, BACKEND_ISN, c1)),
+            XdpAction::Pass,
+        )
+        .out(frame(seg(VIP, CLIENT, packet::TCP_SYN | packet::TCP_ACK, BACKEND_ISN, c1)))
+        .counts(&[Reply]),
+        Step::new("client's ACK completes the handshake", xdp, ack_in(c1), XdpAction::Pass)
+            .out(ack_out(c1))
+            .counts(&[Established, Promoted])
+            .then(Check::Established(fwd, rep, true))
+            .then(Check::Counts {
+                embryonic_at_most: 0,
+                established: 2,
+            }),
+        Step::new("reply direction evicted: the next forward packet restores it", xdp, ack_in(c1), XdpAction::Pass)
+            .before(Setup::Evict(rep))
+            .out(ack_out(c1))
+            .counts(&[Established, PeerRestored])
+            .then(Check::Established(fwd, rep, true)),
+        Step::new("reply after the restore", Hook::Egress, reply_in(), XdpAction::Pass)
+            .out(reply_out())
+            .counts(&[Reply]),
+        Step::new("forward direction evicted: the next reply restores it", Hook::Egress, reply_in(), XdpAction::Pass)
+            .before(Setup::Evict(fwd))
+            .out(reply_out())
+            .counts(&[Reply, PeerRestored])
+            .then(Check::Established(fwd, rep, true)),
+        Step::new("ACK of a lost connection on a draining backend stays there", xdp, ack_in(c1), XdpAction::Pass)
+            .before(Setup::State(bi, BackendState::Draining))
+            .before(Setup::Rebuild)
+            .before(Setup::Evict(fwd))
+            .before(Setup::Evict(rep))
+            .out(ack_out(c1))
+            .counts(&[Recovered]),
+        Step::new("the draining backend's answer confirms the connection", Hook::Egress, reply_in(), XdpAction::Pass)
+            .out(reply_out())
+            .counts(&[Reply, Promoted])
+            .then(Check::Established(fwd, rep, true)),
+        Step::new("out-of-window RST from the client: forwarded, closes nothing", xdp, rst_in(far), XdpAction::Pass)
+            .out(rst_out(far))
+            .counts(&[Established, RstIgnored])
+            .then(Check::Established(fwd, rep, true)),
+        Step::new(
+            "out-of-window RST from the backend: restored, closes nothing",
+            Hook::Egress,
+            frame(seg(b, CLIENT, packet::TCP_RST, b1.wrapping_add(1 << 30), 0)),
+            XdpAction::Pass,
+        )
+        .out(frame(seg(VIP, CLIENT, packet::TCP_RST, b1.wrapping_add(1 << 30), 0)))
+        .counts(&[Reply, RstIgnored])
+        .then(Check::Established(fwd, rep, true)),
+        Step::new("ICMP fragmentation needed about a reply: to its backend", xdp, icmp_about(VIP, *VIP.ip()), XdpAction::Pass)
+            .out(icmp_about(b, *b.ip()))
+            .counts(&[Icmp]),
+        Step::new("ICMP about a connection nobody steered: untouched", xdp, icmp_about(SocketAddrV4::new(*VIP.ip(), 81), *VIP.ip()), XdpAction::Pass)
+            .counts(&[]),
+        Step::new("the client's own RST (its next sequence number) closes", xdp, rst_in(c1), XdpAction::Pass)
+            .out(rst_out(c1))
+            .counts(&[Established])
+            .then(Check::Established(fwd, rep, false)),
+        Step::new("SYN with IPv4 options", xdp, with_options(VIP), XdpAction::Pass)
+            .before(Setup::State(bi, BackendState::Routable))
+            .before(Setup::Rebuild)
+            .out(with_options(b2))
+            .counts(&[NewFlow]),
+        Step::new("SYN with one VLAN tag", xdp, tagged(VIP), XdpAction::Pass)
+            .out(tagged(b3))
+            .counts(&[NewFlow]),
+        Step::new("stacked VLAN tags: the kernel's", xdp, qinq, XdpAction::Pass).counts(&[]),
+    ]
+}
+
+#[test]
+fn a_syn_flood_churns_only_the_embryonic_table() {
+    let Some(object) = ebpf_prerequisites() else {
+        return;
+    };
+    // 1024 established entries, 256 embryonic ones.
+    let mut steered = Steered::load_sized(&object, VIP, &BACKENDS, false, 1024)
+        .expect("programming the service");
+    let mut steps = local_steps(&steered);
+    steps.truncate(3);
+    let flood: Vec<Step> = (0..2_000u32)
+        .map(|i| {
+            let client = SocketAddrV4::new(Ipv4Addr::new(10, 98, (i >> 8) as u8, i as u8), 1024 + i as u16);
+            Step::new(
+                "flood SYN",
+                Hook::Xdp(None),
+                seg(client, VIP, packet::TCP_SYN, i, 0).frame(),
+                XdpAction::Pass,
+            )
+            .out(seg(client, chosen(&steered, client), packet::TCP_SYN, i, 0).frame())
+            .counts(&[Outcome::NewFlow])
+        })
+        .collect();
+    steps.extend(flood);
+    let b = chosen(&steered, CLIENT);
+    steps.push(
+        Step::new(
+            "the established connection is still there",
+            Hook::Xdp(None),
+            seg(CLIENT, VIP, packet::TCP_ACK, CLIENT_ISN + 1, BACKEND_ISN + 1).frame(),
+            XdpAction::Pass,
+        )
+        .out(seg(CLIENT, b, packet::TCP_ACK, CLIENT_ISN + 1, BACKEND_ISN + 1).frame())
+        .counts(&[Outcome::Established])
+        .then(Check::Established(key(CLIENT, VIP), key(b, CLIENT), true))
+        .then(Check::Counts {
+            embryonic_at_most: 256,
+            established: 2,
+        }),
+    );
+    run(&mut steered, steps).unwrap_or_else(|error| panic!("{error:#}"));
+}
+
+#[test]
+fn remote_mode_fixtures() {
+    let Some(object) = ebpf_prerequisites() else {
+        return;
+    };
+    let backend_ips: Vec<Ipv4Addr> = BACKENDS.iter().map(|b| *b.ip()).collect();
+    let (ns, net) =
+        Router::create("bt-l4fx", *CLIENT.ip(), &backend_ips).expect("creating the namespace");
+    let name = ns.name(0).to_owned();
+    let outcome = netns::run_in(ns.name(0), STEP, move || -> Result<()> {
+        // A smaller MTU toward the backends than toward the client.
+        netns::run("ip", &["link", "set", Router::BACKEND_IF, "mtu", "1000"])?;
+        let mut steered = Steered::load(&object, VIP, &BACKENDS, true)?;
+        let steps = remote_steps(&steered, &net, &name);
+        run(&mut steered, steps)
+    });
+    let deleted = ns.delete();
+    outcome
+        .and_then(|inner| inner)
+        .unwrap_or_else(|error| panic!("{error:#}"));
+    deleted.expect("deleting the namespace");
+}
+
+fn remote_steps(steered: &Steered, net: &Router, _ns: &str) -> Vec<Step> {
+    use Outcome::*;
+    let from_client = Hook::Xdp(Some(net.client_if));
+    let from_backends = Hook::Xdp(Some(net.backend_if));
+    let b = chosen(steered, CLIENT);
+    let c1 = CLIENT_ISN + 1;
+    let syn = |ttl: u8, flags_fragment: u16, payload: usize| {
+        let mut s = seg(CLIENT, VIP, packet::TCP_SYN, CLIENT_ISN, 0);
+        s.payload = vec![0x5a; payload];
+        let mut ip = Ipv4::new(*CLIENT.ip(), *VIP.ip(), packet::PROTO_TCP);
+        ip.ttl = ttl;
+        ip.flags_fragment = flags_fragment;
+        packet::ethernet(packet::ETHERTYPE_IPV4, &ip.packet(&s.segment()))
+    };
+    // What a router answers: back to the sender, from the address it was
+    // sent to, quoting its IPv4 header and first eight bytes of TCP.
+    let answer = |original: &[u8], kind: u8, code: u8, rest: [u8; 4]| {
+        let l3 = &original[packet::IPV4_OFFSET..];
+        let icmp = packet::icmp_error(kind, code, rest, &l3[..28]);
+        let mut ip = Ipv4::new(*VIP.ip(), *CLIENT.ip(), packet::PROTO_ICMP);
+        ip.tos = 0xc0;
+        ip.id = 0;
+        let mut f = packet::ethernet(packet::ETHERTYPE_IPV4, &ip.packet(&icmp));
+        // Back where it came from: the MACs swapped.
+        f[..6].copy_from_slice(&original[6..12]);
+        f[6..12].copy_from_slice(&original[..6]);
+        assert_verifies(&f, packet::IPV4_OFFSET, true);
+        f
+    };
+    let dying = syn(1, 0, 0);
+    let too_big = syn(64, packet::DONT_FRAGMENT, 1_200);
+    let mtu = 1000u16.to_be_bytes();
+
+    // An ICMP error from a router beyond the backends about a forwarded
+    // packet (quoting client -> backend): on to the client, quoting the
+    // service, one hop later.
+    let icmp_toward_client = |quoted_dst: SocketAddrV4, ttl: u8, macs: Option<([u8; 6], [u8; 6])>| {
+        let quoted = seg(CLIENT, quoted_dst, packet::TCP_SYN, CLIENT_ISN, 0).ip();
+        let icmp = packet::icmp_error(3, 1, [0; 4], &quoted[..28]);
+        let mut ip = Ipv4::new(BACKEND_ROUTER, *CLIENT.ip(), packet::PROTO_ICMP);
+        ip.ttl = ttl;
+        let mut f = packet::ethernet(packet::ETHERTYPE_IPV4, &ip.packet(&icmp));
+        if let Some((dst, src)) = macs {
+            f[..6].copy_from_slice(&dst);
+            f[6..12].copy_from_slice(&src);
+        }
+        assert_verifies(&f, packet::IPV4_OFFSET, true);
+        f
+    };
+
+    vec![
+        Step::new("TTL 1: ICMP time exceeded back to the client", from_client, dying.clone(), XdpAction::Tx)
+            .out(answer(&dying, 11, 0, [0; 4]))
+            .counts(&[NewFlow, TtlExpired]),
+        Step::new("larger than the next hop's MTU with DF: fragmentation needed", from_client, too_big.clone(), XdpAction::Tx)
+            .out(answer(&too_big, 3, 4, [0, 0, mtu[0], mtu[1]]))
+            .counts(&[NewFlow, FragNeeded]),
+        Step::new("ICMP unreachable about a forwarded packet: to the client, quoting the service", from_backends, icmp_toward_client(b, 64, None), XdpAction::Redirect)
+            .out(icmp_toward_client(VIP, 63, Some((Router::CLIENT_MAC, net.client_if_mac))))
+            .counts(&[Icmp]),
+        Step::new(
+            "the handshake's reply still goes through",
+            from_backends,
+            seg(b, CLIENT, packet::TCP_SYN | packet::TCP_ACK, BACKEND_ISN, c1).frame(),
+            XdpAction::Redirect,
+        )
+        .out({
+            let s = seg(VIP, CLIENT, packet::TCP_SYN | packet::TCP_ACK, BACKEND_ISN, c1);
+            let mut ip = Ipv4::new(*VIP.ip(), *CLIENT.ip(), packet::PROTO_TCP);
+            ip.ttl = 63;
+            let mut f = packet::ethernet(packet::ETHERTYPE_IPV4, &ip.packet(&s.segment()));
+            f[..6].copy_from_slice(&Router::CLIENT_MAC);
+            f[6..12].copy_from_slice(&net.client_if_mac);
+            f
+        })
+        .counts(&[Reply]),
+    ]
+}
+
+#[test]
+fn verdicts_of_the_fixture_frames() {
+    // The parser's view of the frames the tables use, so a fixture that
+    // passes untouched does so for the right reason.
+    let Some(object) = ebpf_prerequisites() else {
+        return;
+    };
+    let steered = Steered::load(&object, VIP, &BACKENDS, false).expect("programming the service");
+    let cases = [
+        (
+            packet::vlan_ethernet(
+                packet::ETHERTYPE_VLAN,
+                42,
+                packet::ETHERTYPE_IPV4,
+                &seg(CLIENT, VIP, packet::TCP_SYN, 1, 0).ip(),
+            ),
+            Verdict::TcpSyn,
+        ),
+        (
+            packet::vlan_ethernet(packet::ETHERTYPE_QINQ, 42, packet::ETHERTYPE_VLAN, &[0; 24]),
+            Verdict::PassNotIpv4,
+        ),
+        (
+            packet::ethernet(
+                packet::ETHERTYPE_IPV4,
+                &Ipv4::new(CLIENT_ROUTER, *VIP.ip(), packet::PROTO_ICMP)
+                    .packet(&packet::icmp_error(8, 0, [0; 4], &[0; 28])),
+            ),
+            Verdict::Icmp,
+        ),
+    ];
+    for (frame, verdict) in cases {
+        let before = steered.dataplane.verdict_counts().unwrap();
+        steered.dataplane.test_run(&frame, 1, None).unwrap();
+        let moved = steered.dataplane.verdict_counts().unwrap().since(&before);
+        assert_eq!((moved.get(verdict), moved.total()), (1, 1), "{verdict:?}: {moved:?}");
+    }
+}
