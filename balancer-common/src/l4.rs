@@ -250,11 +250,16 @@ impl NextHop {
     /// never validates.
     #[inline(always)]
     pub fn checksum(&self) -> u32 {
-        let macs = |m: [u8; 6]| u64::from_le_bytes([m[0], m[1], m[2], m[3], m[4], m[5], 0, 0]);
-        let words = (u64::from(self.ifindex) << 32 | u64::from(self.generation))
-            ^ mix64(u64::from(self.addr) << 32 | u64::from(self.mtu))
-            ^ mix64(macs(self.dst_mac) ^ macs(self.src_mac).rotate_left(48));
-        (mix64(words) as u32) | 1
+        let mac = |m: [u8; 6]| u32::from_ne_bytes([m[0], m[1], m[2], m[3]]) ^ u32::from(u16::from_ne_bytes([m[4], m[5]])).rotate_left(16);
+        // Each field rotated differently, so that fields from two different
+        // entries rarely combine into a valid check; one multiply to mix.
+        let folded = self.ifindex
+            ^ self.generation.rotate_left(7)
+            ^ self.addr.rotate_left(13)
+            ^ self.mtu.rotate_left(19)
+            ^ mac(self.dst_mac).rotate_left(23)
+            ^ mac(self.src_mac).rotate_left(29);
+        folded.wrapping_mul(0x9e37_79b1) | 1
     }
 
     /// Whether the entry is whole (not torn by a concurrent write).
@@ -340,6 +345,9 @@ pub struct Flow {
     /// The sender's last advertised window, unscaled: a lower bound of the
     /// real one, so the in-window test errs toward ignoring a reset.
     pub window: u32,
+    /// When a packet of this entry last made sure the other direction's
+    /// entry exists ([`CLOSED_SHIFT`] units).
+    pub checked: u32,
 }
 
 impl Flow {
@@ -378,6 +386,7 @@ impl Flow {
             seq: 0,
             ack: 0,
             window: 0,
+            checked: 0,
         };
         (peer_key, peer)
     }
@@ -516,7 +525,7 @@ const _: () = {
     assert!(size_of::<Backend>() == 12);
     assert!(size_of::<NextHop>() == 32);
     assert!(size_of::<FlowKey>() == 16);
-    assert!(size_of::<Flow>() == 36);
+    assert!(size_of::<Flow>() == 40);
     assert!(size_of::<ServiceStats>() == 32);
     assert!(size_of::<BackendStats>() == 48);
 };

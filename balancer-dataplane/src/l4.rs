@@ -350,6 +350,14 @@ impl L4Maps {
         }
     }
 
+    /// Writes `flow` as the established-table entry of `key` (tests set up
+    /// states with it that only time would otherwise reach).
+    pub fn set_flow(&self, key: &FlowKey, flow: Flow) -> Result<(), DataplaneError> {
+        lock(&self.conns)
+            .insert(key, flow, 0)
+            .map_err(map_error(common::CONNS))
+    }
+
     /// Removes `key` from both connection tables (what an LRU eviction
     /// does, for tests), returning whether it was in either.
     pub fn evict_flow(&self, key: &FlowKey) -> Result<bool, DataplaneError> {

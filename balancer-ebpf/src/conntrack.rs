@@ -38,19 +38,30 @@ const MAX_AHEAD: i32 = 1 << 18;
 /// How far behind it may start (retransmissions: at most a window, and
 /// windows scale to 1 GiB).
 const MAX_BEHIND: i32 = 1 << 30;
+/// How often (in [`Flow::closed`] units, about a millisecond) a packet of an
+/// established connection checks that the other direction's entry is still
+/// there: about a second.
+const PEER_CHECK: u32 = 1_000;
 
-/// A packet from client to service of a connection either table knows:
-/// its entry, after tracking the segment. `None` for an unknown connection.
+/// A packet from client to service of an established connection: its
+/// entry, after tracking the segment. `None` when `CONNS` has none.
 #[inline(always)]
-fn forward_entry(key: &FlowKey, seg: &Segment) -> Option<Flow> {
-    if let Some(entry) = CONNS.get_ptr_mut(key) {
-        // SAFETY: a successful lookup; the copy is taken at once.
-        let flow = unsafe { *entry };
-        if flow.flags & FLAG_REPLY == 0 {
-            track(&CONNS, key, entry, seg, &mut Flow::default());
-            return Some(flow);
-        }
+fn established_entry(key: &FlowKey, seg: &Segment) -> Option<Flow> {
+    let entry = CONNS.get_ptr_mut(key)?;
+    // SAFETY: a successful lookup; the copy is taken at once.
+    let flow = unsafe { *entry };
+    if flow.flags & FLAG_REPLY != 0 {
+        return None;
     }
+    track(&CONNS, key, entry, seg, &mut Flow::default());
+    Some(flow)
+}
+
+/// A packet from client to service of a connection still proving itself:
+/// its entry, after tracking (and promotion, if this packet completes the
+/// handshake). `None` when `EMBRYONIC` has none.
+#[inline(always)]
+fn handshaking_entry(key: &FlowKey, seg: &Segment) -> Option<Flow> {
     let entry = EMBRYONIC.get_ptr_mut(key)?;
     // SAFETY: as above.
     let flow = unsafe { *entry };
@@ -123,16 +134,21 @@ fn find_entry(key: &FlowKey, reply: bool) -> Option<Flow> {
     None
 }
 
-// The public entry points are BPF subprograms of their own: inlined, their
-// copies of entries would sit on the caller's stack frame, and the frames of
-// one call chain share 512 bytes. They fill `out` rather than return the
-// entry: a subprogram may not return a pointer into its caller's stack,
-// which is how LLVM returns a struct.
+// The public entry points fill `out` and say whether they found an entry,
+// rather than return an `Option<Flow>`: kept across the calls that follow,
+// the payload of a `None` becomes an undefined register that LLVM spills,
+// and the verifier refuses to read it.
 
-/// [`forward_entry`] into `out`; whether there was one.
+/// [`established_entry`] into `out`; whether there was one.
 #[inline(always)]
-pub fn forward(key: &FlowKey, seg: &Segment, out: &mut Flow) -> bool {
-    fill(forward_entry(key, seg), out)
+pub fn established(key: &FlowKey, seg: &Segment, out: &mut Flow) -> bool {
+    fill(established_entry(key, seg), out)
+}
+
+/// [`handshaking_entry`] into `out`; whether there was one.
+#[inline(always)]
+pub fn handshaking(key: &FlowKey, seg: &Segment, out: &mut Flow) -> bool {
+    fill(handshaking_entry(key, seg), out)
 }
 
 /// [`reply_entry`] into `out`; whether there was one.
@@ -161,8 +177,6 @@ fn fill(found: Option<Flow>, out: &mut Flow) -> bool {
 /// Stores both entries of a connection that has not proven itself yet. On
 /// failure neither is left behind (a forward entry without its reply would
 /// send packets whose answers nothing restores).
-// Not inlined: its copies of entries would sit on the caller's stack
-// frame, and the frames of one call chain share 512 bytes.
 #[inline(always)]
 pub fn open(key: &FlowKey, flow: &Flow) {
     let (peer_key, peer) = flow.peer(key);
@@ -176,8 +190,6 @@ pub fn open(key: &FlowKey, flow: &Flow) {
 
 /// Forgets an established connection whose four-tuple a new SYN reuses, so
 /// that the new connection's packets do not follow the old entry.
-// Not inlined: its copies of entries would sit on the caller's stack
-// frame, and the frames of one call chain share 512 bytes.
 #[inline(always)]
 pub fn forget(key: &FlowKey) {
     if let Some(entry) = CONNS.get_ptr(key) {
@@ -206,14 +218,31 @@ fn track(
     // SAFETY: `entry` comes from a successful lookup in `table`.
     let own = unsafe { *entry };
     let (peer_key, fresh) = own.peer(key);
-    let peer_entry = match table.get_ptr_mut(&peer_key) {
-        Some(found) => Some(found),
-        None => {
-            outcome(Outcome::PeerRestored);
-            if table.insert(&peer_key, &fresh, 0).is_err() {
-                outcome(Outcome::ConntrackFull);
+    // The other entry is looked at when this packet needs it (a FIN or a
+    // reset closes both; a handshake completes against it) and otherwise
+    // at most every PEER_CHECK: TCP sends packets both ways, so the LRU
+    // keeps both entries of a live connection, and only one that sat idle
+    // can have lost one of them, which its first packet after the pause
+    // repairs. That keeps the steady state at one hash lookup per packet.
+    let now = now_closed_units();
+    let wanted = seg.flags & (TcpHdr::FIN | TcpHdr::RST) != 0
+        || own.flags & FLAG_REPLY != 0 && seg.is_syn_ack()
+        || core::ptr::eq(table, &EMBRYONIC)
+        || now.wrapping_sub(own.checked) > PEER_CHECK;
+    let peer_entry = if !wanted {
+        None
+    } else {
+        // SAFETY: as above.
+        unsafe { (*entry).checked = now };
+        match table.get_ptr_mut(&peer_key) {
+            Some(found) => Some(found),
+            None => {
+                outcome(Outcome::PeerRestored);
+                if table.insert(&peer_key, &fresh, 0).is_err() {
+                    outcome(Outcome::ConntrackFull);
+                }
+                table.get_ptr_mut(&peer_key)
             }
-            table.get_ptr_mut(&peer_key)
         }
     };
     // SAFETY: as for `entry`.

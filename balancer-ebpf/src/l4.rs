@@ -128,14 +128,21 @@ pub fn steer(ctx: &XdpContext, packet: &TcpPacket) -> u32 {
         // new connection must not inherit a backend that has been isolated
         // since.
         let mut flow = Flow::default();
-        if !packet.syn && conntrack::forward(&key, &seg, &mut flow) {
+        if !packet.syn && conntrack::established(&key, &seg, &mut flow) {
             outcome(Outcome::Established);
             count_forward(ctx, flow.service, flow.backend, false);
             return send(ctx, packet, &Delivery::forward(&flow, flow.backend, flow.flags));
         }
+        // The service before the embryonic table: traffic to the service
+        // port of another address pays one lookup less.
         if let Some(service) = SERVICES.get_ptr(ServiceKey::tcp(key.dst_addr, key.dst_port)) {
             // SAFETY: a successful lookup, copied at once.
             let service = unsafe { *service };
+            if !packet.syn && conntrack::handshaking(&key, &seg, &mut flow) {
+                outcome(Outcome::Established);
+                count_forward(ctx, flow.service, flow.backend, false);
+                return send(ctx, packet, &Delivery::forward(&flow, flow.backend, flow.flags));
+            }
             let mut how = Delivery::default();
             if !admit(ctx, &key, &service, &seg, &mut how) {
                 return xdp_action::XDP_PASS;

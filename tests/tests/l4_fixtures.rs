@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use balancer_common::Verdict;
-use balancer_common::l4::{BackendState, FlowKey, Outcome, addr_be, flow_hash, port_be};
+use balancer_common::l4::{BackendState, Flow, FlowKey, Outcome, addr_be, flow_hash, port_be};
 use balancer_dataplane::XdpAction;
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::l4::{Router, Steered, TABLE_SIZE};
@@ -53,6 +53,9 @@ enum Hook {
 #[derive(Clone, Debug)]
 enum Setup {
     Evict(FlowKey),
+    /// The established entry last checked its peer long ago (the program
+    /// checks at most every second; a test does not wait for that).
+    Age(FlowKey),
     State(usize, BackendState),
     /// Rewrite the routable list (and table), as the agent's table thread.
     Rebuild,
@@ -147,6 +150,10 @@ fn run(steered: &mut Steered, steps: Vec<Step>) -> Result<()> {
             match setup {
                 Setup::Evict(k) => {
                     ensure!(steered.maps.evict_flow(k)?, "{name}: nothing to evict at {k:?}");
+                }
+                Setup::Age(k) => {
+                    let flow = steered.maps.flow(k)?.with_context(|| format!("{name}: no {k:?}"))?;
+                    steered.maps.set_flow(k, Flow { checked: 0, ..flow })?;
                 }
                 Setup::State(i, state) => steered.set_state(*i, *state)?,
                 Setup::Rebuild => steered.rebuild()?,
@@ -319,6 +326,7 @@ fn local_steps(steered: &Steered) -> Vec<Step> {
             }),
         Step::new("reply direction evicted: the next forward packet restores it", xdp, ack_in(c1), XdpAction::Pass)
             .before(Setup::Evict(rep))
+            .before(Setup::Age(fwd))
             .out(ack_out(c1))
             .counts(&[Established, PeerRestored])
             .then(Check::Established(fwd, rep, true)),
@@ -327,6 +335,7 @@ fn local_steps(steered: &Steered) -> Vec<Step> {
             .counts(&[Reply]),
         Step::new("forward direction evicted: the next reply restores it", Hook::Egress, reply_in(), XdpAction::Pass)
             .before(Setup::Evict(fwd))
+            .before(Setup::Age(rep))
             .out(reply_out())
             .counts(&[Reply, PeerRestored])
             .then(Check::Established(fwd, rep, true)),
