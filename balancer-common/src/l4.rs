@@ -250,7 +250,10 @@ impl NextHop {
     /// never validates.
     #[inline(always)]
     pub fn checksum(&self) -> u32 {
-        let mac = |m: [u8; 6]| u32::from_ne_bytes([m[0], m[1], m[2], m[3]]) ^ u32::from(u16::from_ne_bytes([m[4], m[5]])).rotate_left(16);
+        let mac = |m: [u8; 6]| {
+            u32::from_ne_bytes([m[0], m[1], m[2], m[3]])
+                ^ u32::from(u16::from_ne_bytes([m[4], m[5]])).rotate_left(16)
+        };
         // Each field rotated differently, so that fields from two different
         // entries rarely combine into a valid check; one multiply to mix.
         let folded = self.ifindex

@@ -293,7 +293,8 @@ impl L4Maps {
             (current, table_len) = (next, table.len() as u32);
         }
         let previous = (service.current, service.table_len, service.current_list);
-        (service.current, service.table_len, service.current_list) = (current, table_len, next_list);
+        (service.current, service.table_len, service.current_list) =
+            (current, table_len, next_list);
         if let Err(error) = self.write_service(service) {
             (service.current, service.table_len, service.current_list) = previous;
             return Err(error);
@@ -362,11 +363,15 @@ impl L4Maps {
     /// does, for tests), returning whether it was in either.
     pub fn evict_flow(&self, key: &FlowKey) -> Result<bool, DataplaneError> {
         let mut found = false;
-        for (map, name) in [(&self.conns, common::CONNS), (&self.embryonic, common::EMBRYONIC)] {
+        for (map, name) in [
+            (&self.conns, common::CONNS),
+            (&self.embryonic, common::EMBRYONIC),
+        ] {
             match lock(map).remove(key) {
                 Ok(()) => found = true,
                 Err(MapError::KeyNotFound) => {}
-                Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
+                Err(MapError::SyscallError(e))
+                    if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
                 Err(source) => return Err(map_error(name)(source)),
             }
         }

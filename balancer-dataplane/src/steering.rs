@@ -19,8 +19,8 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{SocketAddr, SocketAddrV4};
-use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -458,7 +458,10 @@ impl Shared {
             .then(|| maglev::build(&members, self.maps.table_size()));
         let mut services = lock(&self.services);
         for service in services.iter_mut() {
-            if let Err(error) = self.maps.update_service(service, &routable, table.as_deref()) {
+            if let Err(error) = self
+                .maps
+                .update_service(service, &routable, table.as_deref())
+            {
                 // Build the table again next time: this service may lack it.
                 self.built.store(false, Ordering::Relaxed);
                 tracing::warn!(service = %service.addr(), error = %error_chain(&error), "writing the Maglev table");

@@ -182,7 +182,7 @@ pub fn open(key: &FlowKey, flow: &Flow) {
     let (peer_key, peer) = flow.peer(key);
     if EMBRYONIC.insert(key, flow, 0).is_err() {
         outcome(Outcome::ConntrackFull);
-    } else if EMBRYONIC.insert(&peer_key, &peer, 0).is_err() {
+    } else if EMBRYONIC.insert(peer_key, peer, 0).is_err() {
         let _ = EMBRYONIC.remove(key);
         outcome(Outcome::ConntrackFull);
     }
@@ -198,7 +198,7 @@ pub fn forget(key: &FlowKey) {
         if flow.flags & FLAG_REPLY == 0 {
             let (peer_key, _) = flow.peer(key);
             let _ = CONNS.remove(key);
-            let _ = CONNS.remove(&peer_key);
+            let _ = CONNS.remove(peer_key);
         }
     }
 }
@@ -234,14 +234,14 @@ fn track(
     } else {
         // SAFETY: as above.
         unsafe { (*entry).checked = now };
-        match table.get_ptr_mut(&peer_key) {
+        match table.get_ptr_mut(peer_key) {
             Some(found) => Some(found),
             None => {
                 outcome(Outcome::PeerRestored);
-                if table.insert(&peer_key, &fresh, 0).is_err() {
+                if table.insert(peer_key, fresh, 0).is_err() {
                     outcome(Outcome::ConntrackFull);
                 }
-                table.get_ptr_mut(&peer_key)
+                table.get_ptr_mut(peer_key)
             }
         }
     };
@@ -318,7 +318,8 @@ fn note(entry: *mut Flow, own: &Flow, peer: Option<&Flow>, seg: &Segment) {
         // has sent: otherwise a forged ACK could move the window resets
         // are checked against.
         let forward = own.ack == 0 || seg.ack.wrapping_sub(own.ack) as i32 >= 0;
-        let sent = peer.is_none_or(|p| p.flags & FLAG_SEQ == 0 || p.seq.wrapping_sub(seg.ack) as i32 >= 0);
+        let sent =
+            peer.is_none_or(|p| p.flags & FLAG_SEQ == 0 || p.seq.wrapping_sub(seg.ack) as i32 >= 0);
         if forward && sent {
             e.ack = seg.ack;
             e.window = seg.window;
@@ -372,11 +373,11 @@ fn promote(key: &FlowKey, entry: *mut Flow, peer_key: &FlowKey) {
     let mut peer = unsafe { *peer };
     own.flags &= !FLAG_RECOVERED;
     peer.flags &= !FLAG_RECOVERED;
-    if CONNS.insert(key, &own, 0).is_err() {
+    if CONNS.insert(key, own, 0).is_err() {
         outcome(Outcome::ConntrackFull);
         return;
     }
-    if CONNS.insert(peer_key, &peer, 0).is_err() {
+    if CONNS.insert(peer_key, peer, 0).is_err() {
         let _ = CONNS.remove(key);
         outcome(Outcome::ConntrackFull);
         return;

@@ -18,10 +18,10 @@
 //! passes untouched. The quoted TCP checksum is left as it was (receivers
 //! match quotes by addresses and ports and do not verify it).
 
+use aya_ebpf::EbpfContext as _;
 use aya_ebpf::bindings::xdp_action;
 use aya_ebpf::helpers::generated::{bpf_xdp_adjust_head, bpf_xdp_adjust_tail};
 use aya_ebpf::programs::XdpContext;
-use aya_ebpf::EbpfContext as _;
 use balancer_common::l4::{FLAG_REMOTE, Flow, FlowKey, Outcome, PORT_REPLY_INGRESS, PORT_SERVICE};
 
 use crate::conntrack;
@@ -60,10 +60,7 @@ pub fn steer(ctx: &XdpContext, l3: usize, tagged: bool) -> u32 {
     };
     // SAFETY: as above, all three inside the frame.
     let (icmp, inner, ports) = unsafe { (&mut *icmp, &mut *inner, &mut *ports) };
-    if !icmp.is_error()
-        || inner.version_ihl != 0x45
-        || inner.protocol != Ipv4Hdr::PROTO_TCP
-    {
+    if !icmp.is_error() || inner.version_ihl != 0x45 || inner.protocol != Ipv4Hdr::PROTO_TCP {
         return xdp_action::XDP_PASS;
     }
     // Either way, the quote reversed is the key of the connection's entry

@@ -18,9 +18,9 @@ use aya_ebpf::bindings::{BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup as FibParams, 
 use aya_ebpf::helpers::generated::{bpf_check_mtu, bpf_fib_lookup, bpf_redirect};
 use aya_ebpf::programs::XdpContext;
 use balancer_common::l4::{
-    Backend, BackendState, FLAG_RECOVERED, FLAG_REMOTE, FLAG_SEQ, Flow, FlowKey, LIST_TRIES, MAX_PROBES,
-    MAX_SERVICE_BACKENDS, NextHop, Outcome, PORT_REPLY_INGRESS, PORT_SERVICE, PROTO_TCP, Service,
-    ServiceKey, flow_hash, probe_hash,
+    Backend, BackendState, FLAG_RECOVERED, FLAG_REMOTE, FLAG_SEQ, Flow, FlowKey, LIST_TRIES,
+    MAX_PROBES, MAX_SERVICE_BACKENDS, NextHop, Outcome, PORT_REPLY_INGRESS, PORT_SERVICE,
+    PROTO_TCP, Service, ServiceKey, flow_hash, probe_hash,
 };
 
 use crate::conntrack;
@@ -28,8 +28,8 @@ use crate::csum;
 use crate::headers::{EthHdr, Ipv4Hdr, Segment, TcpHdr};
 use crate::icmp;
 use crate::maps::{
-    BACKENDS, CLIENT_HOPS, CONFIG, FIB_SCRATCH, MAGLEV, NEXT_HOPS, SERVICE_BACKENDS, SERVICES, backend_stats,
-    outcome, port_has, service_stats,
+    BACKENDS, CLIENT_HOPS, CONFIG, FIB_SCRATCH, MAGLEV, NEXT_HOPS, SERVICE_BACKENDS, SERVICES,
+    backend_stats, outcome, port_has, service_stats,
 };
 
 /// A parsed IPv4/TCP packet, bounds-checked by the parser.
@@ -131,7 +131,11 @@ pub fn steer(ctx: &XdpContext, packet: &TcpPacket) -> u32 {
         if !packet.syn && conntrack::established(&key, &seg, &mut flow) {
             outcome(Outcome::Established);
             count_forward(ctx, flow.service, flow.backend, false);
-            return send(ctx, packet, &Delivery::forward(&flow, flow.backend, flow.flags));
+            return send(
+                ctx,
+                packet,
+                &Delivery::forward(&flow, flow.backend, flow.flags),
+            );
         }
         // The service before the embryonic table: traffic to the service
         // port of another address pays one lookup less.
@@ -141,7 +145,11 @@ pub fn steer(ctx: &XdpContext, packet: &TcpPacket) -> u32 {
             if !packet.syn && conntrack::handshaking(&key, &seg, &mut flow) {
                 outcome(Outcome::Established);
                 count_forward(ctx, flow.service, flow.backend, false);
-                return send(ctx, packet, &Delivery::forward(&flow, flow.backend, flow.flags));
+                return send(
+                    ctx,
+                    packet,
+                    &Delivery::forward(&flow, flow.backend, flow.flags),
+                );
             }
             let mut how = Delivery::default();
             if !admit(ctx, &key, &service, &seg, &mut how) {
@@ -512,7 +520,8 @@ fn apply(ip: &mut Ipv4Hdr, tcp: &mut TcpHdr, rewrite: Rewrite) {
             tcp.dest = port.to_ne_bytes();
         }
         Rewrite::Src(addr, port) => {
-            let (old_addr, old_port) = (u32::from_ne_bytes(ip.saddr), u16::from_ne_bytes(tcp.source));
+            let (old_addr, old_port) =
+                (u32::from_ne_bytes(ip.saddr), u16::from_ne_bytes(tcp.source));
             patch(ip, tcp, old_addr, addr, old_port, port);
             ip.saddr = addr.to_ne_bytes();
             tcp.source = port.to_ne_bytes();

@@ -69,7 +69,10 @@ enum Check {
     Established(FlowKey, FlowKey, bool),
     /// The embryonic table holds at most this many entries, and the
     /// established one exactly that many.
-    Counts { embryonic_at_most: usize, established: usize },
+    Counts {
+        embryonic_at_most: usize,
+        established: usize,
+    },
 }
 
 struct Step {
@@ -149,10 +152,16 @@ fn run(steered: &mut Steered, steps: Vec<Step>) -> Result<()> {
         for setup in &step.setup {
             match setup {
                 Setup::Evict(k) => {
-                    ensure!(steered.maps.evict_flow(k)?, "{name}: nothing to evict at {k:?}");
+                    ensure!(
+                        steered.maps.evict_flow(k)?,
+                        "{name}: nothing to evict at {k:?}"
+                    );
                 }
                 Setup::Age(k) => {
-                    let flow = steered.maps.flow(k)?.with_context(|| format!("{name}: no {k:?}"))?;
+                    let flow = steered
+                        .maps
+                        .flow(k)?
+                        .with_context(|| format!("{name}: no {k:?}"))?;
                     steered.maps.set_flow(k, Flow { checked: 0, ..flow })?;
                 }
                 Setup::State(i, state) => steered.set_state(*i, *state)?,
@@ -171,7 +180,11 @@ fn run(steered: &mut Steered, steps: Vec<Step>) -> Result<()> {
                 (XdpAction::Pass, run.packet)
             }
         };
-        ensure!(action == step.action, "{name}: {action:?}, expected {:?}", step.action);
+        ensure!(
+            action == step.action,
+            "{name}: {action:?}, expected {:?}",
+            step.action
+        );
         let expected = step.output.as_ref().unwrap_or(&step.input);
         ensure!(
             &out == expected,
@@ -180,7 +193,11 @@ fn run(steered: &mut Steered, steps: Vec<Step>) -> Result<()> {
         let moved = steered.maps.outcomes()?.since(&before);
         for (outcome, count) in moved.iter() {
             let wanted = step.outcomes.iter().filter(|o| **o == outcome).count() as u64;
-            ensure!(count == wanted, "{name}: outcomes {moved:?}, expected {:?}", step.outcomes);
+            ensure!(
+                count == wanted,
+                "{name}: outcomes {moved:?}, expected {:?}",
+                step.outcomes
+            );
         }
         for check in &step.checks {
             match check {
@@ -221,7 +238,10 @@ fn assert_verifies(frame: &[u8], l3: usize, icmp: bool) {
     } else {
         packet::checksums_verify_at(frame, l3)
     };
-    assert!(ok, "an expected frame's checksums do not verify: {frame:02x?}");
+    assert!(
+        ok,
+        "an expected frame's checksums do not verify: {frame:02x?}"
+    );
 }
 
 #[test]
@@ -229,8 +249,8 @@ fn local_mode_fixtures() {
     let Some(object) = ebpf_prerequisites() else {
         return;
     };
-    let mut steered = Steered::load_sized(&object, VIP, &BACKENDS, false, 1024)
-        .expect("programming the service");
+    let mut steered =
+        Steered::load_sized(&object, VIP, &BACKENDS, false, 1024).expect("programming the service");
     let steps = local_steps(&steered);
     run(&mut steered, steps).unwrap_or_else(|error| panic!("{error:#}"));
 }
@@ -311,76 +331,155 @@ fn local_steps(steered: &Steered) -> Vec<Step> {
         Step::new(
             "backend's SYN-ACK restored",
             Hook::Egress,
-            frame(seg(b, CLIENT, packet::TCP_SYN | packet::TCP_ACK, BACKEND_ISN, c1)),
+            frame(seg(
+                b,
+                CLIENT,
+                packet::TCP_SYN | packet::TCP_ACK,
+                BACKEND_ISN,
+                c1,
+            )),
             XdpAction::Pass,
         )
-        .out(frame(seg(VIP, CLIENT, packet::TCP_SYN | packet::TCP_ACK, BACKEND_ISN, c1)))
+        .out(frame(seg(
+            VIP,
+            CLIENT,
+            packet::TCP_SYN | packet::TCP_ACK,
+            BACKEND_ISN,
+            c1,
+        )))
         .counts(&[Reply]),
-        Step::new("client's ACK completes the handshake", xdp, ack_in(c1), XdpAction::Pass)
-            .out(ack_out(c1))
-            .counts(&[Established, Promoted])
-            .then(Check::Established(fwd, rep, true))
-            .then(Check::Counts {
-                embryonic_at_most: 0,
-                established: 2,
-            }),
-        Step::new("reply direction evicted: the next forward packet restores it", xdp, ack_in(c1), XdpAction::Pass)
-            .before(Setup::Evict(rep))
-            .before(Setup::Age(fwd))
-            .out(ack_out(c1))
-            .counts(&[Established, PeerRestored])
-            .then(Check::Established(fwd, rep, true)),
-        Step::new("reply after the restore", Hook::Egress, reply_in(), XdpAction::Pass)
-            .out(reply_out())
-            .counts(&[Reply]),
-        Step::new("forward direction evicted: the next reply restores it", Hook::Egress, reply_in(), XdpAction::Pass)
-            .before(Setup::Evict(fwd))
-            .before(Setup::Age(rep))
-            .out(reply_out())
-            .counts(&[Reply, PeerRestored])
-            .then(Check::Established(fwd, rep, true)),
-        Step::new("ACK of a lost connection on a draining backend stays there", xdp, ack_in(c1), XdpAction::Pass)
-            .before(Setup::State(bi, BackendState::Draining))
-            .before(Setup::Rebuild)
-            .before(Setup::Evict(fwd))
-            .before(Setup::Evict(rep))
-            .out(ack_out(c1))
-            .counts(&[Recovered]),
-        Step::new("the draining backend's answer confirms the connection", Hook::Egress, reply_in(), XdpAction::Pass)
-            .out(reply_out())
-            .counts(&[Reply, Promoted])
-            .then(Check::Established(fwd, rep, true)),
-        Step::new("out-of-window RST from the client: forwarded, closes nothing", xdp, rst_in(far), XdpAction::Pass)
-            .out(rst_out(far))
-            .counts(&[Established, RstIgnored])
-            .then(Check::Established(fwd, rep, true)),
+        Step::new(
+            "client's ACK completes the handshake",
+            xdp,
+            ack_in(c1),
+            XdpAction::Pass,
+        )
+        .out(ack_out(c1))
+        .counts(&[Established, Promoted])
+        .then(Check::Established(fwd, rep, true))
+        .then(Check::Counts {
+            embryonic_at_most: 0,
+            established: 2,
+        }),
+        Step::new(
+            "reply direction evicted: the next forward packet restores it",
+            xdp,
+            ack_in(c1),
+            XdpAction::Pass,
+        )
+        .before(Setup::Evict(rep))
+        .before(Setup::Age(fwd))
+        .out(ack_out(c1))
+        .counts(&[Established, PeerRestored])
+        .then(Check::Established(fwd, rep, true)),
+        Step::new(
+            "reply after the restore",
+            Hook::Egress,
+            reply_in(),
+            XdpAction::Pass,
+        )
+        .out(reply_out())
+        .counts(&[Reply]),
+        Step::new(
+            "forward direction evicted: the next reply restores it",
+            Hook::Egress,
+            reply_in(),
+            XdpAction::Pass,
+        )
+        .before(Setup::Evict(fwd))
+        .before(Setup::Age(rep))
+        .out(reply_out())
+        .counts(&[Reply, PeerRestored])
+        .then(Check::Established(fwd, rep, true)),
+        Step::new(
+            "ACK of a lost connection on a draining backend stays there",
+            xdp,
+            ack_in(c1),
+            XdpAction::Pass,
+        )
+        .before(Setup::State(bi, BackendState::Draining))
+        .before(Setup::Rebuild)
+        .before(Setup::Evict(fwd))
+        .before(Setup::Evict(rep))
+        .out(ack_out(c1))
+        .counts(&[Recovered]),
+        Step::new(
+            "the draining backend's answer confirms the connection",
+            Hook::Egress,
+            reply_in(),
+            XdpAction::Pass,
+        )
+        .out(reply_out())
+        .counts(&[Reply, Promoted])
+        .then(Check::Established(fwd, rep, true)),
+        Step::new(
+            "out-of-window RST from the client: forwarded, closes nothing",
+            xdp,
+            rst_in(far),
+            XdpAction::Pass,
+        )
+        .out(rst_out(far))
+        .counts(&[Established, RstIgnored])
+        .then(Check::Established(fwd, rep, true)),
         Step::new(
             "out-of-window RST from the backend: restored, closes nothing",
             Hook::Egress,
             frame(seg(b, CLIENT, packet::TCP_RST, b1.wrapping_add(1 << 30), 0)),
             XdpAction::Pass,
         )
-        .out(frame(seg(VIP, CLIENT, packet::TCP_RST, b1.wrapping_add(1 << 30), 0)))
+        .out(frame(seg(
+            VIP,
+            CLIENT,
+            packet::TCP_RST,
+            b1.wrapping_add(1 << 30),
+            0,
+        )))
         .counts(&[Reply, RstIgnored])
         .then(Check::Established(fwd, rep, true)),
-        Step::new("ICMP fragmentation needed about a reply: to its backend", xdp, icmp_about(VIP, *VIP.ip()), XdpAction::Pass)
-            .out(icmp_about(b, *b.ip()))
-            .counts(&[Icmp]),
-        Step::new("ICMP about a connection nobody steered: untouched", xdp, icmp_about(SocketAddrV4::new(*VIP.ip(), 81), *VIP.ip()), XdpAction::Pass)
-            .counts(&[]),
-        Step::new("the client's own RST (its next sequence number) closes", xdp, rst_in(c1), XdpAction::Pass)
-            .out(rst_out(c1))
-            .counts(&[Established])
-            .then(Check::Established(fwd, rep, false)),
-        Step::new("SYN with IPv4 options", xdp, with_options(VIP), XdpAction::Pass)
-            .before(Setup::State(bi, BackendState::Routable))
-            .before(Setup::Rebuild)
-            .out(with_options(b2))
-            .counts(&[NewFlow]),
+        Step::new(
+            "ICMP fragmentation needed about a reply: to its backend",
+            xdp,
+            icmp_about(VIP, *VIP.ip()),
+            XdpAction::Pass,
+        )
+        .out(icmp_about(b, *b.ip()))
+        .counts(&[Icmp]),
+        Step::new(
+            "ICMP about a connection nobody steered: untouched",
+            xdp,
+            icmp_about(SocketAddrV4::new(*VIP.ip(), 81), *VIP.ip()),
+            XdpAction::Pass,
+        )
+        .counts(&[]),
+        Step::new(
+            "the client's own RST (its next sequence number) closes",
+            xdp,
+            rst_in(c1),
+            XdpAction::Pass,
+        )
+        .out(rst_out(c1))
+        .counts(&[Established])
+        .then(Check::Established(fwd, rep, false)),
+        Step::new(
+            "SYN with IPv4 options",
+            xdp,
+            with_options(VIP),
+            XdpAction::Pass,
+        )
+        .before(Setup::State(bi, BackendState::Routable))
+        .before(Setup::Rebuild)
+        .out(with_options(b2))
+        .counts(&[NewFlow]),
         Step::new("SYN with one VLAN tag", xdp, tagged(VIP), XdpAction::Pass)
             .out(tagged(b3))
             .counts(&[NewFlow]),
-        Step::new("stacked VLAN tags: the kernel's", xdp, qinq, XdpAction::Pass).counts(&[]),
+        Step::new(
+            "stacked VLAN tags: the kernel's",
+            xdp,
+            qinq,
+            XdpAction::Pass,
+        )
+        .counts(&[]),
     ]
 }
 
@@ -390,13 +489,16 @@ fn a_syn_flood_churns_only_the_embryonic_table() {
         return;
     };
     // 1024 established entries, 256 embryonic ones.
-    let mut steered = Steered::load_sized(&object, VIP, &BACKENDS, false, 1024)
-        .expect("programming the service");
+    let mut steered =
+        Steered::load_sized(&object, VIP, &BACKENDS, false, 1024).expect("programming the service");
     let mut steps = local_steps(&steered);
     steps.truncate(3);
     let flood: Vec<Step> = (0..2_000u32)
         .map(|i| {
-            let client = SocketAddrV4::new(Ipv4Addr::new(10, 98, (i >> 8) as u8, i as u8), 1024 + i as u16);
+            let client = SocketAddrV4::new(
+                Ipv4Addr::new(10, 98, (i >> 8) as u8, i as u8),
+                1024 + i as u16,
+            );
             Step::new(
                 "flood SYN",
                 Hook::Xdp(None),
@@ -413,7 +515,14 @@ fn a_syn_flood_churns_only_the_embryonic_table() {
         Step::new(
             "the established connection is still there",
             Hook::Xdp(None),
-            seg(CLIENT, VIP, packet::TCP_ACK, CLIENT_ISN + 1, BACKEND_ISN + 1).frame(),
+            seg(
+                CLIENT,
+                VIP,
+                packet::TCP_ACK,
+                CLIENT_ISN + 1,
+                BACKEND_ISN + 1,
+            )
+            .frame(),
             XdpAction::Pass,
         )
         .out(seg(CLIENT, b, packet::TCP_ACK, CLIENT_ISN + 1, BACKEND_ISN + 1).frame())
@@ -486,38 +595,71 @@ fn remote_steps(steered: &Steered, net: &Router, _ns: &str) -> Vec<Step> {
     // An ICMP error from a router beyond the backends about a forwarded
     // packet (quoting client -> backend): on to the client, quoting the
     // service, one hop later.
-    let icmp_toward_client = |quoted_dst: SocketAddrV4, ttl: u8, macs: Option<([u8; 6], [u8; 6])>| {
-        let quoted = seg(CLIENT, quoted_dst, packet::TCP_SYN, CLIENT_ISN, 0).ip();
-        let icmp = packet::icmp_error(3, 1, [0; 4], &quoted[..28]);
-        let mut ip = Ipv4::new(BACKEND_ROUTER, *CLIENT.ip(), packet::PROTO_ICMP);
-        ip.ttl = ttl;
-        let mut f = packet::ethernet(packet::ETHERTYPE_IPV4, &ip.packet(&icmp));
-        if let Some((dst, src)) = macs {
-            f[..6].copy_from_slice(&dst);
-            f[6..12].copy_from_slice(&src);
-        }
-        assert_verifies(&f, packet::IPV4_OFFSET, true);
-        f
-    };
+    let icmp_toward_client =
+        |quoted_dst: SocketAddrV4, ttl: u8, macs: Option<([u8; 6], [u8; 6])>| {
+            let quoted = seg(CLIENT, quoted_dst, packet::TCP_SYN, CLIENT_ISN, 0).ip();
+            let icmp = packet::icmp_error(3, 1, [0; 4], &quoted[..28]);
+            let mut ip = Ipv4::new(BACKEND_ROUTER, *CLIENT.ip(), packet::PROTO_ICMP);
+            ip.ttl = ttl;
+            let mut f = packet::ethernet(packet::ETHERTYPE_IPV4, &ip.packet(&icmp));
+            if let Some((dst, src)) = macs {
+                f[..6].copy_from_slice(&dst);
+                f[6..12].copy_from_slice(&src);
+            }
+            assert_verifies(&f, packet::IPV4_OFFSET, true);
+            f
+        };
 
     vec![
-        Step::new("TTL 1: ICMP time exceeded back to the client", from_client, dying.clone(), XdpAction::Tx)
-            .out(answer(&dying, 11, 0, [0; 4]))
-            .counts(&[NewFlow, TtlExpired]),
-        Step::new("larger than the next hop's MTU with DF: fragmentation needed", from_client, too_big.clone(), XdpAction::Tx)
-            .out(answer(&too_big, 3, 4, [0, 0, mtu[0], mtu[1]]))
-            .counts(&[NewFlow, FragNeeded]),
-        Step::new("ICMP unreachable about a forwarded packet: to the client, quoting the service", from_backends, icmp_toward_client(b, 64, None), XdpAction::Redirect)
-            .out(icmp_toward_client(VIP, 63, Some((Router::CLIENT_MAC, net.client_if_mac))))
-            .counts(&[Icmp]),
+        Step::new(
+            "TTL 1: ICMP time exceeded back to the client",
+            from_client,
+            dying.clone(),
+            XdpAction::Tx,
+        )
+        .out(answer(&dying, 11, 0, [0; 4]))
+        .counts(&[NewFlow, TtlExpired]),
+        Step::new(
+            "larger than the next hop's MTU with DF: fragmentation needed",
+            from_client,
+            too_big.clone(),
+            XdpAction::Tx,
+        )
+        .out(answer(&too_big, 3, 4, [0, 0, mtu[0], mtu[1]]))
+        .counts(&[NewFlow, FragNeeded]),
+        Step::new(
+            "ICMP unreachable about a forwarded packet: to the client, quoting the service",
+            from_backends,
+            icmp_toward_client(b, 64, None),
+            XdpAction::Redirect,
+        )
+        .out(icmp_toward_client(
+            VIP,
+            63,
+            Some((Router::CLIENT_MAC, net.client_if_mac)),
+        ))
+        .counts(&[Icmp]),
         Step::new(
             "the handshake's reply still goes through",
             from_backends,
-            seg(b, CLIENT, packet::TCP_SYN | packet::TCP_ACK, BACKEND_ISN, c1).frame(),
+            seg(
+                b,
+                CLIENT,
+                packet::TCP_SYN | packet::TCP_ACK,
+                BACKEND_ISN,
+                c1,
+            )
+            .frame(),
             XdpAction::Redirect,
         )
         .out({
-            let s = seg(VIP, CLIENT, packet::TCP_SYN | packet::TCP_ACK, BACKEND_ISN, c1);
+            let s = seg(
+                VIP,
+                CLIENT,
+                packet::TCP_SYN | packet::TCP_ACK,
+                BACKEND_ISN,
+                c1,
+            );
             let mut ip = Ipv4::new(*VIP.ip(), *CLIENT.ip(), packet::PROTO_TCP);
             ip.ttl = 63;
             let mut f = packet::ethernet(packet::ETHERTYPE_IPV4, &ip.packet(&s.segment()));
@@ -564,6 +706,10 @@ fn verdicts_of_the_fixture_frames() {
         let before = steered.dataplane.verdict_counts().unwrap();
         steered.dataplane.test_run(&frame, 1, None).unwrap();
         let moved = steered.dataplane.verdict_counts().unwrap().since(&before);
-        assert_eq!((moved.get(verdict), moved.total()), (1, 1), "{verdict:?}: {moved:?}");
+        assert_eq!(
+            (moved.get(verdict), moved.total()),
+            (1, 1),
+            "{verdict:?}: {moved:?}"
+        );
     }
 }

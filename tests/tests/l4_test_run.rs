@@ -251,7 +251,10 @@ fn unknown_flow_is_recovered_onto_its_live_backend() {
     assert!(steered.backend_of(dst).is_some());
     let outcomes = steered.maps.outcomes().unwrap();
     assert_eq!(
-        (outcomes.get(Outcome::Recovered), outcomes.get(Outcome::NewFlow)),
+        (
+            outcomes.get(Outcome::Recovered),
+            outcomes.get(Outcome::NewFlow)
+        ),
         (1, 0)
     );
     assert_eq!(
