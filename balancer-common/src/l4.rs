@@ -354,9 +354,18 @@ pub struct Flow {
 }
 
 impl Flow {
-    /// The other direction's key and entry, rebuilt from this one: each
-    /// entry holds what the other needs, so either can restore the other.
-    /// `key` is this entry's key.
+    /// The other direction's key (`key` is this entry's): each entry holds
+    /// what the other needs, so either can find, and restore, the other.
+    #[inline(always)]
+    pub fn peer_key(&self, key: &FlowKey) -> FlowKey {
+        if self.flags & FLAG_REPLY == 0 {
+            FlowKey::tcp(self.addr, self.port, key.src_addr, key.src_port)
+        } else {
+            FlowKey::tcp(key.dst_addr, key.dst_port, self.addr, self.port)
+        }
+    }
+
+    /// [`Flow::peer_key`] and the other direction's entry.
     #[inline(always)]
     pub fn peer(&self, key: &FlowKey) -> (FlowKey, Flow) {
         // Forward (client -> service, rewritten to backend `addr`): the

@@ -6,12 +6,15 @@
 //!   health change, drain, addition or removal rewrites the worker's backend
 //!   entry (its state bit) at once: one map write, microseconds after the
 //!   transition. From then on the program skips the worker for new
-//!   connections even while its Maglev tables still list it.
-//! - The table thread rebuilds the Maglev tables from the routable
-//!   backends, coalescing bursts of changes into one rebuild, and writes
-//!   them next to the tables in use before switching. In remote mode it also
-//!   moves the next-hop cache generation on every second, so the program
-//!   looks routes and neighbours up again.
+//!   connections.
+//! - The table thread rewrites each service's list of routable backends
+//!   (the program's fallback when its table probes find none) and, when
+//!   workers were added or removed, its Maglev table over the live backends
+//!   (isolated and draining ones stay in it, so that a connection the
+//!   kernel's tables lost still finds its backend), coalescing bursts of
+//!   changes, writing next to what is in use and switching last. In remote
+//!   mode it also moves the next-hop cache generation on every second, so
+//!   the program looks routes and neighbours up again.
 //!
 //! Each worker takes one backend slot for as long as it is registered;
 //! established connections keep their backend whatever its state, since
@@ -324,7 +327,7 @@ impl Shared {
     }
 
     /// Brings `worker`'s backend entry up to date. Returns whether its
-    /// routability changed (the tables need a rebuild) and whether anything
+    /// routability changed (the routable lists need rewriting) and whether anything
     /// was written.
     fn upsert(&self, worker: &Worker) -> Result<Change, DataplaneError> {
         let Some(SocketAddr::V4(addr)) = worker.address.resolve() else {

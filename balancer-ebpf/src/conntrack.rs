@@ -20,6 +20,8 @@
 
 use aya_ebpf::helpers::generated::bpf_ktime_get_coarse_ns;
 use aya_ebpf::maps::LruHashMap;
+use core::mem::MaybeUninit;
+
 use balancer_common::l4::{
     CLOSE_GRACE, CLOSED_SHIFT, FLAG_FIN_BACKEND, FLAG_FIN_CLIENT, FLAG_RECOVERED, FLAG_REPLY,
     FLAG_SEQ, Flow, FlowKey, Outcome,
@@ -53,7 +55,7 @@ fn established_entry(key: &FlowKey, seg: &Segment) -> Option<Flow> {
     if flow.flags & FLAG_REPLY != 0 {
         return None;
     }
-    track(&CONNS, key, entry, seg, &mut Flow::default());
+    track(&CONNS, key, entry, seg);
     Some(flow)
 }
 
@@ -68,18 +70,17 @@ fn handshaking_entry(key: &FlowKey, seg: &Segment) -> Option<Flow> {
     if flow.flags & FLAG_REPLY != 0 {
         return None;
     }
-    let mut peer = Flow::default();
-    let paired = track(&EMBRYONIC, key, entry, seg, &mut peer);
+    let peer = track(&EMBRYONIC, key, entry, seg);
     // The client acknowledging the backend's SYN-ACK completes the
     // handshake: only a client that received it knows the number.
-    if paired
+    if let Some(peer) = peer
         && flow.flags & FLAG_RECOVERED == 0
         && seg.has(TcpHdr::ACK)
         && !seg.has(TcpHdr::RST)
         && peer.flags & FLAG_SEQ != 0
         && seg.ack == peer.seq
     {
-        promote(key, entry, &flow.peer(key).0);
+        promote(key, entry, &flow.peer_key(key));
     }
     Some(flow)
 }
@@ -94,7 +95,7 @@ fn reply_entry(key: &FlowKey, seg: &Segment) -> Option<Flow> {
         let flow = unsafe { *entry };
         if flow.flags & FLAG_REPLY != 0 {
             if !stale(&flow, seg.is_syn_ack()) {
-                track(&CONNS, key, entry, seg, &mut Flow::default());
+                track(&CONNS, key, entry, seg);
                 return Some(flow);
             }
             // A later connection on the same four-tuple that did not come
@@ -108,11 +109,11 @@ fn reply_entry(key: &FlowKey, seg: &Segment) -> Option<Flow> {
     if flow.flags & FLAG_REPLY == 0 || stale(&flow, seg.is_syn_ack()) {
         return None;
     }
-    let paired = track(&EMBRYONIC, key, entry, seg, &mut Flow::default());
+    let peer = track(&EMBRYONIC, key, entry, seg);
     // A backend that answers a recovered connection with anything but a
     // reset has it: the connection is real.
-    if paired && flow.flags & FLAG_RECOVERED != 0 && !seg.has(TcpHdr::RST) {
-        promote(key, entry, &flow.peer(key).0);
+    if peer.is_some() && flow.flags & FLAG_RECOVERED != 0 && !seg.has(TcpHdr::RST) {
+        promote(key, entry, &flow.peer_key(key));
     }
     Some(flow)
 }
@@ -137,37 +138,38 @@ fn find_entry(key: &FlowKey, reply: bool) -> Option<Flow> {
 // The public entry points fill `out` and say whether they found an entry,
 // rather than return an `Option<Flow>`: kept across the calls that follow,
 // the payload of a `None` becomes an undefined register that LLVM spills,
-// and the verifier refuses to read it.
+// and the verifier refuses to read it. `out` starts uninitialised: zeroing
+// a `Flow` first costs a call to a byte-by-byte `memset` on this target.
 
 /// [`established_entry`] into `out`; whether there was one.
 #[inline(always)]
-pub fn established(key: &FlowKey, seg: &Segment, out: &mut Flow) -> bool {
+pub fn established(key: &FlowKey, seg: &Segment, out: &mut MaybeUninit<Flow>) -> bool {
     fill(established_entry(key, seg), out)
 }
 
 /// [`handshaking_entry`] into `out`; whether there was one.
 #[inline(always)]
-pub fn handshaking(key: &FlowKey, seg: &Segment, out: &mut Flow) -> bool {
+pub fn handshaking(key: &FlowKey, seg: &Segment, out: &mut MaybeUninit<Flow>) -> bool {
     fill(handshaking_entry(key, seg), out)
 }
 
 /// [`reply_entry`] into `out`; whether there was one.
 #[inline(always)]
-pub fn reply(key: &FlowKey, seg: &Segment, out: &mut Flow) -> bool {
+pub fn reply(key: &FlowKey, seg: &Segment, out: &mut MaybeUninit<Flow>) -> bool {
     fill(reply_entry(key, seg), out)
 }
 
 /// [`find_entry`] into `out`; whether there was one.
 #[inline(always)]
-pub fn find(key: &FlowKey, reply: bool, out: &mut Flow) -> bool {
+pub fn find(key: &FlowKey, reply: bool, out: &mut MaybeUninit<Flow>) -> bool {
     fill(find_entry(key, reply), out)
 }
 
 #[inline(always)]
-fn fill(found: Option<Flow>, out: &mut Flow) -> bool {
+fn fill(found: Option<Flow>, out: &mut MaybeUninit<Flow>) -> bool {
     match found {
         Some(flow) => {
-            *out = flow;
+            out.write(flow);
             true
         }
         None => false,
@@ -204,20 +206,13 @@ pub fn forget(key: &FlowKey) {
 }
 
 /// Tracks `seg` in `entry` (key `key` of `table`) and applies its FIN or
-/// reset to both entries of the connection. Fills `peer` with the other
-/// entry, rebuilding that entry first if it was missing; returns whether
-/// there is one.
+/// reset to both entries of the connection. Returns the other entry when it
+/// was looked at (rebuilding it first if it was missing).
 #[inline(always)]
-fn track(
-    table: &'static Table,
-    key: &FlowKey,
-    entry: *mut Flow,
-    seg: &Segment,
-    peer: &mut Flow,
-) -> bool {
+fn track(table: &'static Table, key: &FlowKey, entry: *mut Flow, seg: &Segment) -> Option<Flow> {
     // SAFETY: `entry` comes from a successful lookup in `table`.
     let own = unsafe { *entry };
-    let (peer_key, fresh) = own.peer(key);
+    let peer_key = own.peer_key(key);
     // The other entry is looked at when this packet needs it (a FIN or a
     // reset closes both; a handshake completes against it) and otherwise
     // at most every PEER_CHECK: TCP sends packets both ways, so the LRU
@@ -238,6 +233,7 @@ fn track(
             Some(found) => Some(found),
             None => {
                 outcome(Outcome::PeerRestored);
+                let (_, fresh) = own.peer(key);
                 if table.insert(peer_key, fresh, 0).is_err() {
                     outcome(Outcome::ConntrackFull);
                 }
@@ -271,13 +267,7 @@ fn track(
             close(entry, peer_entry, fin, false);
         }
     }
-    match found {
-        Some(found) => {
-            *peer = found;
-            true
-        }
-        None => false,
-    }
+    found
 }
 
 /// Whether a reset is the connection's own: it carries exactly the next

@@ -8,6 +8,8 @@
 //! correctly. Reads go through `bpf_skb_load_bytes`, which also works when
 //! the headers are not in the linear part of the buffer.
 
+use core::mem::MaybeUninit;
+
 use aya_ebpf::bindings::{BPF_F_PSEUDO_HDR, TC_ACT_OK};
 use aya_ebpf::programs::TcContext;
 use balancer_common::l4::{Flow, FlowKey, Outcome, PORT_REPLY_EGRESS};
@@ -61,10 +63,12 @@ fn try_restore(ctx: &TcContext) -> Result<(), i64> {
         u16::from_ne_bytes(tcp.dest),
     );
     let payload = u32::from(ip.total_len()).saturating_sub(header_len as u32);
-    let mut flow = Flow::default();
-    if !conntrack::reply(&key, &tcp.segment(payload), &mut flow) {
+    let mut found = MaybeUninit::<Flow>::uninit();
+    if !conntrack::reply(&key, &tcp.segment(payload), &mut found) {
         return Ok(());
     }
+    // SAFETY: `reply` wrote it.
+    let flow = unsafe { found.assume_init() };
 
     let tcp_check = tcp_offset + TcpHdr::CHECK_OFFSET;
     let pseudo = u64::from(BPF_F_PSEUDO_HDR);

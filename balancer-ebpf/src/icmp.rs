@@ -19,6 +19,8 @@
 //! match quotes by addresses and ports and do not verify it).
 
 use aya_ebpf::EbpfContext as _;
+use core::mem::MaybeUninit;
+
 use aya_ebpf::bindings::xdp_action;
 use aya_ebpf::helpers::generated::{bpf_xdp_adjust_head, bpf_xdp_adjust_tail};
 use aya_ebpf::programs::XdpContext;
@@ -72,10 +74,12 @@ pub fn steer(ctx: &XdpContext, l3: usize, tagged: bool) -> u32 {
         u16::from_ne_bytes(ports.source),
     );
 
-    let mut flow = Flow::default();
+    let mut found = MaybeUninit::<Flow>::uninit();
     if port_has(u16::from_be_bytes(ports.source), PORT_SERVICE)
-        && conntrack::find(&key, false, &mut flow)
+        && conntrack::find(&key, false, &mut found)
     {
+        // SAFETY: `find` wrote it.
+        let flow = unsafe { found.assume_init() };
         // About a reply (service -> client): to the backend.
         outcome(Outcome::Icmp);
         let outer_old = u32::from_ne_bytes(ip.daddr);
@@ -97,8 +101,10 @@ pub fn steer(ctx: &XdpContext, l3: usize, tagged: bool) -> u32 {
         return relay(ctx, ip, flow.addr, HopCache::Backend(flow.backend), tagged);
     }
     if port_has(u16::from_be_bytes(ports.dest), PORT_REPLY_INGRESS)
-        && conntrack::find(&key, true, &mut flow)
+        && conntrack::find(&key, true, &mut found)
     {
+        // SAFETY: `find` wrote it.
+        let flow = unsafe { found.assume_init() };
         // About a forwarded packet (client -> backend): on to the client,
         // quoting the service it connected to.
         outcome(Outcome::Icmp);

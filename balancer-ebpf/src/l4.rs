@@ -7,11 +7,14 @@
 //!
 //! Order of the checks, cheapest first, so that traffic nothing is steered on
 //! pays two array reads: the `PORTS` bits of the destination and source
-//! ports; then the connection tables (known flows skip the service lookup);
-//! then the service.
+//! ports (read by the parser, before it calls in here); then the
+//! established table (known flows skip the service lookup); then the
+//! service; then the embryonic table.
 //!
 //! This module rewrites and forwards; it leaves what a connection's entries
 //! mean to [`conntrack`] and the wire formats to [`crate::headers`].
+
+use core::mem::MaybeUninit;
 
 use aya_ebpf::EbpfContext as _;
 use aya_ebpf::bindings::{BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup as FibParams, xdp_action};
@@ -19,8 +22,8 @@ use aya_ebpf::helpers::generated::{bpf_check_mtu, bpf_fib_lookup, bpf_redirect};
 use aya_ebpf::programs::XdpContext;
 use balancer_common::l4::{
     Backend, BackendState, FLAG_RECOVERED, FLAG_REMOTE, FLAG_SEQ, Flow, FlowKey, LIST_TRIES,
-    MAX_PROBES, MAX_SERVICE_BACKENDS, NextHop, Outcome, PORT_REPLY_INGRESS, PORT_SERVICE,
-    PROTO_TCP, Service, ServiceKey, flow_hash, probe_hash,
+    MAX_PROBES, MAX_SERVICE_BACKENDS, NextHop, Outcome, PROTO_TCP, Service, ServiceKey, flow_hash,
+    probe_hash,
 };
 
 use crate::conntrack;
@@ -29,7 +32,7 @@ use crate::headers::{EthHdr, Ipv4Hdr, Segment, TcpHdr};
 use crate::icmp;
 use crate::maps::{
     BACKENDS, CLIENT_HOPS, CONFIG, FIB_SCRATCH, MAGLEV, NEXT_HOPS, SERVICE_BACKENDS, SERVICES,
-    backend_stats, outcome, port_has, service_stats,
+    backend_stats, outcome, service_stats,
 };
 
 /// A parsed IPv4/TCP packet, bounds-checked by the parser.
@@ -42,6 +45,10 @@ pub struct TcpPacket {
     pub l3: usize,
     /// The frame carries an 802.1Q tag.
     pub tagged: bool,
+    /// The destination port has `PORT_SERVICE` set.
+    pub to_service: bool,
+    /// The source port has `PORT_REPLY_INGRESS` set.
+    pub from_backend: bool,
 }
 
 const AF_INET: u8 = 2;
@@ -121,14 +128,16 @@ pub fn steer(ctx: &XdpContext, packet: &TcpPacket) -> u32 {
         tcp.segment(payload)
     };
 
-    if port_has(u16::from_be_bytes(tcp.dest), PORT_SERVICE) {
+    if packet.to_service {
         let key = key();
         let seg = segment(ip, tcp);
         // A SYN always gets a fresh decision: a client reusing a port for a
         // new connection must not inherit a backend that has been isolated
         // since.
-        let mut flow = Flow::default();
-        if !packet.syn && conntrack::established(&key, &seg, &mut flow) {
+        let mut found = MaybeUninit::<Flow>::uninit();
+        if !packet.syn && conntrack::established(&key, &seg, &mut found) {
+            // SAFETY: `established` wrote it.
+            let flow = unsafe { found.assume_init() };
             outcome(Outcome::Established);
             count_forward(ctx, flow.service, flow.backend, false);
             return send(
@@ -142,7 +151,9 @@ pub fn steer(ctx: &XdpContext, packet: &TcpPacket) -> u32 {
         if let Some(service) = SERVICES.get_ptr(ServiceKey::tcp(key.dst_addr, key.dst_port)) {
             // SAFETY: a successful lookup, copied at once.
             let service = unsafe { *service };
-            if !packet.syn && conntrack::handshaking(&key, &seg, &mut flow) {
+            if !packet.syn && conntrack::handshaking(&key, &seg, &mut found) {
+                // SAFETY: `handshaking` wrote it.
+                let flow = unsafe { found.assume_init() };
                 outcome(Outcome::Established);
                 count_forward(ctx, flow.service, flow.backend, false);
                 return send(
@@ -158,10 +169,12 @@ pub fn steer(ctx: &XdpContext, packet: &TcpPacket) -> u32 {
             return send(ctx, packet, &how);
         }
     }
-    if port_has(u16::from_be_bytes(tcp.source), PORT_REPLY_INGRESS) {
+    if packet.from_backend {
         let key = key();
-        let mut flow = Flow::default();
-        if conntrack::reply(&key, &segment(ip, tcp), &mut flow) {
+        let mut found = MaybeUninit::<Flow>::uninit();
+        if conntrack::reply(&key, &segment(ip, tcp), &mut found) {
+            // SAFETY: `reply` wrote it.
+            let flow = unsafe { found.assume_init() };
             // A backend's answer gets the service as its source and goes
             // on to the client.
             outcome(Outcome::Reply);
@@ -222,12 +235,15 @@ fn admit(
     let mut flow = Flow {
         addr: backend.addr,
         port: backend.port,
+        _pad: 0,
         flags: remote | FLAG_SEQ,
         service: service.index,
         backend: index,
+        closed: 0,
         seq: seg.seq.wrapping_add(seg.len),
+        ack: 0,
         window: seg.window,
-        ..Flow::default()
+        checked: 0,
     };
     if syn {
         conntrack::forget(key);

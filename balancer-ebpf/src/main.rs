@@ -33,6 +33,7 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::debug;
 use balancer_common::Verdict;
+use balancer_common::l4::{Outcome, PORT_REPLY_INGRESS, PORT_SERVICE};
 use headers::{EthHdr, Ipv4Hdr, TcpHdr, VlanHdr};
 use l4::TcpPacket;
 
@@ -120,12 +121,22 @@ fn dispatch(ctx: &XdpContext) -> u32 {
         Verdict::TcpOther
     };
     maps::bump(&maps::VERDICTS, verdict.index());
+    // Most TCP is for nothing steered: two array reads decide that here,
+    // before the call into steering.
+    let to_service = maps::port_has(u16::from_be_bytes(tcp.dest), PORT_SERVICE);
+    let from_backend = maps::port_has(u16::from_be_bytes(tcp.source), PORT_REPLY_INGRESS);
+    if !to_service && !from_backend {
+        maps::outcome(Outcome::NotService);
+        return xdp_action::XDP_PASS;
+    }
     let packet = TcpPacket {
         ip: ip_ptr,
         tcp: tcp_ptr,
         syn,
         l3,
         tagged,
+        to_service,
+        from_backend,
     };
     l4::steer(ctx, &packet)
 }

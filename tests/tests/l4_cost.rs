@@ -263,6 +263,16 @@ fn per_packet_cost() {
                 "remote, new flow".to_owned(),
                 first_syn(&remote, from_client)?,
             ));
+            // The same into a full table that fits in cache, where every
+            // insert evicts: the CPU cost without the cold memory of a
+            // large table's never-used entries.
+            let small = Steered::load_sized(&object, BACKEND, &[BACKEND], true, 1024)?;
+            small.maps.set_keep_ttl(true)?;
+            rows.push((
+                "remote, new flow, full small table".to_owned(),
+                first_syn(&small, from_client)?,
+            ));
+            drop(small);
             // What caching the next hop saves: the same with a route and
             // neighbour lookup on every packet.
             remote.maps.set_generation(0)?;
