@@ -236,17 +236,31 @@ impl L4Maps {
                 },
             });
         }
+        let key = ServiceKey::tcp(addr_be(addr.ip().octets()), port_be(addr.port()));
+        // In adopted maps the program may be using either half of the
+        // service's table and list: the first rewrite must go to the other.
+        let existing = self.service(&key)?.filter(|s| s.index == index);
+        let (current, current_list, table_len) = match existing {
+            Some(entry) => (
+                usize::from(entry.table_offset != self.table_offset(index, 0)),
+                usize::from(entry.list_offset != self.list_offset(index, 0)),
+                entry.table_size,
+            ),
+            None => (0, 0, 0),
+        };
         let state = ServiceState {
-            key: ServiceKey::tcp(addr_be(addr.ip().octets()), port_be(addr.port())),
+            key,
             index,
             flags,
-            current: 0,
+            current,
             tables: [Vec::new(), Vec::new()],
-            table_len: 0,
-            current_list: 0,
+            table_len,
+            current_list,
             lists: [Vec::new(), Vec::new()],
         };
-        self.write_service(&state)?;
+        if existing.is_none() {
+            self.write_service(&state)?;
+        }
         Ok(state)
     }
 
@@ -322,6 +336,52 @@ impl L4Maps {
         lock(&self.services)
             .insert(service.key, entry, 0)
             .map_err(map_error(common::SERVICES))
+    }
+
+    /// Removes service entries of adopted maps that are not among `kept`
+    /// (their established connections still follow the connection table).
+    pub fn retain_services(&self, kept: &[ServiceState]) -> Result<(), DataplaneError> {
+        let mut services = lock(&self.services);
+        let stale: Vec<ServiceKey> = services
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|key| kept.iter().all(|s| s.key != *key))
+            .collect();
+        for key in stale {
+            tracing::info!(
+                ?key,
+                "removing a service the adopted maps had and the configuration has not"
+            );
+            services.remove(&key).map_err(map_error(common::SERVICES))?;
+        }
+        Ok(())
+    }
+
+    /// Backends in use (any state but unused) by slot: what an earlier
+    /// agent left in adopted maps.
+    pub fn live_backends(&self) -> Result<Vec<(u32, SocketAddrV4)>, DataplaneError> {
+        let backends = lock(&self.backends);
+        let mut live = Vec::new();
+        for index in 0..common::MAX_BACKENDS {
+            let backend = backends
+                .get(&index, 0)
+                .map_err(map_error(common::BACKENDS))?;
+            if BackendState::from_raw(backend.state) != BackendState::Unused {
+                let addr = SocketAddrV4::new(
+                    Ipv4Addr::from(backend.addr.to_ne_bytes()),
+                    u16::from_be(backend.port),
+                );
+                live.push((index, addr));
+            }
+        }
+        Ok(live)
+    }
+
+    /// The `PORTS` bits of `port` (host order).
+    pub fn port_bits(&self, port: u16) -> Result<u32, DataplaneError> {
+        lock(&self.ports)
+            .get(&u32::from(port), 0)
+            .map_err(map_error(common::PORTS))
     }
 
     /// The service entry as the program sees it.

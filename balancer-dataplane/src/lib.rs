@@ -27,8 +27,9 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use aya::maps::{MapError, PerCpuArray};
-use aya::programs::tc::SchedClassifierLinkId;
-use aya::programs::xdp::XdpLinkId;
+use aya::programs::links::{FdLink, PinnedLink};
+use aya::programs::tc::{SchedClassifierLink, SchedClassifierLinkId};
+use aya::programs::xdp::{XdpLink, XdpLinkId};
 use aya::programs::{ProgramError, SchedClassifier, TcAttachType, Xdp};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use balancer_common::l4::{self as common, EGRESS_PROGRAM_NAME};
@@ -38,10 +39,13 @@ use balancer_core::error_chain;
 pub mod l4;
 mod log;
 pub mod maglev;
+pub mod pin;
+pub mod status;
 pub mod steering;
 mod test_run;
 
 use log::{LogReader, ebpf_log_level};
+use pin::{PINNED_MAPS, PinDir, PinError};
 pub use test_run::{TcTestRun, XdpAction, XdpTestRun};
 
 pub use l4::L4Maps;
@@ -119,6 +123,24 @@ pub enum DataplaneError {
     LogReader(#[source] io::Error),
     #[error("failed to start the L4 table thread")]
     TableThread(#[source] io::Error),
+    #[error("pinned datapath state")]
+    Pin(#[from] PinError),
+    #[error("failed to pin or adopt the link at {}", .path.display())]
+    Link {
+        path: PathBuf,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+fn link_error(
+    path: &Path,
+) -> impl Fn(Box<dyn std::error::Error + Send + Sync>) -> DataplaneError + use<> {
+    let path = path.to_path_buf();
+    move |source| DataplaneError::Link {
+        path: path.clone(),
+        source,
+    }
 }
 
 fn display_paths(paths: &[PathBuf]) -> String {
@@ -268,15 +290,22 @@ impl Default for LoadOptions {
     }
 }
 
+/// How an attachment is held: by this process (detached when it goes), or
+/// by a pin on bpffs (attached until the pin is removed).
+enum Held<Id> {
+    Owned(Id),
+    Pinned(PathBuf),
+}
+
 struct Attachment {
     iface: String,
     mode: XdpMode,
-    link: XdpLinkId,
+    link: Held<XdpLinkId>,
 }
 
 struct EgressAttachment {
     iface: String,
-    link: SchedClassifierLinkId,
+    link: Held<SchedClassifierLinkId>,
 }
 
 /// The loaded programs: the XDP program, attachable to several interfaces,
@@ -292,6 +321,11 @@ pub struct Dataplane {
     options: LoadOptions,
     attachments: Vec<Attachment>,
     egress: Vec<EgressAttachment>,
+    /// Where the maps and links are pinned, if they are.
+    pins: Option<PinDir>,
+    /// Pinned state stays attached when this value goes (see
+    /// [`Dataplane::set_detach_on_exit`]).
+    keep: bool,
     // Declared last so it is dropped last: records the program logs while
     // being detached still get read.
     _log_reader: Option<LogReader>,
@@ -306,15 +340,47 @@ impl Dataplane {
 
     /// [`Dataplane::load`] with map sizes of the caller's choosing.
     pub fn load_with(object: &Path, options: LoadOptions) -> Result<Self, DataplaneError> {
+        Self::load_pinned(object, options, None)
+    }
+
+    /// [`Dataplane::load_with`], with the maps pinned in `pins` (adopted
+    /// when maps of the same layout are pinned there already: the
+    /// connection table, the backends' states and the counters carry
+    /// over). Links made by [`Dataplane::attach`] are pinned there too, and
+    /// the programs stay attached when the value goes, unless
+    /// [`Dataplane::set_detach_on_exit`] says otherwise.
+    pub fn load_pinned(
+        object: &Path,
+        options: LoadOptions,
+        pins: Option<PinDir>,
+    ) -> Result<Self, DataplaneError> {
         let maglev = options
             .table_size
             .saturating_mul(options.services.max(1))
             .saturating_mul(2);
-        let mut ebpf = EbpfLoader::new()
-            .override_global(aya_log::LEVEL, &ebpf_log_level(), false)
+        let level = ebpf_log_level();
+        let mut loader = EbpfLoader::new();
+        loader
+            .override_global(aya_log::LEVEL, &level, false)
             .map_max_entries(common::MAGLEV, maglev)
             .map_max_entries(common::CONNS, options.conntrack_size)
-            .map_max_entries(common::EMBRYONIC, options.embryonic_size())
+            .map_max_entries(common::EMBRYONIC, options.embryonic_size());
+        let maps_dir = pins.as_ref().map(|p| p.maps_dir(&options));
+        if let (Some(pins), Some(dir)) = (&pins, &maps_dir) {
+            pins.create()?;
+            std::fs::create_dir_all(dir).map_err(|source| PinError::Io {
+                what: "create",
+                path: dir.clone(),
+                source,
+            })?;
+            for name in PINNED_MAPS {
+                loader.map_pin_path(name, dir.join(name));
+            }
+        }
+        let adopted = maps_dir
+            .as_ref()
+            .is_some_and(|dir| dir.join(common::CONNS).exists());
+        let mut ebpf = loader
             .load_file(object)
             .map_err(|source| DataplaneError::Load {
                 path: object.to_path_buf(),
@@ -351,14 +417,75 @@ impl Dataplane {
             })
             .transpose()
             .map_err(DataplaneError::LogReader)?;
-        tracing::info!(object = %object.display(), ?options, "loaded XDP and TC programs");
+        tracing::info!(
+            object = %object.display(),
+            ?options,
+            pinned = ?maps_dir,
+            adopted,
+            "loaded XDP and TC programs"
+        );
         Ok(Self {
             ebpf,
             options,
             attachments: Vec::new(),
             egress: Vec::new(),
+            keep: pins.is_some(),
+            pins,
             _log_reader: log_reader,
         })
+    }
+
+    /// Whether dropping this value (or [`Dataplane::release`]) detaches the
+    /// programs and removes the pinned state. Without pins it always does.
+    pub fn set_detach_on_exit(&mut self, detach: bool) {
+        self.keep = self.pins.is_some() && !detach;
+    }
+
+    /// The pinned state's folder, if the state is pinned.
+    pub fn pins(&self) -> Option<&PinDir> {
+        self.pins.as_ref()
+    }
+
+    /// Removes map folders of other layouts than this object's, which an
+    /// agent of another build left: their connections are lost (the warning
+    /// says how many). Call once the links use this object's programs.
+    pub fn retire_other_layouts(&self) {
+        let Some(pins) = &self.pins else {
+            return;
+        };
+        for dir in pins.other_layouts(&self.options) {
+            let entries = status::count_pinned_flows(&dir.join(common::CONNS)).unwrap_or(0);
+            tracing::warn!(
+                old = %dir.display(),
+                connections_lost = entries / 2,
+                "the pinned maps have another layout (another build or other map sizes); \
+                 replaced, and the connections in their table are lost"
+            );
+            if let Err(error) = pin::remove_tree(&dir) {
+                tracing::warn!(error = %error_chain(&error), "removing old pinned maps");
+            }
+        }
+    }
+
+    /// What the process does with the datapath when it stops: detaches it
+    /// and removes its pins, unless the state is pinned and kept (the
+    /// default with pins), in which case it stays attached with the last
+    /// state written.
+    pub fn release(&mut self) -> Result<(), DataplaneError> {
+        if self.keep {
+            tracing::info!(
+                pins = ?self.pins.as_ref().map(|p| p.root().to_path_buf()),
+                "leaving the XDP datapath attached (pinned); the next start adopts it"
+            );
+            self.attachments.clear();
+            self.egress.clear();
+            return Ok(());
+        }
+        self.detach()?;
+        if let Some(pins) = &self.pins {
+            pins.remove()?;
+        }
+        Ok(())
     }
 
     /// Takes the L4 steering maps out of the object, for the agent (or a
@@ -376,7 +503,25 @@ impl Dataplane {
                 iface: iface.to_owned(),
             });
         }
+        let pin = self.pins.as_ref().map(|p| p.xdp_link(iface));
         let program = program_mut(&mut self.ebpf)?;
+        if let Some(path) = pin.as_ref().filter(|p| p.exists()) {
+            // A link an earlier agent pinned: its program is replaced in one
+            // step, so the interface is never without one.
+            let to = link_error(path);
+            let old = PinnedLink::from_pin(path).map_err(|e| to(Box::new(e)))?;
+            let link = XdpLink::try_from(FdLink::from(old)).map_err(|e| to(Box::new(e)))?;
+            let id = program.attach_to_link(link).map_err(|e| to(Box::new(e)))?;
+            // The pin still holds the link; this process needs no handle.
+            drop(program.take_link(id).map_err(|e| to(Box::new(e)))?);
+            tracing::info!(iface, link = %path.display(), "replaced the program of the pinned XDP link");
+            self.attachments.push(Attachment {
+                iface: iface.to_owned(),
+                mode,
+                link: Held::Pinned(path.clone()),
+            });
+            return Ok(mode);
+        }
         let (link, mode) = match mode {
             XdpMode::Driver | XdpMode::Skb => (attach_in(program, iface, mode)?, mode),
             XdpMode::Auto => match attach_in(program, iface, XdpMode::Driver) {
@@ -399,6 +544,16 @@ impl Dataplane {
             },
         };
         tracing::info!(iface, ?mode, "attached XDP program");
+        let link = match pin {
+            Some(path) => {
+                let to = link_error(&path);
+                let owned = program.take_link(link).map_err(|e| to(Box::new(e)))?;
+                let fd = FdLink::try_from(owned).map_err(|e| to(Box::new(e)))?;
+                fd.pin(&path).map_err(|e| to(Box::new(e)))?;
+                Held::Pinned(path)
+            }
+            None => Held::Owned(link),
+        };
         self.attachments.push(Attachment {
             iface: iface.to_owned(),
             mode,
@@ -415,15 +570,42 @@ impl Dataplane {
                 iface: iface.to_owned(),
             });
         }
+        let pin = self.pins.as_ref().map(|p| p.tc_link(iface));
+        let program = egress_mut(&mut self.ebpf)?;
+        if let Some(path) = pin.as_ref().filter(|p| p.exists()) {
+            let to = link_error(path);
+            let old = PinnedLink::from_pin(path).map_err(|e| to(Box::new(e)))?;
+            let link =
+                SchedClassifierLink::try_from(FdLink::from(old)).map_err(|e| to(Box::new(e)))?;
+            let id = program.attach_to_link(link).map_err(|e| to(Box::new(e)))?;
+            drop(program.take_link(id).map_err(|e| to(Box::new(e)))?);
+            tracing::info!(iface, link = %path.display(), "replaced the program of the pinned TC link");
+            self.egress.push(EgressAttachment {
+                iface: iface.to_owned(),
+                link: Held::Pinned(path.clone()),
+            });
+            return Ok(());
+        }
         // On kernels with TCX (6.6+) this is a link that goes away with the
-        // process; older ones fall back to netlink and need clsact.
-        let link = egress_mut(&mut self.ebpf)?
+        // process unless pinned; older ones fall back to netlink and need
+        // clsact (and cannot be pinned).
+        let link = program
             .attach(iface, TcAttachType::Egress)
             .map_err(|source| DataplaneError::AttachEgress {
                 iface: iface.to_owned(),
                 source,
             })?;
         tracing::info!(iface, "attached TC egress program");
+        let link = match pin {
+            Some(path) => {
+                let to = link_error(&path);
+                let owned = program.take_link(link).map_err(|e| to(Box::new(e)))?;
+                let fd = FdLink::try_from(owned).map_err(|e| to(Box::new(e)))?;
+                fd.pin(&path).map_err(|e| to(Box::new(e)))?;
+                Held::Pinned(path)
+            }
+            None => Held::Owned(link),
+        };
         self.egress.push(EgressAttachment {
             iface: iface.to_owned(),
             link,
@@ -447,21 +629,28 @@ impl Dataplane {
     /// remaining attachments in place for a later call.
     pub fn detach(&mut self) -> Result<(), DataplaneError> {
         while let Some(attachment) = self.egress.pop() {
-            egress_mut(&mut self.ebpf)?
-                .detach(attachment.link)
-                .map_err(|source| DataplaneError::DetachEgress {
-                    iface: attachment.iface.clone(),
-                    source,
-                })?;
+            match attachment.link {
+                Held::Owned(id) => egress_mut(&mut self.ebpf)?.detach(id).map_err(|source| {
+                    DataplaneError::DetachEgress {
+                        iface: attachment.iface.clone(),
+                        source,
+                    }
+                })?,
+                // Nothing else holds a pinned link: without its pin it goes.
+                Held::Pinned(path) => remove_pin(&path)?,
+            }
             tracing::info!(iface = attachment.iface, "detached TC egress program");
         }
         while let Some(attachment) = self.attachments.pop() {
-            program_mut(&mut self.ebpf)?
-                .detach(attachment.link)
-                .map_err(|source| DataplaneError::Detach {
-                    iface: attachment.iface.clone(),
-                    source,
-                })?;
+            match attachment.link {
+                Held::Owned(id) => program_mut(&mut self.ebpf)?.detach(id).map_err(|source| {
+                    DataplaneError::Detach {
+                        iface: attachment.iface.clone(),
+                        source,
+                    }
+                })?,
+                Held::Pinned(path) => remove_pin(&path)?,
+            }
             tracing::info!(iface = attachment.iface, "detached XDP program");
         }
         Ok(())
@@ -489,9 +678,22 @@ impl Dataplane {
 
 impl Drop for Dataplane {
     fn drop(&mut self) {
-        if let Err(error) = self.detach() {
+        if let Err(error) = self.release() {
             tracing::warn!(error = %error_chain(&error), "detaching XDP program on drop");
         }
+    }
+}
+
+fn remove_pin(path: &Path) -> Result<(), DataplaneError> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(PinError::Io {
+            what: "remove",
+            path: path.to_path_buf(),
+            source,
+        }
+        .into()),
     }
 }
 

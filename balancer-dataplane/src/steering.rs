@@ -22,6 +22,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{SocketAddr, SocketAddrV4};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -37,6 +38,7 @@ use tokio::sync::broadcast::error::RecvError;
 
 use crate::l4::{L4Maps, ServiceState, backend_at};
 use crate::maglev::{self, Member};
+use crate::pin::PinDir;
 use crate::{Dataplane, DataplaneError, LoadOptions, XdpMode, locate_object};
 use balancer_core::error_chain;
 use balancer_core::metrics::{Histogram, MetricsSource, Writer};
@@ -91,7 +93,21 @@ pub struct L4Config {
     pub table_size: u32,
     /// Entries of the connection table.
     pub conntrack_size: u32,
+    /// Where maps and links are pinned (`None`: nothing is, and the
+    /// datapath goes with the agent).
+    pub bpffs_dir: Option<PathBuf>,
+    /// With pins: detach and remove them when the agent stops, instead of
+    /// leaving the datapath running for the next start to adopt.
+    pub detach_on_exit: bool,
 }
+
+/// How long a worker found in adopted maps but no longer configured stays
+/// draining (its established connections keep flowing) before its slot is
+/// freed.
+const ORPHAN_DRAIN: Duration = Duration::from_secs(600);
+
+/// Slot ids of adopted backends no configured worker claimed.
+const ORPHAN_PREFIX: &str = "adopted:";
 
 /// How often remote mode makes the program look next hops up again.
 const NEXT_HOP_REFRESH: Duration = Duration::from_secs(1);
@@ -122,23 +138,34 @@ impl Steering {
     pub fn start(config: &L4Config, registry: Arc<Registry>) -> Result<Self, DataplaneError> {
         let object = locate_object(None)?;
         let services = u32::try_from(config.services.len()).unwrap_or(u32::MAX);
-        let mut dataplane = Dataplane::load_with(
+        let pins = config
+            .bpffs_dir
+            .as_ref()
+            .map(|dir| PinDir::new(dir, config.mode.as_str(), &config.ifaces));
+        let mut dataplane = Dataplane::load_pinned(
             &object,
             LoadOptions {
                 table_size: config.table_size,
                 services,
                 conntrack_size: config.conntrack_size,
             },
+            pins,
         )?;
+        dataplane.set_detach_on_exit(config.detach_on_exit);
         let maps = dataplane.take_l4_maps()?;
         let flags = match config.mode {
             ForwardMode::Local => 0,
             ForwardMode::Remote => FLAG_REMOTE,
         };
+        // What an earlier agent left in adopted maps: its backends keep
+        // their slots, and services are rewritten into the table halves
+        // the program is not using.
+        let adopted = maps.live_backends()?;
         let mut states = Vec::new();
         for (index, addr) in config.services.iter().enumerate() {
             states.push(maps.add_service(*addr, index as u32, flags)?);
         }
+        maps.retain_services(&states)?;
         // Subscribed before the first sync, so no change slips in between.
         let events = registry.subscribe();
         let shared = Arc::new(Shared {
@@ -146,7 +173,13 @@ impl Steering {
             mode: config.mode,
             labels: config.services.iter().map(ToString::to_string).collect(),
             services: Mutex::new(states),
-            slots: Mutex::new(Slots::default()),
+            slots: Mutex::new(Slots {
+                adopted: adopted
+                    .iter()
+                    .map(|(index, addr)| (*addr, *index))
+                    .collect(),
+                ..Slots::default()
+            }),
             members: Mutex::new(Vec::new()),
             built: AtomicBool::new(false),
             ports: Mutex::new(HashMap::new()),
@@ -159,6 +192,7 @@ impl Steering {
             shared.mark_port(addr.port(), PORT_SERVICE)?;
         }
         shared.resync();
+        shared.orphan_unclaimed();
         shared.rebuild();
 
         // Egress first: in local mode a steered connection's replies must
@@ -171,6 +205,7 @@ impl Steering {
         for iface in &config.ifaces {
             dataplane.attach(iface, config.xdp_mode)?;
         }
+        dataplane.retire_other_layouts();
         *lock(&shared.dataplane) = Some(dataplane);
 
         let (requests, received) = mpsc::channel();
@@ -232,10 +267,11 @@ impl Steering {
             let _ = self.requests.send(Request::Stop);
             let _ = thread.join();
         }
-        // Detached but still loaded: the metrics source may outlive us and
-        // keeps reading the counters until it goes too.
+        // Detached (unless pinned and kept) but still loaded: the metrics
+        // source may outlive us and keeps reading the counters until it
+        // goes too.
         match lock(&self.shared.dataplane).as_mut() {
-            Some(dataplane) => dataplane.detach(),
+            Some(dataplane) => dataplane.release(),
             None => Ok(()),
         }
     }
@@ -265,6 +301,11 @@ struct Slot {
 #[derive(Default)]
 struct Slots {
     by_worker: HashMap<String, Slot>,
+    /// Slots an earlier agent used, by address, until a worker claims them
+    /// or they are orphaned ([`Shared::orphan_unclaimed`]).
+    adopted: HashMap<SocketAddrV4, u32>,
+    /// When each orphan slot (id `adopted:ADDR`) started draining.
+    orphans: HashMap<String, Instant>,
     /// Freed slots, reused oldest first so that a slot stays unused as long
     /// as possible after its backend left.
     free: VecDeque<u32>,
@@ -273,12 +314,20 @@ struct Slots {
 }
 
 impl Slots {
-    fn allocate(&mut self) -> Option<u32> {
-        if self.next < MAX_BACKENDS {
-            self.next += 1;
-            return Some(self.next - 1);
+    /// A slot for a backend at `addr`: the one it had in adopted maps, else
+    /// a fresh one (never one an adopted backend still holds).
+    fn allocate(&mut self, addr: SocketAddrV4) -> Option<(u32, bool)> {
+        if let Some(index) = self.adopted.remove(&addr) {
+            return Some((index, true));
         }
-        self.free.pop_front()
+        while self.next < MAX_BACKENDS {
+            self.next += 1;
+            let index = self.next - 1;
+            if !self.adopted.values().any(|&i| i == index) {
+                return Some((index, false));
+            }
+        }
+        self.free.pop_front().map(|i| (i, false))
     }
 }
 
@@ -318,6 +367,10 @@ impl Shared {
     /// still be open, and their replies still need restoring.
     fn mark_port(&self, port: u16, bit: u32) -> Result<(), DataplaneError> {
         let mut ports = lock(&self.ports);
+        if !ports.contains_key(&port) {
+            // Adopted maps may hold bits an earlier agent set.
+            ports.insert(port, self.maps.port_bits(port)?);
+        }
         let bits = ports.entry(port).or_insert(0);
         if *bits & bit == 0 {
             self.maps.set_port_bits(port, *bits | bit)?;
@@ -360,14 +413,16 @@ impl Shared {
                 rebuild: (was == BackendState::Routable) != (state == BackendState::Routable),
             });
         }
-        let Some(index) = slots.allocate() else {
+        let Some((index, adopted)) = slots.allocate(addr) else {
             tracing::warn!(worker = %worker.url, "no free L4 backend slot (max {MAX_BACKENDS})");
             return Ok(Change::default());
         };
         // The reply bit before the backend exists: its first connection's
         // replies must already be recognised.
         self.mark_port(addr.port(), self.reply_bit())?;
-        self.maps.reset_backend_stats(index)?;
+        if !adopted {
+            self.maps.reset_backend_stats(index)?;
+        }
         self.maps.set_backend_state(index, addr, state)?;
         slots.by_worker.insert(
             worker.id.clone(),
@@ -410,6 +465,7 @@ impl Shared {
         let gone: Vec<String> = lock(&self.slots)
             .by_worker
             .keys()
+            .filter(|id| !id.starts_with(ORPHAN_PREFIX))
             .filter(|id| fleet.workers.iter().all(|w| &w.id != *id))
             .cloned()
             .collect();
@@ -423,6 +479,61 @@ impl Shared {
                 slots.free.push_back(slot.index);
             }
         }
+    }
+
+    /// Backends of adopted maps that no configured worker claimed (they
+    /// left while no agent ran) drain: no new connections, established ones
+    /// keep flowing, and their slots are freed after [`ORPHAN_DRAIN`].
+    fn orphan_unclaimed(&self) {
+        let mut slots = lock(&self.slots);
+        let unclaimed: Vec<(SocketAddrV4, u32)> = slots.adopted.drain().collect();
+        for (addr, index) in unclaimed {
+            if let Err(error) = self
+                .maps
+                .set_backend_state(index, addr, BackendState::Draining)
+            {
+                tracing::warn!(%addr, error = %error_chain(&error), "draining an adopted backend");
+                continue;
+            }
+            let id = format!("{ORPHAN_PREFIX}{addr}");
+            tracing::warn!(%addr, slot = index, "backend of the adopted datapath is no longer configured: draining it");
+            slots.orphans.insert(id.clone(), Instant::now());
+            slots.by_worker.insert(
+                id,
+                Slot {
+                    index,
+                    addr,
+                    url: Arc::from(format!("adopted {addr}")),
+                    state: BackendState::Draining,
+                },
+            );
+        }
+    }
+
+    /// Frees the slots of orphans that drained for [`ORPHAN_DRAIN`];
+    /// whether any was.
+    fn release_drained_orphans(&self) -> bool {
+        let mut slots = lock(&self.slots);
+        let expired: Vec<String> = slots
+            .orphans
+            .iter()
+            .filter(|(_, since)| since.elapsed() >= ORPHAN_DRAIN)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &expired {
+            slots.orphans.remove(id);
+            if let Some(slot) = slots.by_worker.remove(id) {
+                if let Err(error) = self
+                    .maps
+                    .set_backend(slot.index, backend_at(slot.addr, BackendState::Unused))
+                {
+                    tracing::warn!(worker = %slot.url, error = %error_chain(&error), "L4 sync");
+                }
+                slots.free.push_back(slot.index);
+                tracing::info!(worker = %slot.url, "drained adopted backend removed");
+            }
+        }
+        !expired.is_empty()
     }
 
     /// Writes every service's list of routable backends and, when the set
@@ -566,6 +677,9 @@ fn table_loop(shared: &Shared, requests: &mpsc::Receiver<Request>) {
             Ok(Request::Stop) => return,
             Err(RecvTimeoutError::Timeout) => {
                 refresh_at = Instant::now() + NEXT_HOP_REFRESH;
+                if shared.release_drained_orphans() {
+                    shared.rebuild();
+                }
                 if shared.mode == ForwardMode::Remote {
                     // 0 would turn the cache off.
                     generation = generation.checked_add(1).unwrap_or(1);

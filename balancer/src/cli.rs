@@ -295,6 +295,16 @@ pub struct LaunchArgs {
     /// Entries of the LRU connection table (each connection takes two).
     #[arg(long, default_value_t = DEFAULT_CONNTRACK_SIZE, value_parser = clap::value_parser!(u32).range(64..))]
     pub l4_conntrack_size: u32,
+    /// Where the XDP datapath's maps and links are pinned (bpffs, mounted
+    /// if needed), one folder per interface set and mode. The datapath
+    /// stays attached when the agent stops or crashes, and the next start
+    /// adopts it: established connections and isolated workers carry over.
+    #[arg(long, value_name = "DIR", default_value = balancer_dataplane::pin::DEFAULT_BPFFS_DIR)]
+    pub bpffs_dir: PathBuf,
+    /// Detach the datapath and remove its pins when the agent stops (every
+    /// L4 connection through a service then breaks, as before pinning).
+    #[arg(long)]
+    pub l4_detach_on_exit: bool,
 
     #[command(flatten)]
     pub breaker: BreakerArgs,
@@ -606,6 +616,8 @@ impl LaunchArgs {
             services: self.l4_service.clone(),
             table_size: self.l4_table_size,
             conntrack_size: self.l4_conntrack_size,
+            bpffs_dir: Some(self.bpffs_dir.clone()),
+            detach_on_exit: self.l4_detach_on_exit,
         }))
     }
 }

@@ -1,4 +1,5 @@
-//! The `balancer` binary: `balancer launch` runs the agent, `balancer
+//! The `balancer` binary: `balancer launch` runs the agent, `balancer l4
+//! status|detach` shows or removes the pinned XDP datapath, `balancer
 //! mock-worker` runs the demo inference worker. The binary, not the agent
 //! library, starts the demo workers of `--demo-workers`.
 
@@ -33,9 +34,32 @@ enum Command {
     /// Keep one worker registered in etcd under a lease until SIGTERM (a
     /// sidecar for nodes that cannot write etcd themselves).
     Register(balancer::cli::RegisterArgs),
+    /// The XDP datapath an agent left pinned (it keeps running across agent
+    /// restarts): `status` shows it, `detach` removes it (for uninstall).
+    L4 {
+        #[command(subcommand)]
+        command: L4Command,
+    },
     /// Run the demo OpenAI-compatible worker that misbehaves on command.
     #[cfg(feature = "demo-workers")]
     MockWorker(balancer_mock_worker::MockWorkerArgs),
+}
+
+#[derive(Subcommand)]
+enum L4Command {
+    /// What is attached and where: links and their programs, map layout,
+    /// services, backends and their state bits, next-hop generation,
+    /// connection count.
+    Status {
+        #[arg(long, value_name = "DIR", default_value = balancer_dataplane::pin::DEFAULT_BPFFS_DIR)]
+        bpffs_dir: std::path::PathBuf,
+    },
+    /// Detach the programs and remove every pinned map and link (every L4
+    /// connection through a service breaks).
+    Detach {
+        #[arg(long, value_name = "DIR", default_value = balancer_dataplane::pin::DEFAULT_BPFFS_DIR)]
+        bpffs_dir: std::path::PathBuf,
+    },
 }
 
 fn init_logging(level: &str, json: bool) -> anyhow::Result<()> {
@@ -129,6 +153,26 @@ fn main() -> anyhow::Result<()> {
             runtime.block_on(balancer::discovery::etcd::register(registration, async {
                 let _ = signal().await;
             }))
+        }
+        Command::L4 { command } => {
+            init_logging("warn", false)?;
+            match command {
+                L4Command::Status { bpffs_dir } => {
+                    print!("{}", balancer_dataplane::status::report(&bpffs_dir));
+                    Ok(())
+                }
+                L4Command::Detach { bpffs_dir } => {
+                    let removed = balancer_dataplane::status::detach_all(&bpffs_dir)
+                        .with_context(|| format!("removing {}", bpffs_dir.display()))?;
+                    if removed.is_empty() {
+                        println!("nothing pinned under {}", bpffs_dir.display());
+                    }
+                    for name in removed {
+                        println!("detached and removed {name}");
+                    }
+                    Ok(())
+                }
+            }
         }
         #[cfg(feature = "demo-workers")]
         Command::MockWorker(args) => {

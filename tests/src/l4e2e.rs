@@ -74,6 +74,9 @@ pub fn l4_config(ifaces: Vec<String>, mode: ForwardMode, services: Vec<SocketAdd
         services,
         table_size: 1009,
         conntrack_size: 65536,
+        // Nothing pinned: the test's datapath goes with its gateway.
+        bpffs_dir: None,
+        detach_on_exit: true,
     }
 }
 

@@ -11,7 +11,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use clap::{Parser, Subcommand};
 
 use crate::shell::run;
@@ -183,11 +183,23 @@ fn test(test_threads: usize) -> Result<()> {
                 .current_dir(workspace_root()))
         }),
         ("cargo test --workspace", &|| {
+            let before = pinned_balancer_state();
             run(Command::new("cargo")
                 .args(["test", "--workspace", "--", "--test-threads"])
                 .arg(test_threads.to_string())
                 .env("BALANCER_EBPF_OBJECT", ebpf::object_path())
-                .current_dir(workspace_root()))
+                .current_dir(workspace_root()))?;
+            // Tests pin XDP state under bpffs; every one must remove what it
+            // pinned, whatever happened.
+            let left: Vec<String> = pinned_balancer_state()
+                .into_iter()
+                .filter(|p| !before.contains(p))
+                .collect();
+            ensure!(
+                left.is_empty(),
+                "the tests left pinned XDP state behind: {left:?}"
+            );
+            Ok(())
         }),
     ];
     let total = steps.len();
@@ -199,6 +211,18 @@ fn test(test_threads: usize) -> Result<()> {
     }
     println!("\n==> all {total} steps passed");
     Ok(())
+}
+
+/// Entries of the BPF filesystem that look like the balancer's.
+fn pinned_balancer_state() -> Vec<String> {
+    std::fs::read_dir("/sys/fs/bpf")
+        .map(|dir| {
+            dir.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|name| name.starts_with("balancer"))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 #[cfg(test)]

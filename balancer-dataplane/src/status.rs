@@ -1,0 +1,162 @@
+//! What is pinned under a bpffs folder, read without loading anything:
+//! `balancer l4 status` and `balancer l4 detach`. It only reads pins and
+//! removes them; attaching and writing the maps belong to the crate root
+//! and [`crate::l4`].
+
+use std::fmt::Write as _;
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::path::Path;
+
+use aya::maps::{Array, HashMap, Map, MapData, MapError};
+use aya::programs::links::{FdLink, PinnedLink};
+use balancer_common::l4::{
+    self as common, Backend, BackendState, Config, Flow, FlowKey, Service, ServiceKey,
+};
+
+use crate::pin::{self, PinDir, PinError};
+
+/// Entries of the pinned connection table at `path`.
+pub fn count_pinned_flows(path: &Path) -> Result<usize, MapError> {
+    let map: HashMap<MapData, FlowKey, Flow> = open(path)?;
+    Ok(map.keys().filter(Result::is_ok).count())
+}
+
+fn open<T: TryFrom<Map, Error = MapError>>(path: &Path) -> Result<T, MapError> {
+    let data = MapData::from_pin(path)?;
+    T::try_from(Map::from_map_data(data)?)
+}
+
+/// A human-readable report of everything pinned under `bpffs_dir`.
+pub fn report(bpffs_dir: &Path) -> String {
+    let dirs = pin::state_dirs(bpffs_dir);
+    if dirs.is_empty() {
+        return format!("nothing pinned under {}\n", bpffs_dir.display());
+    }
+    let mut out = String::new();
+    for dir in dirs {
+        describe(&mut out, &dir);
+    }
+    out
+}
+
+fn describe(out: &mut String, dir: &PinDir) {
+    let _ = writeln!(out, "{} ({})", dir.name(), dir.root().display());
+    let programs: std::collections::HashMap<u32, String> = aya::programs::loaded_programs()
+        .filter_map(Result::ok)
+        .map(|p| {
+            let loaded = p
+                .loaded_at()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map(|d| d.as_secs())
+                .unwrap_or(0);
+            (
+                p.id(),
+                format!(
+                    "{} (loaded at unix {loaded})",
+                    p.name_as_str().unwrap_or("?")
+                ),
+            )
+        })
+        .collect();
+    for (path, iface, xdp) in dir.links() {
+        let kind = if xdp { "XDP" } else { "TC egress" };
+        match PinnedLink::from_pin(&path) {
+            Ok(link) => {
+                let fd = FdLink::from(link);
+                match fd.info() {
+                    Ok(info) => {
+                        let program = programs
+                            .get(&info.program_id())
+                            .cloned()
+                            .unwrap_or_else(|| "?".into());
+                        let _ = writeln!(
+                            out,
+                            "  {kind} on {iface}: link {}, program {} {program}",
+                            info.id(),
+                            info.program_id()
+                        );
+                    }
+                    Err(error) => {
+                        let _ = writeln!(out, "  {kind} on {iface}: unreadable link ({error})");
+                    }
+                }
+            }
+            Err(error) => {
+                let _ = writeln!(out, "  {kind} on {iface}: unreadable pin ({error})");
+            }
+        }
+    }
+    for maps in dir.layouts() {
+        let layout = maps
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let _ = writeln!(out, "  maps {layout}");
+        let flows = count_pinned_flows(&maps.join(common::CONNS)).unwrap_or(0);
+        let embryonic = count_pinned_flows(&maps.join(common::EMBRYONIC)).unwrap_or(0);
+        let _ = writeln!(
+            out,
+            "    connections: {} established ({flows} entries), {} in handshake",
+            flows / 2,
+            embryonic / 2
+        );
+        if let Ok(config) = open::<Array<MapData, Config>>(&maps.join(common::CONFIG))
+            && let Ok(config) = config.get(&0, 0)
+        {
+            let _ = writeln!(out, "    next-hop generation: {}", config.generation);
+        }
+        if let Ok(services) =
+            open::<HashMap<MapData, ServiceKey, Service>>(&maps.join(common::SERVICES))
+        {
+            for (key, service) in services.iter().filter_map(Result::ok) {
+                let addr = SocketAddrV4::new(
+                    Ipv4Addr::from(key.addr.to_ne_bytes()),
+                    u16::from_be(key.port),
+                );
+                let _ = writeln!(
+                    out,
+                    "    service {addr}: slot {}, table of {} slots, {} routable",
+                    service.index, service.table_size, service.backend_count
+                );
+            }
+        }
+        if let Ok(backends) = open::<Array<MapData, Backend>>(&maps.join(common::BACKENDS)) {
+            for index in 0..common::MAX_BACKENDS {
+                let Ok(backend) = backends.get(&index, 0) else {
+                    continue;
+                };
+                let state = BackendState::from_raw(backend.state);
+                if state == BackendState::Unused {
+                    continue;
+                }
+                let addr = SocketAddrV4::new(
+                    Ipv4Addr::from(backend.addr.to_ne_bytes()),
+                    u16::from_be(backend.port),
+                );
+                let _ = writeln!(out, "    backend {index}: {addr} {}", state.name());
+            }
+        }
+    }
+}
+
+/// Removes everything pinned under `bpffs_dir`: the programs detach and the
+/// maps go with the last reference. Returns the folders removed.
+pub fn detach_all(bpffs_dir: &Path) -> Result<Vec<String>, PinError> {
+    let mut removed = Vec::new();
+    for dir in pin::state_dirs(bpffs_dir) {
+        dir.remove()?;
+        removed.push(dir.name());
+    }
+    match std::fs::remove_dir(bpffs_dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(source) => {
+            return Err(PinError::Io {
+                what: "remove",
+                path: bpffs_dir.to_path_buf(),
+                source,
+            });
+        }
+    }
+    Ok(removed)
+}
