@@ -32,7 +32,7 @@ use aya::programs::tc::{SchedClassifierLink, SchedClassifierLinkId};
 use aya::programs::xdp::{XdpLink, XdpLinkId};
 use aya::programs::{ProgramError, SchedClassifier, TcAttachType, Xdp};
 use aya::{Ebpf, EbpfError, EbpfLoader};
-use balancer_common::l4::{self as common, EGRESS_PROGRAM_NAME};
+use balancer_common::l4::{self as common, EGRESS_PROGRAM_NAME, Flow, FlowKey};
 use balancer_common::{PROGRAM_NAME, VERDICTS_MAP, Verdict};
 use balancer_core::error_chain;
 
@@ -446,25 +446,71 @@ impl Dataplane {
         self.pins.as_ref()
     }
 
-    /// Removes map folders of other layouts than this object's, which an
-    /// agent of another build left: their connections are lost (the warning
-    /// says how many). Call once the links use this object's programs.
+    /// Retires map folders of other layouts than this object's, which an
+    /// agent of another build or other map sizes left. When only the sizes
+    /// differ, established connections are copied into this object's table
+    /// first (as many as fit); otherwise they are lost, and the warning says
+    /// how many. Call once the links use this object's programs.
     pub fn retire_other_layouts(&self) {
-        let Some(pins) = &self.pins else {
+        let Some(pins) = self.pins.clone() else {
             return;
         };
         for dir in pins.other_layouts(&self.options) {
-            let entries = status::count_pinned_flows(&dir.join(common::CONNS)).unwrap_or(0);
-            tracing::warn!(
-                old = %dir.display(),
-                connections_lost = entries / 2,
-                "the pinned maps have another layout (another build or other map sizes); \
-                 replaced, and the connections in their table are lost"
-            );
+            let old = dir.join(common::CONNS);
+            let entries = status::count_pinned_flows(&old).unwrap_or(0);
+            if pin::same_types(&dir) {
+                match self.migrate_flows(&old) {
+                    Ok(copied) => tracing::warn!(
+                        old = %dir.display(),
+                        copied,
+                        lost = entries.saturating_sub(copied),
+                        "pinned maps of other sizes replaced; connection-table entries copied over"
+                    ),
+                    Err(error) => tracing::warn!(
+                        old = %dir.display(),
+                        connections_lost = entries / 2,
+                        error = %error_chain(&error),
+                        "pinned maps of other sizes replaced; copying their connections failed"
+                    ),
+                }
+            } else {
+                tracing::warn!(
+                    old = %dir.display(),
+                    connections_lost = entries / 2,
+                    "the pinned maps have another layout (another build); replaced, and the \
+                     connections in their table are lost"
+                );
+            }
             if let Err(error) = pin::remove_tree(&dir) {
                 tracing::warn!(error = %error_chain(&error), "removing old pinned maps");
             }
         }
+    }
+
+    /// Copies the entries of the pinned connection table at `old` into this
+    /// object's (opened through its pin: the agent holds the map itself);
+    /// returns how many were copied.
+    fn migrate_flows(&self, old: &Path) -> Result<usize, DataplaneError> {
+        let Some(pins) = &self.pins else {
+            return Ok(0);
+        };
+        let open = |path: &Path| -> Result<aya::maps::HashMap<_, FlowKey, Flow>, MapError> {
+            let map = aya::maps::Map::from_map_data(aya::maps::MapData::from_pin(path)?)?;
+            aya::maps::HashMap::try_from(map)
+        };
+        let map_error = |source| DataplaneError::Map {
+            map: common::CONNS,
+            source,
+        };
+        let old = open(old).map_err(map_error)?;
+        let mut new = open(&pins.maps_dir(&self.options).join(common::CONNS)).map_err(map_error)?;
+        let mut copied = 0;
+        for (key, flow) in old.iter().filter_map(Result::ok) {
+            if new.insert(key, flow, 0).is_ok() {
+                copied += 1;
+            }
+        }
+        Ok(copied)
     }
 
     /// What the process does with the datapath when it stops: detaches it

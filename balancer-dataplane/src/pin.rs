@@ -239,11 +239,25 @@ pub fn state_dirs(bpffs_dir: &Path) -> Vec<PinDir> {
     dirs
 }
 
-/// The id of everything two agents must agree on to share maps: the sizes
-/// of the shared types, the number of counters, and the map sizes the
-/// flags chose. FNV-1a, printed in hex.
+/// The id of everything two agents must agree on to share maps:
+/// `<types>-<sizes>`, where `types` covers the shared types and counters
+/// (two builds with the same one read each other's entries) and `sizes` the
+/// map sizes the flags chose.
 pub fn layout_id(options: &LoadOptions) -> String {
-    let sizes = [
+    format!(
+        "{}-{}",
+        types_id(),
+        fnv(&[
+            options.table_size as usize,
+            options.services as usize,
+            options.conntrack_size as usize,
+        ])
+    )
+}
+
+/// The `types` half of [`layout_id`].
+pub fn types_id() -> String {
+    fnv(&[
         size_of::<ServiceKey>(),
         size_of::<Service>(),
         size_of::<Backend>(),
@@ -258,13 +272,20 @@ pub fn layout_id(options: &LoadOptions) -> String {
         common::MAX_SERVICES as usize,
         common::MAX_BACKENDS as usize,
         common::MAX_SERVICE_BACKENDS as usize,
-        options.table_size as usize,
-        options.services as usize,
-        options.conntrack_size as usize,
-    ];
+    ])
+}
+
+/// Whether the map folder `dir` was made by a build with this one's types
+/// (so its connection table can be copied over).
+pub fn same_types(dir: &Path) -> bool {
+    file_name(dir).starts_with(&format!("maps-{}-", types_id()))
+}
+
+/// FNV-1a over the values, printed as eight hex digits.
+fn fnv(values: &[usize]) -> String {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for value in sizes {
-        for byte in (value as u64).to_le_bytes() {
+    for value in values {
+        for byte in (*value as u64).to_le_bytes() {
             hash ^= u64::from(byte);
             hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
         }
@@ -364,7 +385,12 @@ mod tests {
         };
         assert_eq!(layout_id(&options), layout_id(&LoadOptions::default()));
         assert_ne!(layout_id(&options), layout_id(&bigger));
+        // Same types: the connection table can be carried over.
         let dir = PinDir::new(Path::new("/b"), "local", &["eth0".into()]);
+        assert!(same_types(&dir.maps_dir(&bigger)));
+        assert!(!same_types(Path::new(
+            "/b/local-eth0/maps-00000000-00000000"
+        )));
         assert_ne!(dir.maps_dir(&options), dir.maps_dir(&bigger));
     }
 }
