@@ -367,11 +367,13 @@ impl Shared {
     /// still be open, and their replies still need restoring.
     fn mark_port(&self, port: u16, bit: u32) -> Result<(), DataplaneError> {
         let mut ports = lock(&self.ports);
-        if !ports.contains_key(&port) {
+        let bits = match ports.entry(port) {
+            std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
             // Adopted maps may hold bits an earlier agent set.
-            ports.insert(port, self.maps.port_bits(port)?);
-        }
-        let bits = ports.entry(port).or_insert(0);
+            std::collections::hash_map::Entry::Vacant(entry) => {
+                entry.insert(self.maps.port_bits(port)?)
+            }
+        };
         if *bits & bit == 0 {
             self.maps.set_port_bits(port, *bits | bit)?;
             *bits |= bit;
@@ -380,8 +382,8 @@ impl Shared {
     }
 
     /// Brings `worker`'s backend entry up to date. Returns whether its
-    /// routability changed (the routable lists need rewriting) and whether anything
-    /// was written.
+    /// routability changed (the routable lists need rewriting) and whether
+    /// anything was written.
     fn upsert(&self, worker: &Worker) -> Result<Change, DataplaneError> {
         let Some(SocketAddr::V4(addr)) = worker.address.resolve() else {
             tracing::warn!(
