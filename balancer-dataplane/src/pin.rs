@@ -311,6 +311,15 @@ pub fn ensure_bpffs(dir: &Path) -> Result<(), PinError> {
         mount: mount.clone(),
         source,
     })?;
+    // Usually systemd mounted bpffs long before. A process with a mount
+    // namespace of its own (`ip netns exec` gives one) sees a fresh /sys
+    // without it, and what it pins in its own mount goes with it.
+    tracing::warn!(
+        mount = %mount.display(),
+        "mounted a BPF filesystem: the pinned datapath outlives this agent only if this \
+         is the host's mount namespace (run the agent with `nsenter --net=...`, not \
+         `ip netns exec`, which gives it a private /sys)"
+    );
     if is_bpffs(dir) || dir.starts_with(&mount) {
         Ok(())
     } else {

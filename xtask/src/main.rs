@@ -184,6 +184,10 @@ fn test(test_threads: usize) -> Result<()> {
         }),
         ("cargo test --workspace", &|| {
             let before = pinned_balancer_state();
+            // The restart test runs the agent binary as a process of its own.
+            run(Command::new("cargo")
+                .args(["build", "--package", "balancer", "--bin", "balancer"])
+                .current_dir(workspace_root()))?;
             run(Command::new("cargo")
                 .args(["test", "--workspace", "--", "--test-threads"])
                 .arg(test_threads.to_string())

@@ -213,6 +213,8 @@ fn topology_bench(
         .args(["--prometheus-port", &gateway_metrics.port().to_string()])
         .args(["--admin-port", "29500", "--log-level", "warn"])
         .args(["--l4-mode", "remote", "--l4-service", &XDP_VIP.to_string()])
+        // The bench's datapath goes with its agent: nothing stays pinned.
+        .arg("--l4-detach-on-exit")
         .args(["--xdp-iface", Topology::FRONT_IF]);
     for i in 1..=WORKERS {
         launch.args(["--xdp-iface", &Topology::back_if(i)]);
