@@ -54,6 +54,8 @@ pub const CONFIG: &str = "CONFIG";
 pub const SERVICE_STATS: &str = "SERVICE_STATS";
 /// Backend index → [`BackendStats`] (per-CPU array of [`MAX_BACKENDS`]).
 pub const BACKEND_STATS: &str = "BACKEND_STATS";
+/// Backend index → [`Trial`] (array of [`MAX_BACKENDS`]).
+pub const TRIALS: &str = "TRIALS";
 /// [`Outcome`] → packets (per-CPU `u64` array of [`Outcome::COUNT`]).
 pub const OUTCOMES: &str = "OUTCOMES";
 
@@ -187,6 +189,12 @@ pub enum BackendState {
     Isolated = 2,
     /// Being removed: existing connections stay, new ones go elsewhere.
     Draining = 3,
+    /// Breaker half-open: at most [`Backend::share`] new connections per
+    /// second (about; `TRIALS` counts them), the trial.
+    Trial = 4,
+    /// Breaker degraded: [`Backend::share`] percent of the new connections
+    /// that pick it.
+    Degraded = 5,
 }
 
 impl BackendState {
@@ -196,6 +204,8 @@ impl BackendState {
             Self::Routable => "routable",
             Self::Isolated => "isolated",
             Self::Draining => "draining",
+            Self::Trial => "trial",
+            Self::Degraded => "degraded",
         }
     }
 
@@ -205,6 +215,8 @@ impl BackendState {
             1 => Self::Routable,
             2 => Self::Isolated,
             3 => Self::Draining,
+            4 => Self::Trial,
+            5 => Self::Degraded,
             _ => Self::Unused,
         }
     }
@@ -219,6 +231,10 @@ pub struct Backend {
     pub _pad: u16,
     /// A [`BackendState`] as `u32`: the agent flips it with one map write.
     pub state: u32,
+    /// [`BackendState::Trial`]: new connections per second;
+    /// [`BackendState::Degraded`]: percent of new connections. Unused
+    /// otherwise.
+    pub share: u32,
 }
 
 /// Where to send a frame for one destination: the egress interface and the
@@ -431,6 +447,24 @@ pub struct BackendStats {
     /// Remote mode: no usable next hop (no route, neighbour unresolved), so
     /// the rewritten packet went to the kernel to forward.
     pub unresolved: u64,
+    /// Handshakes the backend answered with a SYN-ACK.
+    pub established: u64,
+    /// SYNs the backend answered with a reset (nothing listening).
+    pub refused: u64,
+    /// SYNs the client sent again before any SYN-ACK came back.
+    pub timeouts: u64,
+    /// Resets the backend sent on established connections.
+    pub resets: u64,
+}
+
+/// Trial admissions of a backend in the current second (`TRIALS`, one per
+/// backend slot, shared by all CPUs).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Trial {
+    /// `bpf_ktime_get_coarse_ns() >> 30` (about a second) of the count.
+    pub second: u32,
+    pub count: u32,
 }
 
 /// What L4 steering did with a TCP packet (IPv4, not a fragment, whole TCP
@@ -534,12 +568,13 @@ const _: () = {
     // The sizes both sides must agree on, without hidden padding.
     assert!(size_of::<ServiceKey>() == 8);
     assert!(size_of::<Service>() == 24);
-    assert!(size_of::<Backend>() == 12);
+    assert!(size_of::<Backend>() == 16);
     assert!(size_of::<NextHop>() == 32);
     assert!(size_of::<FlowKey>() == 16);
     assert!(size_of::<Flow>() == 40);
     assert!(size_of::<ServiceStats>() == 32);
-    assert!(size_of::<BackendStats>() == 48);
+    assert!(size_of::<BackendStats>() == 80);
+    assert!(size_of::<Trial>() == 8);
 };
 
 /// The hash the program spreads new connections with: MurmurHash3's 64-bit
@@ -585,4 +620,5 @@ mod pod {
     unsafe impl aya::Pod for Flow {}
     unsafe impl aya::Pod for ServiceStats {}
     unsafe impl aya::Pod for BackendStats {}
+    unsafe impl aya::Pod for Trial {}
 }

@@ -540,6 +540,19 @@ impl Breaker {
         }
     }
 
+    /// Records an outcome nobody was admitted for: what the XDP datapath saw
+    /// a connection's handshake do. It counts like a request admitted now
+    /// (in half-open, an established handshake is a trial that passed; the
+    /// datapath admitted it under its own trial share).
+    pub fn observe(&self, outcome: Outcome, clock: &dyn Clock) {
+        let epoch = epoch_of(self.word.load(Ordering::Acquire));
+        match outcome {
+            Outcome::Success => self.on_success(epoch, clock),
+            Outcome::Failure(reason) => self.on_failure(reason, epoch, clock),
+            Outcome::Ignored => {}
+        }
+    }
+
     /// Gives back a ticket whose request ended without an outcome (the
     /// client left, the attempt was cancelled): its probe slot is returned
     /// and nothing is recorded.

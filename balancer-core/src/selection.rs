@@ -300,6 +300,7 @@ mod tests {
                     disabled: false,
                     slow_ttfb: None,
                     stream_failures: false,
+                    l4_signals: false,
                 },
                 health: HealthThresholds {
                     failure: 1,

@@ -43,6 +43,11 @@ pub struct Resilience {
     /// that breaks off or stalls is a failure instead of its status's outcome.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cb_stream_failures: Option<bool>,
+    /// Overrides `--cb-l4-signals` for this worker: handshakes the XDP
+    /// datapath sees refused or timing out are failures, established ones
+    /// successes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cb_l4_signals: Option<bool>,
 }
 
 /// A spec that cannot be applied; names the field and the value.
@@ -119,6 +124,7 @@ impl Resilience {
             cb_timeout_secs: patch.cb_timeout_secs.or(self.cb_timeout_secs),
             cb_slow_ttfb_ms: patch.cb_slow_ttfb_ms.or(self.cb_slow_ttfb_ms),
             cb_stream_failures: patch.cb_stream_failures.or(self.cb_stream_failures),
+            cb_l4_signals: patch.cb_l4_signals.or(self.cb_l4_signals),
         }
     }
 }
@@ -136,6 +142,9 @@ pub struct BreakerDefaults {
     /// `--cb-stream-failures`: a broken or stalled response body is a
     /// failure; off, the status decides (the document).
     pub stream_failures: bool,
+    /// `--cb-l4-signals`: the datapath's handshake observations move the
+    /// breaker.
+    pub l4_signals: bool,
 }
 
 impl BreakerDefaults {
@@ -169,7 +178,8 @@ impl BreakerDefaults {
                 .map(Duration::from_millis)
                 .or(self.slow_ttfb),
         )
-        .with_stream_failures(r.cb_stream_failures.unwrap_or(self.stream_failures));
+        .with_stream_failures(r.cb_stream_failures.unwrap_or(self.stream_failures))
+        .with_l4_signals(r.cb_l4_signals.unwrap_or(self.l4_signals));
         (settings, classifier)
     }
 }

@@ -194,6 +194,24 @@ impl L4Maps {
         self.set_backend(index, backend_at(addr, state))
     }
 
+    /// [`L4Maps::set_backend_state`] with the share a trial or degraded
+    /// backend gets (see `Backend::share`).
+    pub fn set_backend_share(
+        &self,
+        index: u32,
+        addr: SocketAddrV4,
+        state: BackendState,
+        share: u32,
+    ) -> Result<(), DataplaneError> {
+        self.set_backend(
+            index,
+            Backend {
+                share,
+                ..backend_at(addr, state)
+            },
+        )
+    }
+
     pub fn backend(&self, index: u32) -> Result<Backend, DataplaneError> {
         lock(&self.backends)
             .get(&index, 0)
@@ -478,6 +496,10 @@ impl L4Maps {
                 reply_packets: sum.reply_packets + s.reply_packets,
                 reply_bytes: sum.reply_bytes + s.reply_bytes,
                 unresolved: sum.unresolved + s.unresolved,
+                established: sum.established + s.established,
+                refused: sum.refused + s.refused,
+                timeouts: sum.timeouts + s.timeouts,
+                resets: sum.resets + s.resets,
             }))
     }
 
@@ -544,5 +566,6 @@ pub fn backend_at(addr: SocketAddrV4, state: BackendState) -> Backend {
         port: port_be(addr.port()),
         _pad: 0,
         state: state as u32,
+        share: 0,
     }
 }

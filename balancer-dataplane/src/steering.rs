@@ -23,7 +23,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::net::{SocketAddr, SocketAddrV4};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -40,7 +40,9 @@ use crate::l4::{L4Maps, ServiceState, backend_at};
 use crate::maglev::{self, Member};
 use crate::pin::PinDir;
 use crate::{Dataplane, DataplaneError, LoadOptions, XdpMode, locate_object};
+use balancer_core::breaker::{FailureReason, Outcome as BreakerOutcome, State as BreakerState};
 use balancer_core::error_chain;
+use balancer_core::health::Health;
 use balancer_core::metrics::{Histogram, MetricsSource, Writer};
 use balancer_core::registry::{Registry, Worker, WorkerEvent};
 
@@ -99,6 +101,9 @@ pub struct L4Config {
     /// With pins: detach and remove them when the agent stops, instead of
     /// leaving the datapath running for the next start to adopt.
     pub detach_on_exit: bool,
+    /// How often the workers' handshake counters are read (and, with
+    /// `--cb-l4-signals`, charged to their breakers).
+    pub signal_interval: Duration,
 }
 
 /// How long a worker found in adopted maps but no longer configured stays
@@ -184,6 +189,10 @@ impl Steering {
             built: AtomicBool::new(false),
             ports: Mutex::new(HashMap::new()),
             sync_delay: Histogram::new(SYNC_BUCKETS),
+            signal_interval: config.signal_interval,
+            signals_read_at: AtomicU64::new(registry.clock().now()),
+            signals: Mutex::new(HashMap::new()),
+            signal_delay: Histogram::new(SIGNAL_BUCKETS),
             registry: registry.clone(),
             dataplane: Mutex::new(None),
         });
@@ -296,6 +305,50 @@ struct Slot {
     addr: SocketAddrV4,
     url: Arc<str>,
     state: BackendState,
+    /// `Backend::share` as written.
+    share: u32,
+}
+
+/// What the kernel is told of `worker`: its state bit and, for a trial or
+/// degraded breaker, the share of new connections it may take.
+///
+/// A half-open worker takes `--cb-half-open-max-inflight` new connections
+/// per second (1 without a limit), fewer when the probe interval spaces
+/// them further; a degraded one `--cb-degraded-traffic-pct` percent.
+fn l4_state(worker: &Worker) -> (BackendState, u32) {
+    if worker.is_draining() {
+        return (BackendState::Draining, 0);
+    }
+    if worker.health() != Health::Ready {
+        return (BackendState::Isolated, 0);
+    }
+    let settings = worker.breaker.settings();
+    match worker.breaker.state() {
+        BreakerState::Closed => (BackendState::Routable, 0),
+        BreakerState::Open => (BackendState::Isolated, 0),
+        BreakerState::HalfOpen => {
+            let mut per_second = settings.half_open_max_inflight.max(1);
+            let interval = settings.half_open_probe_interval.as_millis();
+            if interval > 0 {
+                let spaced = u32::try_from(1000 / interval).unwrap_or(u32::MAX).max(1);
+                per_second = per_second.min(spaced);
+            }
+            (BackendState::Trial, per_second)
+        }
+        BreakerState::Degraded => (
+            BackendState::Degraded,
+            settings.degraded.map_or(100, |d| d.traffic_pct),
+        ),
+    }
+}
+
+/// Whether new connections may go to a backend in `state` (all of them or
+/// a share): what the routable list holds.
+fn admits(state: BackendState) -> bool {
+    matches!(
+        state,
+        BackendState::Routable | BackendState::Trial | BackendState::Degraded
+    )
 }
 
 #[derive(Default)]
@@ -348,6 +401,16 @@ struct Shared {
     /// Delay from a breaker transition to the map write that made the
     /// kernel follow it, in the registry clock's time.
     sync_delay: Histogram,
+    /// How often the handshake counters are read.
+    signal_interval: Duration,
+    /// When they were last read (registry clock).
+    signals_read_at: AtomicU64,
+    /// Handshake counters (established, refused, timeouts) as last read,
+    /// by worker id.
+    signals: Mutex<HashMap<String, [u64; 3]>>,
+    /// Delay from the start of the read interval a handshake fell in to the
+    /// transition its charge caused (`dataplane_signal_seconds`).
+    signal_delay: Histogram,
     registry: Arc<Registry>,
     /// Set once the programs are attached; kept here so the metrics source
     /// can read the verdict counters.
@@ -392,27 +455,23 @@ impl Shared {
             );
             return Ok(Change::default());
         };
-        let state = if worker.is_draining() {
-            BackendState::Draining
-        } else if worker.is_routable() {
-            BackendState::Routable
-        } else {
-            BackendState::Isolated
-        };
+        let (state, share) = l4_state(worker);
         let mut slots = lock(&self.slots);
         if let Some(slot) = slots.by_worker.get_mut(&worker.id) {
-            if slot.state == state {
+            if (slot.state, slot.share) == (state, share) {
                 return Ok(Change::default());
             }
-            self.maps.set_backend_state(slot.index, slot.addr, state)?;
+            self.maps
+                .set_backend_share(slot.index, slot.addr, state, share)?;
             let was = slot.state;
             slot.state = state;
-            tracing::debug!(worker = %worker.url, from = was.name(), to = state.name(), "L4 backend state");
+            slot.share = share;
+            tracing::debug!(worker = %worker.url, from = was.name(), to = state.name(), share, "L4 backend state");
             // The table lists every live backend and stays; the routable
             // list follows the state bit.
             return Ok(Change {
                 written: true,
-                rebuild: (was == BackendState::Routable) != (state == BackendState::Routable),
+                rebuild: admits(was) != admits(state),
             });
         }
         let Some((index, adopted)) = slots.allocate(addr) else {
@@ -425,7 +484,7 @@ impl Shared {
         if !adopted {
             self.maps.reset_backend_stats(index)?;
         }
-        self.maps.set_backend_state(index, addr, state)?;
+        self.maps.set_backend_share(index, addr, state, share)?;
         slots.by_worker.insert(
             worker.id.clone(),
             Slot {
@@ -433,6 +492,7 @@ impl Shared {
                 addr,
                 url: worker.url.clone(),
                 state,
+                share,
             },
         );
         tracing::info!(worker = %worker.url, slot = index, state = state.name(), "L4 backend added");
@@ -483,6 +543,62 @@ impl Shared {
         }
     }
 
+    /// Reads each worker's handshake counters and, for workers with
+    /// `--cb-l4-signals`, charges what changed since the last read to their
+    /// breakers: an established handshake is a success, a refused or
+    /// timed-out one a failure (`l4_refused`, `l4_timeout`). Within one
+    /// read, successes go first, so a read with any failure ends on one.
+    /// The first read of a worker only takes the counters as they are.
+    fn read_signals(&self) {
+        let clock = self.registry.clock();
+        let now = clock.now();
+        let since = self.signals_read_at.swap(now, Ordering::Relaxed);
+        let slots: Vec<(String, u32)> = lock(&self.slots)
+            .by_worker
+            .iter()
+            .filter(|(id, _)| !id.starts_with(ORPHAN_PREFIX))
+            .map(|(id, slot)| (id.clone(), slot.index))
+            .collect();
+        let fleet = self.registry.fleet();
+        let mut seen = lock(&self.signals);
+        seen.retain(|id, _| slots.iter().any(|(s, _)| s == id));
+        for (id, index) in slots {
+            let Ok(stats) = self.maps.backend_stats(index) else {
+                continue;
+            };
+            let counts = [stats.established, stats.refused, stats.timeouts];
+            let Some(previous) = seen.insert(id.clone(), counts) else {
+                continue;
+            };
+            let Some(worker) = fleet.workers.iter().find(|w| w.id == id) else {
+                continue;
+            };
+            if !worker.classifier().l4_signals() {
+                continue;
+            }
+            let delta = |i: usize| {
+                counts[i]
+                    .saturating_sub(previous[i])
+                    .min(MAX_SIGNALS_PER_READ)
+            };
+            let before = worker.breaker.state();
+            let charges = [
+                (delta(0), BreakerOutcome::Success),
+                (delta(1), BreakerOutcome::Failure(FailureReason::L4Refused)),
+                (delta(2), BreakerOutcome::Failure(FailureReason::L4Timeout)),
+            ];
+            for (count, outcome) in charges {
+                for _ in 0..count {
+                    worker.breaker.observe(outcome, clock.as_ref());
+                }
+            }
+            if worker.breaker.state() != before {
+                self.signal_delay
+                    .observe_nanos(clock.now().saturating_sub(since));
+            }
+        }
+    }
+
     /// Backends of adopted maps that no configured worker claimed (they
     /// left while no agent ran) drain: no new connections, established ones
     /// keep flowing, and their slots are freed after [`ORPHAN_DRAIN`].
@@ -507,6 +623,7 @@ impl Shared {
                     addr,
                     url: Arc::from(format!("adopted {addr}")),
                     state: BackendState::Draining,
+                    share: 0,
                 },
             );
         }
@@ -551,7 +668,7 @@ impl Shared {
             let routable = slots
                 .by_worker
                 .values()
-                .filter(|s| s.state == BackendState::Routable)
+                .filter(|s| admits(s.state))
                 .map(|s| s.index)
                 .collect();
             let members = slots
@@ -663,8 +780,11 @@ async fn event_loop(
 fn table_loop(shared: &Shared, requests: &mpsc::Receiver<Request>) {
     let mut generation = 1u32;
     let mut refresh_at = Instant::now() + NEXT_HOP_REFRESH;
+    let mut signals_at = Instant::now() + shared.signal_interval;
     loop {
-        let wait = refresh_at.saturating_duration_since(Instant::now());
+        let wait = refresh_at
+            .min(signals_at)
+            .saturating_duration_since(Instant::now());
         match requests.recv_timeout(wait) {
             Ok(Request::Rebuild) => {
                 let mut stop = false;
@@ -678,7 +798,15 @@ fn table_loop(shared: &Shared, requests: &mpsc::Receiver<Request>) {
             }
             Ok(Request::Stop) => return,
             Err(RecvTimeoutError::Timeout) => {
-                refresh_at = Instant::now() + NEXT_HOP_REFRESH;
+                let now = Instant::now();
+                if now >= signals_at {
+                    signals_at = now + shared.signal_interval;
+                    shared.read_signals();
+                }
+                if now < refresh_at {
+                    continue;
+                }
+                refresh_at = now + NEXT_HOP_REFRESH;
                 if shared.release_drained_orphans() {
                     shared.rebuild();
                 }
@@ -694,6 +822,16 @@ fn table_loop(shared: &Shared, requests: &mpsc::Receiver<Request>) {
         }
     }
 }
+
+/// Handshake outcomes charged to one breaker per signal read at most: a
+/// bound on the work of one read, far above what a worker's backlog makes
+/// in an interval.
+const MAX_SIGNALS_PER_READ: u64 = 10_000;
+
+/// Seconds; the delay from the start of the signal interval a handshake
+/// fell in to the breaker transition it caused: at most an interval plus
+/// the read.
+const SIGNAL_BUCKETS: &[f64] = &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5];
 
 /// Seconds; the interesting range of the breaker-to-map delay is
 /// microseconds to a millisecond.
@@ -742,6 +880,7 @@ impl MetricsSource for Shared {
             "Delay from a breaker transition to the XDP map write that makes new connections follow it.",
         );
         self.sync_delay.render(w, "dataplane_sync_seconds", &[]);
+        self.signal_delay.render(w, "dataplane_signal_seconds", &[]);
     }
 }
 
@@ -800,7 +939,7 @@ impl Shared {
         w.family(
             "l4_worker_state",
             "gauge",
-            "The worker's state bit in the kernel: 1 routable, 2 isolated (breaker open or not ready), 3 draining.",
+            "The worker's state bit in the kernel: 1 routable, 2 isolated (breaker open or not ready), 3 draining, 4 trial (half-open: a few new connections per second), 5 degraded (a share of new connections).",
         );
         for slot in &slots {
             w.sample(
@@ -840,6 +979,26 @@ impl Shared {
             w.family(name, "counter", help);
             for (slot, s) in &stats {
                 w.sample(name, &[("worker", &slot.url)], value(s) as f64);
+            }
+        }
+        w.family(
+            "l4_worker_handshakes_total",
+            "counter",
+            "Handshakes the datapath saw, by outcome: forwarded (SYNs sent to the worker), established (its SYN-ACK), refused (a reset answering the SYN), timeout (the SYN sent again before any SYN-ACK), reset (a reset from the worker on an established connection).",
+        );
+        for (slot, s) in &stats {
+            for (outcome, value) in [
+                ("forwarded", s.connections),
+                ("established", s.established),
+                ("refused", s.refused),
+                ("timeout", s.timeouts),
+                ("reset", s.resets),
+            ] {
+                w.sample(
+                    "l4_worker_handshakes_total",
+                    &[("worker", &slot.url), ("outcome", outcome)],
+                    value as f64,
+                );
             }
         }
         w.family(

@@ -1,4 +1,4 @@
-//! The one atomic operation connection tracking needs on map values.
+//! The atomic operations the program needs on map values.
 //!
 //! The `bpfel-unknown-none` target has no 32-bit atomic types (its minimum
 //! atomic width is 64), yet the instruction set has an atomic 32-bit OR
@@ -25,5 +25,25 @@ pub unsafe fn or(word: *mut u32, bits: u32) {
         // SAFETY: the caller's promise.
         let atomic = unsafe { core::sync::atomic::AtomicU32::from_ptr(word) };
         atomic.fetch_or(bits, core::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Atomically adds `value` to `*word`.
+///
+/// # Safety
+/// As for [`or`].
+#[inline(always)]
+pub unsafe fn add(word: *mut u32, value: u32) {
+    #[cfg(target_arch = "bpf")]
+    {
+        use core::intrinsics::{AtomicOrdering, atomic_xadd};
+        // SAFETY: the caller's promise.
+        let _ = unsafe { atomic_xadd::<u32, u32, { AtomicOrdering::SeqCst }>(word, value) };
+    }
+    #[cfg(not(target_arch = "bpf"))]
+    {
+        // SAFETY: the caller's promise.
+        let atomic = unsafe { core::sync::atomic::AtomicU32::from_ptr(word) };
+        atomic.fetch_add(value, core::sync::atomic::Ordering::SeqCst);
     }
 }

@@ -29,7 +29,7 @@ use balancer_common::l4::{
 
 use crate::atomic;
 use crate::headers::{Segment, TcpHdr};
-use crate::maps::{CONNS, EMBRYONIC, outcome};
+use crate::maps::{CONNS, EMBRYONIC, backend_stats, outcome};
 
 type Table = LruHashMap<FlowKey, Flow>;
 
@@ -179,14 +179,44 @@ fn fill(found: Option<Flow>, out: &mut MaybeUninit<Flow>) -> bool {
 /// Stores both entries of a connection that has not proven itself yet. On
 /// failure neither is left behind (a forward entry without its reply would
 /// send packets whose answers nothing restores).
+///
+/// A SYN that finds its own handshake still waiting (same initial sequence
+/// number, no SYN-ACK seen) is the client trying again: the backend's
+/// handshake timed out, which its counters record.
 #[inline(always)]
 pub fn open(key: &FlowKey, flow: &Flow) {
+    const NO_EXIST: u64 = 1;
+    if EMBRYONIC.insert(key, flow, NO_EXIST).is_err() {
+        note_retransmission(key, flow);
+        if EMBRYONIC.insert(key, flow, 0).is_err() {
+            outcome(Outcome::ConntrackFull);
+            return;
+        }
+    }
     let (peer_key, peer) = flow.peer(key);
-    if EMBRYONIC.insert(key, flow, 0).is_err() {
-        outcome(Outcome::ConntrackFull);
-    } else if EMBRYONIC.insert(peer_key, peer, 0).is_err() {
+    if EMBRYONIC.insert(peer_key, peer, 0).is_err() {
         let _ = EMBRYONIC.remove(key);
         outcome(Outcome::ConntrackFull);
+    }
+}
+
+#[inline(always)]
+fn note_retransmission(key: &FlowKey, flow: &Flow) {
+    let Some(entry) = EMBRYONIC.get_ptr(key) else {
+        return;
+    };
+    // SAFETY: a successful lookup, copied at once.
+    let old = unsafe { *entry };
+    if old.flags & (FLAG_REPLY | FLAG_RECOVERED) != 0 || old.seq != flow.seq {
+        return;
+    }
+    let Some(reply) = EMBRYONIC.get_ptr(old.peer_key(key)) else {
+        return;
+    };
+    // SAFETY: as above.
+    let answered = unsafe { (*reply).flags } & FLAG_SEQ != 0;
+    if !answered && let Some(stats) = backend_stats(old.backend) {
+        stats.timeouts += 1;
     }
 }
 
@@ -253,8 +283,20 @@ fn track(table: &'static Table, key: &FlowKey, entry: *mut Flow, seg: &Segment) 
         let ahead = seg.seq.wrapping_add(seg.len).wrapping_sub(own.seq) as i32;
         (-MAX_BEHIND..=MAX_AHEAD).contains(&ahead)
     };
+    // What the backend's handshakes do, for the agent's breakers
+    // (`--cb-l4-signals`): only reply entries speak for the backend.
+    let backend_speaks = own.flags & FLAG_REPLY != 0;
+    let handshaking =
+        core::ptr::eq(table, &EMBRYONIC) && own.flags & (FLAG_SEQ | FLAG_RECOVERED) == 0;
     if seg.has(TcpHdr::RST) {
         if rst_valid(&own, found.as_ref(), seg) {
+            if backend_speaks && let Some(stats) = backend_stats(own.backend) {
+                if handshaking {
+                    stats.refused += 1;
+                } else if core::ptr::eq(table, &CONNS) {
+                    stats.resets += 1;
+                }
+            }
             close(entry, peer_entry, 0, true);
         } else {
             outcome(Outcome::RstIgnored);
@@ -262,6 +304,13 @@ fn track(table: &'static Table, key: &FlowKey, entry: *mut Flow, seg: &Segment) 
     } else if !plausible {
         outcome(Outcome::RstIgnored);
     } else {
+        if backend_speaks
+            && handshaking
+            && seg.is_syn_ack()
+            && let Some(stats) = backend_stats(own.backend)
+        {
+            stats.established += 1;
+        }
         note(entry, &own, found.as_ref(), seg);
         if seg.has(TcpHdr::FIN) {
             close(entry, peer_entry, fin, false);

@@ -18,21 +18,24 @@ use core::mem::MaybeUninit;
 
 use aya_ebpf::EbpfContext as _;
 use aya_ebpf::bindings::{BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup as FibParams, xdp_action};
-use aya_ebpf::helpers::generated::{bpf_check_mtu, bpf_fib_lookup, bpf_redirect};
+use aya_ebpf::helpers::generated::{
+    bpf_check_mtu, bpf_fib_lookup, bpf_ktime_get_coarse_ns, bpf_redirect,
+};
 use aya_ebpf::programs::XdpContext;
 use balancer_common::l4::{
     Backend, BackendState, FLAG_RECOVERED, FLAG_REMOTE, FLAG_SEQ, Flow, FlowKey, LIST_TRIES,
     MAX_PROBES, MAX_SERVICE_BACKENDS, NextHop, Outcome, PROTO_TCP, Service, ServiceKey, flow_hash,
-    probe_hash,
+    mix64, probe_hash,
 };
 
+use crate::atomic;
 use crate::conntrack;
 use crate::csum;
 use crate::headers::{EthHdr, Ipv4Hdr, Segment, TcpHdr};
 use crate::icmp;
 use crate::maps::{
     BACKENDS, CLIENT_HOPS, CONFIG, FIB_SCRATCH, MAGLEV, NEXT_HOPS, SERVICE_BACKENDS, SERVICES,
-    backend_stats, outcome, service_stats,
+    TRIALS, backend_stats, outcome, service_stats,
 };
 
 /// A parsed IPv4/TCP packet, bounds-checked by the parser.
@@ -293,7 +296,7 @@ fn pick(service: &Service, hash: u64) -> Option<(u32, Backend)> {
         for probe in 0..MAX_PROBES {
             let slot = (probe_hash(hash, probe) % size) as u32;
             if let Some(&index) = MAGLEV.get(service.table_offset.wrapping_add(slot))
-                && let Some(backend) = backend(index, true)
+                && let Some(backend) = backend(index, hash, true)
             {
                 return Some((index, backend));
             }
@@ -307,7 +310,7 @@ fn pick(service: &Service, hash: u64) -> Option<(u32, Backend)> {
     for i in 0..LIST_TRIES {
         let position = ((start + u64::from(i)) % u64::from(count)) as u32;
         if let Some(&index) = SERVICE_BACKENDS.get(service.list_offset.wrapping_add(position))
-            && let Some(backend) = backend(index, true)
+            && let Some(backend) = backend(index, hash, true)
         {
             return Some((index, backend));
         }
@@ -323,19 +326,60 @@ fn live_at(service: &Service, hash: u64) -> Option<(u32, Backend)> {
     }
     let slot = (hash % u64::from(service.table_size)) as u32;
     let index = *MAGLEV.get(service.table_offset.wrapping_add(slot))?;
-    backend(index, false).map(|b| (index, b))
+    backend(index, hash, false).map(|b| (index, b))
 }
 
-/// Backend `index` if it is routable (`routable`) or live (otherwise).
+/// Backend `index` if it may take a new connection with flow hash `hash`
+/// (`routable`), or if it is live (otherwise).
+///
+/// Routable backends always may; a degraded one takes its share of the
+/// connections that pick it (by the hash, so a retransmitted SYN gets the
+/// same answer); a half-open one takes a few trial connections per second.
 #[inline(always)]
-fn backend(index: u32, routable: bool) -> Option<Backend> {
+fn backend(index: u32, hash: u64, routable: bool) -> Option<Backend> {
     let backend = BACKENDS.get(index)?;
-    let usable = if routable {
-        backend.state == BackendState::Routable as u32
+    let state = backend.state;
+    let usable = if !routable {
+        state != BackendState::Unused as u32
+    } else if state == BackendState::Routable as u32 {
+        true
+    } else if state == BackendState::Degraded as u32 {
+        mix64(hash ^ DEGRADED_SALT) % 100 < u64::from(backend.share)
+    } else if state == BackendState::Trial as u32 {
+        trial(index, backend.share)
     } else {
-        backend.state != BackendState::Unused as u32
+        false
     };
     usable.then_some(*backend)
+}
+
+/// Mixed into the flow hash for the degraded share, so the share is not
+/// correlated with the table slot the same hash chose.
+const DEGRADED_SALT: u64 = 0x5bd1_e995_5bd1_e995;
+
+/// Takes one of a half-open backend's trial connections of this second, if
+/// any is left. CPUs race on the window's reset, which at worst lets a few
+/// more trials through in the second it turns.
+#[inline(always)]
+fn trial(index: u32, per_second: u32) -> bool {
+    let Some(slot) = TRIALS.get_ptr_mut(index) else {
+        return false;
+    };
+    // SAFETY: a helper without arguments.
+    let second = (unsafe { bpf_ktime_get_coarse_ns() } >> 30) as u32;
+    // SAFETY: a successful lookup of a shared array slot; the count is
+    // updated atomically, the window's start by whoever sees it stale.
+    unsafe {
+        if (*slot).second != second {
+            (*slot).second = second;
+            (*slot).count = 0;
+        }
+        if (*slot).count >= per_second.max(1) {
+            return false;
+        }
+        atomic::add(&raw mut (*slot).count, 1);
+    }
+    true
 }
 
 /// Rewrites the packet and sends it on: local mode hands it to the stack;

@@ -11,7 +11,7 @@ use balancer_common::Verdict;
 use balancer_common::l4::{
     Backend, BackendStats, Config, DEFAULT_CONNTRACK_SIZE, DEFAULT_TABLE_SIZE, Flow, FlowKey,
     MAX_BACKENDS, MAX_SERVICE_BACKENDS, MAX_SERVICES, NextHop, Outcome, Service, ServiceKey,
-    ServiceStats,
+    ServiceStats, Trial,
 };
 
 #[map]
@@ -67,6 +67,9 @@ pub static SERVICE_STATS: PerCpuArray<ServiceStats> =
 #[map]
 pub static BACKEND_STATS: PerCpuArray<BackendStats> =
     PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
+
+#[map]
+pub static TRIALS: Array<Trial> = Array::with_max_entries(MAX_BACKENDS, 0);
 
 /// Scratch space for `bpf_fib_lookup`'s parameter block: 64 bytes the
 /// program's stack (512 bytes for a whole call chain) cannot spare.

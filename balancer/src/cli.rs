@@ -305,6 +305,11 @@ pub struct LaunchArgs {
     /// L4 connection through a service then breaks, as before pinning).
     #[arg(long)]
     pub l4_detach_on_exit: bool,
+    /// How often the agent reads the handshake counters of the XDP datapath
+    /// (`l4_worker_handshakes_total`, and the breakers with
+    /// `--cb-l4-signals`).
+    #[arg(long, value_name = "MS", default_value_t = 100, value_parser = clap::value_parser!(u64).range(10..=60_000))]
+    pub l4_signal_interval_ms: u64,
 
     #[command(flatten)]
     pub breaker: BreakerArgs,
@@ -414,6 +419,14 @@ pub struct BreakerArgs {
     /// gateway (a 2xx is a success); the client still sees the cut.
     #[arg(long)]
     pub cb_stream_failures: bool,
+    /// Charge the handshakes the XDP datapath sees: a steered SYN answered
+    /// with a reset (`l4_refused`) or retransmitted before any SYN-ACK
+    /// (`l4_timeout`) is a breaker failure, an established handshake a
+    /// success, read every `--l4-signal-interval-ms`. For workers served
+    /// through L4 services; off, only requests move the breaker, as in the
+    /// reference gateway.
+    #[arg(long)]
+    pub cb_l4_signals: bool,
     /// Breakers never open (unless a worker sets its own cb_failure_threshold);
     /// outcomes are still counted.
     #[arg(long)]
@@ -461,6 +474,7 @@ impl BreakerArgs {
             disabled: self.disable_circuit_breaker,
             slow_ttfb: self.cb_slow_ttfb_ms.map(Duration::from_millis),
             stream_failures: self.cb_stream_failures,
+            l4_signals: self.cb_l4_signals,
         }
     }
 }
@@ -618,6 +632,7 @@ impl LaunchArgs {
             conntrack_size: self.l4_conntrack_size,
             bpffs_dir: Some(self.bpffs_dir.clone()),
             detach_on_exit: self.l4_detach_on_exit,
+            signal_interval: Duration::from_millis(self.l4_signal_interval_ms),
         }))
     }
 }

@@ -77,6 +77,7 @@ pub fn l4_config(ifaces: Vec<String>, mode: ForwardMode, services: Vec<SocketAdd
         // Nothing pinned: the test's datapath goes with its gateway.
         bpffs_dir: None,
         detach_on_exit: true,
+        signal_interval: std::time::Duration::from_millis(100),
     }
 }
 

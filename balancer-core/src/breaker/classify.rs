@@ -26,18 +26,26 @@ pub enum FailureReason {
     Stall = 4,
     /// A response broke off mid-body (with `--cb-stream-failures`).
     Broken = 5,
+    /// The kernel saw the worker answer a steered SYN with a reset (with
+    /// `--cb-l4-signals`): nothing listens there.
+    L4Refused = 6,
+    /// The kernel saw a steered SYN retransmitted before the worker's SYN-ACK
+    /// (with `--cb-l4-signals`): the worker does not answer handshakes.
+    L4Timeout = 7,
 }
 
 impl FailureReason {
     /// Every reason in discriminant order, which is also the index order of
     /// [`Snapshot::failures`](super::Snapshot::failures).
-    pub const ALL: [FailureReason; 6] = [
+    pub const ALL: [FailureReason; 8] = [
         FailureReason::Status,
         FailureReason::Connect,
         FailureReason::Timeout,
         FailureReason::Slow,
         FailureReason::Stall,
         FailureReason::Broken,
+        FailureReason::L4Refused,
+        FailureReason::L4Timeout,
     ];
 
     /// The `reason` label of `worker_cb_failures_total`.
@@ -49,6 +57,8 @@ impl FailureReason {
             FailureReason::Slow => "slow",
             FailureReason::Stall => "stall",
             FailureReason::Broken => "broken",
+            FailureReason::L4Refused => "l4_refused",
+            FailureReason::L4Timeout => "l4_timeout",
         }
     }
 }
@@ -124,6 +134,7 @@ pub struct Classifier {
     failure: StatusSet,
     slow_ttfb: Option<std::time::Duration>,
     stream_failures: bool,
+    l4_signals: bool,
 }
 
 impl Default for Classifier {
@@ -141,7 +152,20 @@ impl Classifier {
             failure: StatusSet::from_codes(failure),
             slow_ttfb: None,
             stream_failures: false,
+            l4_signals: false,
         }
+    }
+
+    /// Charges the handshakes the XDP datapath observes (`--cb-l4-signals`):
+    /// a refused or timed-out handshake is a failure, an established one a
+    /// success. Off, only requests move the breaker (the gateway document).
+    pub fn with_l4_signals(self, l4_signals: bool) -> Self {
+        Self { l4_signals, ..self }
+    }
+
+    /// Whether the datapath's handshake observations move the breaker.
+    pub fn l4_signals(&self) -> bool {
+        self.l4_signals
     }
 
     /// Charges a response body that breaks off or stalls as a failure
