@@ -713,3 +713,110 @@ fn verdicts_of_the_fixture_frames() {
         );
     }
 }
+
+/// What each backend's handshake counters say, for the breakers.
+fn handshakes(steered: &Steered, backend: SocketAddrV4) -> [u64; 5] {
+    let index = steered.backend_of(backend).expect("a backend") as u32;
+    let s = steered.maps.backend_stats(index).unwrap();
+    [s.connections, s.established, s.refused, s.timeouts, s.resets]
+}
+
+#[test]
+fn handshake_outcomes_are_counted_per_backend() {
+    let Some(object) = ebpf_prerequisites() else {
+        return;
+    };
+    let steered = Steered::load(&object, VIP, &BACKENDS, false).expect("programming the service");
+    let xdp = |frame: Vec<u8>| steered.dataplane.test_run(&frame, 1, None).unwrap();
+    let egress = |frame: Vec<u8>| steered.dataplane.test_run_egress(&frame).unwrap();
+    let client = |port| SocketAddrV4::new(*CLIENT.ip(), port);
+
+    // Established: the backend's SYN-ACK, counted once however often it
+    // comes.
+    let (c, b) = (client(41_000), chosen(&steered, client(41_000)));
+    xdp(seg(c, VIP, packet::TCP_SYN, CLIENT_ISN, 0).frame());
+    let syn_ack = seg(b, c, packet::TCP_SYN | packet::TCP_ACK, BACKEND_ISN, CLIENT_ISN + 1);
+    egress(syn_ack.frame());
+    egress(syn_ack.frame());
+    let mut expected = handshakes(&steered, b);
+    assert_eq!(expected[..3], [1, 1, 0], "{expected:?}");
+    // A reset from the backend on the established connection (its own next
+    // sequence number) is a worker reset, not a refusal.
+    xdp(seg(c, VIP, packet::TCP_ACK, CLIENT_ISN + 1, BACKEND_ISN + 1).frame());
+    egress(seg(b, c, packet::TCP_RST, BACKEND_ISN + 1, 0).frame());
+    expected[4] += 1;
+    assert_eq!(handshakes(&steered, b), expected);
+
+    // Refused: a reset acknowledging the SYN. A reset that does not is
+    // forged and counts nothing.
+    let (c, b) = (client(41_001), chosen(&steered, client(41_001)));
+    let before = handshakes(&steered, b);
+    xdp(seg(c, VIP, packet::TCP_SYN, CLIENT_ISN, 0).frame());
+    egress(seg(b, c, packet::TCP_RST | packet::TCP_ACK, 0, CLIENT_ISN + 7).frame());
+    assert_eq!(handshakes(&steered, b)[2], before[2], "a forged reset was counted");
+    egress(seg(b, c, packet::TCP_RST | packet::TCP_ACK, 0, CLIENT_ISN + 1).frame());
+    assert_eq!(handshakes(&steered, b)[2], before[2] + 1);
+
+    // Timeout: the client sends its SYN again (same initial sequence
+    // number) before any SYN-ACK; a new connection on the same port (another
+    // number) is not one.
+    let (c, b) = (client(41_002), chosen(&steered, client(41_002)));
+    let before = handshakes(&steered, b);
+    for _ in 0..2 {
+        xdp(seg(c, VIP, packet::TCP_SYN, CLIENT_ISN, 0).frame());
+    }
+    xdp(seg(c, VIP, packet::TCP_SYN, CLIENT_ISN + 100_000, 0).frame());
+    assert_eq!(handshakes(&steered, b)[3], before[3] + 1);
+    // Answered, a retransmission is no timeout.
+    egress(seg(b, c, packet::TCP_SYN | packet::TCP_ACK, BACKEND_ISN, CLIENT_ISN + 100_001).frame());
+    xdp(seg(c, VIP, packet::TCP_SYN, CLIENT_ISN + 100_000, 0).frame());
+    assert_eq!(handshakes(&steered, b)[3], before[3] + 1);
+}
+
+#[test]
+fn half_open_and_degraded_backends_get_a_share_of_new_connections() {
+    let Some(object) = ebpf_prerequisites() else {
+        return;
+    };
+    let mut steered =
+        Steered::load(&object, VIP, &BACKENDS, false).expect("programming the service");
+    let admitted = |steered: &Steered, seed: u32, count: u32| -> u32 {
+        let before = steered.maps.outcomes().unwrap().get(Outcome::NewFlow);
+        for i in 0..count {
+            let client = SocketAddrV4::new(
+                Ipv4Addr::new(10, 97, (seed >> 8) as u8, seed as u8),
+                1024 + i as u16,
+            );
+            let frame = seg(client, VIP, packet::TCP_SYN, i, 0).frame();
+            steered.dataplane.test_run(&frame, 1, None).unwrap();
+        }
+        (steered.maps.outcomes().unwrap().get(Outcome::NewFlow) - before) as u32
+    };
+    // Only backend 0 takes connections, and only as a trial: 2 a second.
+    for i in 1..BACKENDS.len() {
+        steered.set_state(i, BackendState::Isolated).unwrap();
+    }
+    steered
+        .maps
+        .set_backend_share(0, BACKENDS[0], BackendState::Trial, 2)
+        .unwrap();
+    steered.rebuild().unwrap();
+    let trials = admitted(&steered, 1, 50);
+    // 50 SYNs take well under a second, but may straddle the turn of one.
+    assert!(
+        (1..=4).contains(&trials),
+        "a half-open backend took {trials} of 50 new connections, at 2 a second"
+    );
+
+    // Degraded at 30%: about 30% of the connections that pick it.
+    steered
+        .maps
+        .set_backend_share(0, BACKENDS[0], BackendState::Degraded, 30)
+        .unwrap();
+    let share = f64::from(admitted(&steered, 2, 2_000)) / 2_000.0;
+    assert!(
+        (0.25..=0.35).contains(&share),
+        "a degraded backend at 30% took {:.1}% of new connections",
+        share * 100.0
+    );
+}
