@@ -718,7 +718,13 @@ fn verdicts_of_the_fixture_frames() {
 fn handshakes(steered: &Steered, backend: SocketAddrV4) -> [u64; 5] {
     let index = steered.backend_of(backend).expect("a backend") as u32;
     let s = steered.maps.backend_stats(index).unwrap();
-    [s.connections, s.established, s.refused, s.timeouts, s.resets]
+    [
+        s.connections,
+        s.established,
+        s.refused,
+        s.timeouts,
+        s.resets,
+    ]
 }
 
 #[test]
@@ -735,7 +741,13 @@ fn handshake_outcomes_are_counted_per_backend() {
     // comes.
     let (c, b) = (client(41_000), chosen(&steered, client(41_000)));
     xdp(seg(c, VIP, packet::TCP_SYN, CLIENT_ISN, 0).frame());
-    let syn_ack = seg(b, c, packet::TCP_SYN | packet::TCP_ACK, BACKEND_ISN, CLIENT_ISN + 1);
+    let syn_ack = seg(
+        b,
+        c,
+        packet::TCP_SYN | packet::TCP_ACK,
+        BACKEND_ISN,
+        CLIENT_ISN + 1,
+    );
     egress(syn_ack.frame());
     egress(syn_ack.frame());
     let mut expected = handshakes(&steered, b);
@@ -753,7 +765,11 @@ fn handshake_outcomes_are_counted_per_backend() {
     let before = handshakes(&steered, b);
     xdp(seg(c, VIP, packet::TCP_SYN, CLIENT_ISN, 0).frame());
     egress(seg(b, c, packet::TCP_RST | packet::TCP_ACK, 0, CLIENT_ISN + 7).frame());
-    assert_eq!(handshakes(&steered, b)[2], before[2], "a forged reset was counted");
+    assert_eq!(
+        handshakes(&steered, b)[2],
+        before[2],
+        "a forged reset was counted"
+    );
     egress(seg(b, c, packet::TCP_RST | packet::TCP_ACK, 0, CLIENT_ISN + 1).frame());
     assert_eq!(handshakes(&steered, b)[2], before[2] + 1);
 
@@ -768,7 +784,16 @@ fn handshake_outcomes_are_counted_per_backend() {
     xdp(seg(c, VIP, packet::TCP_SYN, CLIENT_ISN + 100_000, 0).frame());
     assert_eq!(handshakes(&steered, b)[3], before[3] + 1);
     // Answered, a retransmission is no timeout.
-    egress(seg(b, c, packet::TCP_SYN | packet::TCP_ACK, BACKEND_ISN, CLIENT_ISN + 100_001).frame());
+    egress(
+        seg(
+            b,
+            c,
+            packet::TCP_SYN | packet::TCP_ACK,
+            BACKEND_ISN,
+            CLIENT_ISN + 100_001,
+        )
+        .frame(),
+    );
     xdp(seg(c, VIP, packet::TCP_SYN, CLIENT_ISN + 100_000, 0).frame());
     assert_eq!(handshakes(&steered, b)[3], before[3] + 1);
 }

@@ -1159,3 +1159,42 @@ fn held_open_circuit_waits_for_the_promotion_not_the_timeout() {
     assert_eq!(b.state(), State::HalfOpen);
     assert_eq!(b.snapshot().health_readmissions, 1, "the promotion did it");
 }
+
+#[test]
+fn observed_handshakes_move_the_breaker_like_requests() {
+    let clock = ManualClock::new();
+    let b = Breaker::new("http://w", settings(3, 2, 5), None);
+    // Closed: refused and timed-out handshakes count toward the threshold,
+    // each under its own reason; an established one ends the run.
+    b.observe(Outcome::Failure(FailureReason::L4Refused), &clock);
+    b.observe(Outcome::Success, &clock);
+    b.observe(Outcome::Failure(FailureReason::L4Refused), &clock);
+    b.observe(Outcome::Failure(FailureReason::L4Timeout), &clock);
+    assert_eq!(b.state(), State::Closed);
+    b.observe(Outcome::Failure(FailureReason::L4Refused), &clock);
+    assert_eq!(b.state(), State::Open);
+    let snap = b.snapshot();
+    assert_eq!(snap.failures[FailureReason::L4Refused as usize], 3);
+    assert_eq!(snap.failures[FailureReason::L4Timeout as usize], 1);
+    assert_eq!(snap.successes, 1);
+
+    // Half-open: established handshakes are trials that passed (no probe
+    // slot is taken: the datapath bounds the trials itself) ...
+    clock.advance(5 * SECOND);
+    assert!(b.poll(&clock).is_none());
+    assert_eq!(b.state(), State::HalfOpen);
+    b.observe(Outcome::Success, &clock);
+    b.observe(Outcome::Success, &clock);
+    assert_eq!(b.state(), State::Closed);
+    assert_eq!(b.snapshot().half_open_inflight, 0);
+
+    // ... and one refused handshake in half-open reopens.
+    for _ in 0..3 {
+        b.observe(Outcome::Failure(FailureReason::L4Timeout), &clock);
+    }
+    clock.advance(5 * SECOND);
+    b.poll(&clock);
+    assert_eq!(b.state(), State::HalfOpen);
+    b.observe(Outcome::Failure(FailureReason::L4Refused), &clock);
+    assert_eq!(b.state(), State::Open);
+}
