@@ -555,8 +555,7 @@ impl Dataplane {
             // A link an earlier agent pinned: its program is replaced in one
             // step, so the interface is never without one.
             let to = link_error(path);
-            let old = PinnedLink::from_pin(path).map_err(|e| to(Box::new(e)))?;
-            let link = XdpLink::try_from(FdLink::from(old)).map_err(|e| to(Box::new(e)))?;
+            let link: XdpLink = pinned_link(path)?;
             let id = program.attach_to_link(link).map_err(|e| to(Box::new(e)))?;
             // The pin still holds the link; this process needs no handle.
             drop(program.take_link(id).map_err(|e| to(Box::new(e)))?);
@@ -592,11 +591,10 @@ impl Dataplane {
         tracing::info!(iface, ?mode, "attached XDP program");
         let link = match pin {
             Some(path) => {
-                let to = link_error(&path);
-                let owned = program.take_link(link).map_err(|e| to(Box::new(e)))?;
-                let fd = FdLink::try_from(owned).map_err(|e| to(Box::new(e)))?;
-                fd.pin(&path).map_err(|e| to(Box::new(e)))?;
-                Held::Pinned(path)
+                let owned = program
+                    .take_link(link)
+                    .map_err(|e| link_error(&path)(Box::new(e)))?;
+                pin_link(owned, path)?
             }
             None => Held::Owned(link),
         };
@@ -620,9 +618,7 @@ impl Dataplane {
         let program = egress_mut(&mut self.ebpf)?;
         if let Some(path) = pin.as_ref().filter(|p| p.exists()) {
             let to = link_error(path);
-            let old = PinnedLink::from_pin(path).map_err(|e| to(Box::new(e)))?;
-            let link =
-                SchedClassifierLink::try_from(FdLink::from(old)).map_err(|e| to(Box::new(e)))?;
+            let link: SchedClassifierLink = pinned_link(path)?;
             let id = program.attach_to_link(link).map_err(|e| to(Box::new(e)))?;
             drop(program.take_link(id).map_err(|e| to(Box::new(e)))?);
             tracing::info!(iface, link = %path.display(), "replaced the program of the pinned TC link");
@@ -644,11 +640,10 @@ impl Dataplane {
         tracing::info!(iface, "attached TC egress program");
         let link = match pin {
             Some(path) => {
-                let to = link_error(&path);
-                let owned = program.take_link(link).map_err(|e| to(Box::new(e)))?;
-                let fd = FdLink::try_from(owned).map_err(|e| to(Box::new(e)))?;
-                fd.pin(&path).map_err(|e| to(Box::new(e)))?;
-                Held::Pinned(path)
+                let owned = program
+                    .take_link(link)
+                    .map_err(|e| link_error(&path)(Box::new(e)))?;
+                pin_link(owned, path)?
             }
             None => Held::Owned(link),
         };
@@ -728,6 +723,30 @@ impl Drop for Dataplane {
             tracing::warn!(error = %error_chain(&error), "detaching XDP program on drop");
         }
     }
+}
+
+/// Pins a link this process took from its program at `path`; from then on
+/// the pin, not the process, keeps it attached.
+fn pin_link<L, Id>(owned: L, path: PathBuf) -> Result<Held<Id>, DataplaneError>
+where
+    FdLink: TryFrom<L>,
+    <FdLink as TryFrom<L>>::Error: std::error::Error + Send + Sync + 'static,
+{
+    let to = link_error(&path);
+    let fd = FdLink::try_from(owned).map_err(|e| to(Box::new(e)))?;
+    fd.pin(&path).map_err(|e| to(Box::new(e)))?;
+    Ok(Held::Pinned(path))
+}
+
+/// The link pinned at `path`, as the program type's link.
+fn pinned_link<L>(path: &Path) -> Result<L, DataplaneError>
+where
+    L: TryFrom<FdLink>,
+    <L as TryFrom<FdLink>>::Error: std::error::Error + Send + Sync + 'static,
+{
+    let to = link_error(path);
+    let pinned = PinnedLink::from_pin(path).map_err(|e| to(Box::new(e)))?;
+    L::try_from(FdLink::from(pinned)).map_err(|e| to(Box::new(e)))
 }
 
 fn remove_pin(path: &Path) -> Result<(), DataplaneError> {

@@ -85,16 +85,7 @@ pub fn steer(ctx: &XdpContext, l3: usize, tagged: bool) -> u32 {
         let outer_old = u32::from_ne_bytes(ip.daddr);
         ip.check = csum::replace4(u16::from_ne_bytes(ip.check), outer_old, flow.addr).to_ne_bytes();
         ip.daddr = flow.addr.to_ne_bytes();
-        let old_addr = u32::from_ne_bytes(inner.saddr);
-        let old_port = u16::from_ne_bytes(ports.source);
-        let old_check = u16::from_ne_bytes(inner.check);
-        let check = csum::replace4(old_check, old_addr, flow.addr);
-        inner.check = check.to_ne_bytes();
-        inner.saddr = flow.addr.to_ne_bytes();
-        ports.source = flow.port.to_ne_bytes();
-        let mut sum = csum::replace4(u16::from_ne_bytes(icmp.check), old_addr, flow.addr);
-        sum = csum::replace2(sum, old_check, check);
-        icmp.check = csum::replace2(sum, old_port, flow.port).to_ne_bytes();
+        requote(icmp, inner, ports, End::Source, flow.addr, flow.port);
         if flow.flags & FLAG_REMOTE == 0 {
             return xdp_action::XDP_PASS;
         }
@@ -108,20 +99,58 @@ pub fn steer(ctx: &XdpContext, l3: usize, tagged: bool) -> u32 {
         // About a forwarded packet (client -> backend): on to the client,
         // quoting the service it connected to.
         outcome(Outcome::Icmp);
-        let old_addr = u32::from_ne_bytes(inner.daddr);
-        let old_port = u16::from_ne_bytes(ports.dest);
-        let old_check = u16::from_ne_bytes(inner.check);
-        let check = csum::replace4(old_check, old_addr, flow.addr);
-        inner.check = check.to_ne_bytes();
-        inner.daddr = flow.addr.to_ne_bytes();
-        ports.dest = flow.port.to_ne_bytes();
-        let mut sum = csum::replace4(u16::from_ne_bytes(icmp.check), old_addr, flow.addr);
-        sum = csum::replace2(sum, old_check, check);
-        icmp.check = csum::replace2(sum, old_port, flow.port).to_ne_bytes();
+        requote(icmp, inner, ports, End::Destination, flow.addr, flow.port);
         let client = u32::from_ne_bytes(ip.daddr);
         return relay(ctx, ip, client, HopCache::Client(client), tagged);
     }
     xdp_action::XDP_PASS
+}
+
+/// Which end of the quoted packet a translation rewrites.
+#[derive(Clone, Copy)]
+enum End {
+    Source,
+    Destination,
+}
+
+/// Rewrites one end of the quote to `addr`:`port`, updating the quoted
+/// IPv4 checksum and the ICMP checksum over both changes (the quoted TCP
+/// checksum is left as it was, see the module doc).
+#[inline(always)]
+fn requote(
+    icmp: &mut IcmpHdr,
+    inner: &mut Ipv4Hdr,
+    ports: &mut TcpPorts,
+    end: End,
+    addr: u32,
+    port: u16,
+) {
+    let (old_addr, old_port) = match end {
+        End::Source => (
+            u32::from_ne_bytes(inner.saddr),
+            u16::from_ne_bytes(ports.source),
+        ),
+        End::Destination => (
+            u32::from_ne_bytes(inner.daddr),
+            u16::from_ne_bytes(ports.dest),
+        ),
+    };
+    let old_check = u16::from_ne_bytes(inner.check);
+    let check = csum::replace4(old_check, old_addr, addr);
+    inner.check = check.to_ne_bytes();
+    match end {
+        End::Source => {
+            inner.saddr = addr.to_ne_bytes();
+            ports.source = port.to_ne_bytes();
+        }
+        End::Destination => {
+            inner.daddr = addr.to_ne_bytes();
+            ports.dest = port.to_ne_bytes();
+        }
+    }
+    let sum = csum::replace4(u16::from_ne_bytes(icmp.check), old_addr, addr);
+    let sum = csum::replace2(sum, old_check, check);
+    icmp.check = csum::replace2(sum, old_port, port).to_ne_bytes();
 }
 
 /// Forwards a translated ICMP error toward `dst`. An error is never
