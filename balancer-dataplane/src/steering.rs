@@ -220,9 +220,17 @@ impl Steering {
         let (requests, received) = mpsc::channel();
         let table_thread = {
             let shared = shared.clone();
+            // In the runtime's context: a transition a kernel signal causes
+            // here arms the breaker's state timer, which is a tokio task
+            // (without it, an open breaker of a worker with no L7 traffic
+            // would never go half-open).
+            let runtime = tokio::runtime::Handle::current();
             std::thread::Builder::new()
                 .name("l4-tables".into())
-                .spawn(move || table_loop(&shared, &received))
+                .spawn(move || {
+                    let _runtime = runtime.enter();
+                    table_loop(&shared, &received)
+                })
                 .map_err(DataplaneError::TableThread)?
         };
         let events = tokio::spawn(event_loop(shared.clone(), events, requests.clone()));
@@ -329,9 +337,8 @@ fn l4_state(worker: &Worker) -> (BackendState, u32) {
         BreakerState::HalfOpen => {
             let mut per_second = settings.half_open_max_inflight.max(1);
             let interval = settings.half_open_probe_interval.as_millis();
-            if interval > 0 {
-                let spaced = u32::try_from(1000 / interval).unwrap_or(u32::MAX).max(1);
-                per_second = per_second.min(spaced);
+            if let Some(spaced) = 1000u128.checked_div(interval) {
+                per_second = per_second.min(u32::try_from(spaced).unwrap_or(u32::MAX).max(1));
             }
             (BackendState::Trial, per_second)
         }

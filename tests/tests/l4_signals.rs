@@ -324,10 +324,17 @@ impl Env<'_> {
             breaker_since(&before, &after)
         );
         let recovered = recovered.with_context(|| {
+            // An open circuit whose timeout passed but that nothing polled
+            // reads open with its deadline behind it.
+            let expired = after.open_until.map_or("-".to_owned(), |until| {
+                let now = self.gw.registry.clock().now();
+                format!("{:?}", Duration::from_nanos(now.saturating_sub(until)))
+            });
             format!(
-                "B not back {BOUND:?} after the repair: breaker {}, kernel states {shown:?} \
-                 (open timeout {OPEN_TIMEOUT:?}; no request goes through the gateway, so only \
-                 the agent's timer can end the open period)",
+                "B not back {BOUND:?} after the repair: breaker {} (its open timeout of \
+                 {OPEN_TIMEOUT:?} expired {expired} ago, yet nothing moved it to half-open: \
+                 with no request through the gateway only the agent's timer can), kernel \
+                 states {shown:?}",
                 after.state
             )
         })?;
