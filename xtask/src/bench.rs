@@ -122,7 +122,11 @@ fn l7(args: &L7) -> Result<()> {
         lab.await_ready(&name, *addr)?;
     }
     let urls = workers.map(|addr| format!("http://{addr}"));
-    let mut targets = vec![Target::new("worker (direct)", workers[0])];
+    let mut targets = vec![Target::new(
+        "worker (direct)",
+        workers[0],
+        lab.pid("worker1")?,
+    )];
 
     let gateway = free_addr()?;
     lab.start(
@@ -145,7 +149,7 @@ fn l7(args: &L7) -> Result<()> {
             .args(&urls),
     )?;
     lab.await_ready(GATEWAY, gateway)?;
-    targets.push(Target::new(GATEWAY, gateway));
+    targets.push(Target::new(GATEWAY, gateway, lab.pid(GATEWAY)?));
 
     if let Some(nginx) = nginx {
         let addr = free_addr()?;
@@ -211,17 +215,22 @@ fn l7(args: &L7) -> Result<()> {
     for round in 0..args.rounds {
         for offset in 0..count {
             let target = &mut targets[(round as usize + offset) % count];
-            let sample = wrk
+            let cpu_before = tree_cpu(target.pid);
+            let mut sample = wrk
                 .run(target.addr, args.duration_secs)
                 .with_context(|| format!("measuring {}", target.name))?;
+            let cpu = tree_cpu(target.pid).saturating_sub(cpu_before);
+            let served = sample.rps * args.duration_secs as f64;
+            sample.cpu_us = cpu.as_secs_f64() * 1e6 / served.max(1.0);
             eprintln!(
-                "round {}/{}: {:<16} {:>9.0} req/s  p50 {:>8}  p99 {:>8}  errors {}",
+                "round {}/{}: {:<16} {:>9.0} req/s  p50 {:>8}  p99 {:>8}  CPU {:>6.1} us/req  errors {}",
                 round + 1,
                 args.rounds,
                 target.name,
                 sample.rps,
                 show(sample.p50),
                 show(sample.p99),
+                sample.cpu_us,
                 sample.errors,
             );
             target.samples.push(sample);
@@ -267,8 +276,8 @@ fn optional(
     name: &'static str,
     addr: SocketAddr,
 ) {
-    match lab.await_ready(name, addr) {
-        Ok(()) => targets.push(Target::new(name, addr)),
+    match lab.await_ready(name, addr).and_then(|()| lab.pid(name)) {
+        Ok(pid) => targets.push(Target::new(name, addr, pid)),
         Err(error) => {
             unavailable(left_out, name, &error);
             // A half-started server would take CPU from the others.
@@ -285,14 +294,18 @@ fn unavailable(left_out: &mut Vec<&'static str>, name: &'static str, error: &any
 struct Target {
     name: &'static str,
     addr: SocketAddr,
+    /// The server's process, whose tree's CPU time each round charges to
+    /// the requests it served.
+    pid: u32,
     samples: Vec<Sample>,
 }
 
 impl Target {
-    fn new(name: &'static str, addr: SocketAddr) -> Self {
+    fn new(name: &'static str, addr: SocketAddr, pid: u32) -> Self {
         Self {
             name,
             addr,
+            pid,
             samples: Vec::new(),
         }
     }
@@ -310,14 +323,25 @@ struct Sample {
     p99: Duration,
     /// Non-2xx answers and socket errors: a fast wrong answer is no result.
     errors: u64,
+    /// User + system CPU of the target's process tree over the run, per
+    /// request served, in microseconds (NaN until measured).
+    cpu_us: f64,
 }
 
 fn table(targets: &[Target]) -> String {
     let gateway = targets.iter().find(|t| t.name == GATEWAY);
     let reference = gateway.map(|g| (g.median(|s| s.rps), g.median(|s| s.p99.as_secs_f64())));
     let mut out = format!(
-        "{:<16} {:>10} {:>9} {:>9} {:>12} {:>12} {:>7}  {}\n",
-        "target", "req/s", "p50", "p99", "req/s ratio", "p99 ratio", "errors", "req/s per round"
+        "{:<16} {:>10} {:>9} {:>9} {:>11} {:>12} {:>12} {:>7}  {}\n",
+        "target",
+        "req/s",
+        "p50",
+        "p99",
+        "CPU us/req",
+        "req/s ratio",
+        "p99 ratio",
+        "errors",
+        "req/s per round"
     );
     for target in targets {
         let rps = target.median(|s| s.rps);
@@ -331,11 +355,12 @@ fn table(targets: &[Target]) -> String {
             .map(|s| format!("{:.0}", s.rps))
             .collect();
         out.push_str(&format!(
-            "{:<16} {:>10.0} {:>9} {:>9} {:>11.2}x {:>11.2}x {:>7}  {}\n",
+            "{:<16} {:>10.0} {:>9} {:>9} {:>11.1} {:>11.2}x {:>11.2}x {:>7}  {}\n",
             target.name,
             rps,
             show(Duration::from_secs_f64(p50)),
             show(Duration::from_secs_f64(p99)),
+            target.median(|s| s.cpu_us),
             rps_ratio,
             p99_ratio,
             target.samples.iter().map(|s| s.errors).sum::<u64>(),
@@ -344,9 +369,58 @@ fn table(targets: &[Target]) -> String {
     }
     out.push_str(&format!(
         "(medians over the rounds; ratios are relative to {GATEWAY}: req/s above 1 is faster, \
-         p99 above 1 is slower)"
+         p99 above 1 is slower; CPU is user + system time of the target's process tree over \
+         the run divided by the requests it served)"
     ));
+    if let (Some(gateway), Some(nginx)) = (gateway, targets.iter().find(|t| t.name == "nginx")) {
+        let ratio = |f: &dyn Fn(&Sample) -> f64| gateway.median(f) / nginx.median(f);
+        out.push_str(&format!(
+            "\n{GATEWAY} / nginx: CPU per request {:.2}x (goal <= 1), req/s {:.2}x (goal >= 1), \
+             p99 {:.2}x (goal <= 1)",
+            ratio(&|s| s.cpu_us),
+            ratio(&|s| s.rps),
+            ratio(&|s| s.p99.as_secs_f64()),
+        ));
+    }
     out
+}
+
+/// User + system CPU time of `root` and every process below it, from
+/// /proc (threads are in their process's figures).
+fn tree_cpu(root: u32) -> Duration {
+    // (pid, ppid, utime + stime in clock ticks) of every process.
+    let processes: Vec<(u32, u32, u64)> = fs::read_dir("/proc")
+        .map(|dir| {
+            dir.filter_map(|e| e.ok())
+                .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+                .filter_map(|pid| {
+                    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+                    // The command name may hold spaces: fields count from
+                    // after its closing parenthesis.
+                    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+                    let ppid = fields.get(1)?.parse().ok()?;
+                    let utime: u64 = fields.get(11)?.parse().ok()?;
+                    let stime: u64 = fields.get(12)?.parse().ok()?;
+                    Some((pid, ppid, utime + stime))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut tree = vec![root];
+    let mut i = 0;
+    while i < tree.len() {
+        let parent = tree[i];
+        tree.extend(processes.iter().filter(|p| p.1 == parent).map(|p| p.0));
+        i += 1;
+    }
+    let ticks: u64 = processes
+        .iter()
+        .filter(|p| tree.contains(&p.0))
+        .map(|p| p.2)
+        .sum();
+    // SAFETY: sysconf reads a constant and touches no memory.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Duration::from_secs_f64(ticks as f64 / per_second as f64)
 }
 
 /// How busy the CPUs are over one second while the bench itself is idle,
@@ -460,6 +534,7 @@ fn parse_wrk(report: &str) -> Result<Sample> {
         }
     }
     Ok(Sample {
+        cpu_us: f64::NAN,
         rps: rps.context("no Requests/sec line")?,
         p50: p50.context("no 50% line (was --latency given?)")?,
         p99: p99.context("no 99% line (was --latency given?)")?,
@@ -686,6 +761,15 @@ impl Lab {
         Ok(())
     }
 
+    /// The PID of process `name`.
+    fn pid(&self, name: &str) -> Result<u32> {
+        self.procs
+            .iter()
+            .find(|p| p.name == name)
+            .map(|p| p.child.id())
+            .with_context(|| format!("{name} was never started"))
+    }
+
     /// Waits until the server `name` answers a chat completion on `addr`
     /// with 200.
     fn await_ready(&mut self, name: &str, addr: SocketAddr) -> Result<()> {
@@ -793,6 +877,18 @@ Running 5s test @ http://127.0.0.1:40001/v1/chat/completions
 Requests/sec:  97612.34
 Transfer/sec:     36.08MB
 ";
+
+    #[test]
+    fn cpu_of_a_process_tree_counts_its_own_time() {
+        let before = tree_cpu(std::process::id());
+        let start = Instant::now();
+        let mut spin = 0u64;
+        while start.elapsed() < Duration::from_millis(100) {
+            spin = std::hint::black_box(spin.wrapping_add(1));
+        }
+        let spent = tree_cpu(std::process::id()).saturating_sub(before);
+        assert!(spent >= Duration::from_millis(50), "{spent:?} for 100 ms of spinning");
+    }
 
     #[test]
     fn wrk_report_is_read() {
