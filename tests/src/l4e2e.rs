@@ -1,14 +1,25 @@
-//! The namespace scenario both forwarding modes must pass: connections to
-//! the service spread over three workers; worker B isolated by real L7
-//! failures (its breaker) and then by failing health checks, each time
-//! getting no new connection while an established one keeps working, and
-//! getting new ones again once it recovers.
+//! The namespace scenario both forwarding modes must pass ([`Scenario`]):
+//! connections to the service spread over three workers; worker B isolated
+//! by real L7 failures (its breaker) and then by failing health checks, each
+//! time getting no new connection while an established one keeps working,
+//! and getting new ones again once it recovers.
+//!
+//! And what every namespace test of the L4 datapath drives its gateway
+//! with: the gateway's configuration, a [`Driver`] (L7 requests, metric
+//! scrapes, the registry's and the kernel's view of a worker, isolation
+//! through the breaker), the scraped [`Metrics`], keep-alive connections
+//! held on their workers ([`long_lived`], [`still_served`]), new
+//! connections counted by outcome ([`NewConnections`], [`Tally`], [`Load`])
+//! and bounded polling ([`poll_until`], [`wait`]).
 
+use std::collections::BTreeMap;
+use std::io::ErrorKind;
 use std::net::{SocketAddr, SocketAddrV4, TcpStream};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, anyhow, bail, ensure};
 use balancer::config::GatewayConfig;
 use balancer::gateway::Gateway;
 use balancer_common::l4::BackendState;
@@ -19,7 +30,7 @@ use balancer_core::health::HealthThresholds;
 use balancer_core::registry::Worker;
 use balancer_core::selection::Policy;
 use balancer_dataplane::XdpMode;
-use balancer_dataplane::steering::{ForwardMode, L4Config};
+use balancer_dataplane::steering::L4Config;
 use balancer_mock_worker::{Fault, MockWorker};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -29,6 +40,7 @@ use hyper_util::rt::TokioExecutor;
 use crate::http1::{self, Answer};
 use crate::netns;
 use crate::ns_runtime::NsRuntime;
+use crate::topology::{Layout, Topology};
 
 /// The worker that fails.
 pub const B: usize = 1;
@@ -64,14 +76,14 @@ pub fn gateway_config(urls: &[String]) -> GatewayConfig {
     config
 }
 
-/// The L4 part of the scenario's gateway: `services` steered over the
-/// workers from `ifaces` in `mode`.
-pub fn l4_config(ifaces: Vec<String>, mode: ForwardMode, services: Vec<SocketAddrV4>) -> L4Config {
+/// The L4 part of the scenario's gateway: the service of `layout` steered
+/// over the workers from the balancer's interfaces, in its mode.
+pub fn l4_config(layout: Layout) -> L4Config {
     L4Config {
-        ifaces,
+        ifaces: layout.mode.ifaces(),
         xdp_mode: XdpMode::Auto,
-        mode,
-        services,
+        mode: layout.mode.forward(),
+        services: vec![layout.vip()],
         table_size: 1009,
         conntrack_size: 65536,
         // Nothing pinned: the test's datapath goes with its gateway.
@@ -85,27 +97,31 @@ pub struct Scenario<'a> {
     /// Where clients connect from.
     pub client_ns: &'a str,
     pub vip: SocketAddr,
-    /// The runtime the gateway runs on, in the balancer's namespace.
-    pub balancer: &'a NsRuntime,
-    pub gw: &'a Gateway,
+    /// The gateway, on its runtime in the balancer's namespace.
+    pub driver: Driver<'a>,
     pub workers: &'a [MockWorker],
     pub clock: &'a ManualClock,
 }
 
-impl Scenario<'_> {
-    pub fn run(&self) -> Result<()> {
-        self.wait("models learned", || {
-            Ok(self
-                .gw
-                .registry
-                .fleet()
-                .workers
-                .iter()
-                .all(|w| !w.models().is_empty()))
-        })?;
-        for i in 0..self.workers.len() {
-            self.wait_kernel_state(i, BackendState::Routable)?;
+impl<'a> Scenario<'a> {
+    /// The scenario from `topology`'s client to its service.
+    pub fn new(
+        topology: &'a Topology,
+        driver: Driver<'a>,
+        workers: &'a [MockWorker],
+        clock: &'a ManualClock,
+    ) -> Self {
+        Self {
+            client_ns: topology.client(),
+            vip: topology.layout.vip().into(),
+            driver,
+            workers,
+            clock,
         }
+    }
+
+    pub fn run(&self) -> Result<()> {
+        self.driver.ready(BOUND)?;
         let got = self.connections()?;
         eprintln!("all routable: {got:?}");
         for (i, &n) in got.iter().enumerate() {
@@ -119,42 +135,17 @@ impl Scenario<'_> {
         self.metrics_show_l4()
     }
 
-    /// Real L7 requests through the gateway until B's breaker reaches
-    /// `state`; returns how many it took.
-    fn chat_until_b_is(&self, state: State) -> Result<usize> {
-        let mut sent = 0;
-        while self.worker(B)?.breaker.state() != state {
-            ensure!(
-                sent < 60,
-                "B's breaker still {:?} after {sent} requests",
-                self.worker(B)?.breaker.state()
-            );
-            self.gateway_chat()?;
-            sent += 1;
-        }
-        Ok(sent)
-    }
-
     fn breaker_isolates_b(&self) -> Result<()> {
         let mut long = self.long_lived_on_b()?;
-        self.workers[B].set_fault(Fault {
-            status: Some(500),
-            ..Fault::default()
-        });
-        let sent = self.chat_until_b_is(State::Open)?;
-        let opened = Instant::now();
-        self.wait_kernel_state(B, BackendState::Isolated)?;
-        eprintln!(
-            "breaker opened after {sent} L7 requests; kernel isolated B {:?} later",
-            opened.elapsed()
-        );
-        // Only the breaker holds B back from here on.
-        self.workers[B].clear_fault();
+        // Only the breaker holds B back once this returns.
+        let (sent, delay) = self.driver.isolate(B, &self.workers[B], BOUND)?;
+        eprintln!("breaker opened after {sent} L7 requests; kernel isolated B {delay:?} later");
         self.b_gets_nothing_but_keeps_its_connection(&mut long)?;
 
         self.clock.advance(Duration::from_secs(CB_TIMEOUT_SECS + 1));
-        self.chat_until_b_is(State::Closed)?;
-        self.wait_kernel_state(B, BackendState::Routable)?;
+        self.driver.chat_until(B, State::Closed)?;
+        self.driver
+            .wait_kernel_state(B, BackendState::Routable, BOUND)?;
         self.b_gets_some_again()
     }
 
@@ -164,16 +155,18 @@ impl Scenario<'_> {
             health_status: Some(503),
             ..Fault::default()
         });
-        self.wait("B demoted", || {
-            Ok(self.worker(B)?.health() == Health::NotReady)
+        wait("B demoted", BOUND, || {
+            Ok(self.driver.worker(B)?.health() == Health::NotReady)
         })?;
-        self.wait_kernel_state(B, BackendState::Isolated)?;
+        self.driver
+            .wait_kernel_state(B, BackendState::Isolated, BOUND)?;
         self.b_gets_nothing_but_keeps_its_connection(&mut long)?;
         self.workers[B].clear_fault();
-        self.wait("B promoted", || {
-            Ok(self.worker(B)?.health() == Health::Ready)
+        wait("B promoted", BOUND, || {
+            Ok(self.driver.worker(B)?.health() == Health::Ready)
         })?;
-        self.wait_kernel_state(B, BackendState::Routable)?;
+        self.driver
+            .wait_kernel_state(B, BackendState::Routable, BOUND)?;
         self.b_gets_some_again()
     }
 
@@ -215,35 +208,16 @@ impl Scenario<'_> {
 
     fn metrics_show_l4(&self) -> Result<()> {
         let url = self.workers[B].url();
-        let connections = format!("balancer_l4_worker_connections_total{{worker=\"{url}\"}}");
-        ensure!(self.metric(&connections)? > 0.0);
-        ensure!(self.metric("balancer_l4_outcome_packets_total{outcome=\"new_flow\"}")? > 0.0);
+        let metrics = self.driver.metrics()?;
+        ensure!(metrics.worker_counter("connections", &url)? > 0.0);
+        ensure!(metrics.outcome("new_flow")? > 0.0);
         // Open, half-open: at least two transitions changed B's bit.
         ensure!(
-            self.metric("balancer_dataplane_sync_seconds_count")? >= 2.0,
+            metrics.get("balancer_dataplane_sync_seconds_count")? >= 2.0,
             "sync histogram"
         );
-        let state = format!("balancer_l4_worker_state{{worker=\"{url}\"}}");
-        ensure!(self.metric(&state)? == 1.0);
+        ensure!(metrics.worker_state(&url)? == 1.0);
         Ok(())
-    }
-
-    /// The value of one series (name and labels as exposed) on the
-    /// gateway's metrics endpoint.
-    pub fn metric(&self, series: &str) -> Result<f64> {
-        let text = self.get(format!("http://{}/metrics", self.gw.metrics_addr))?;
-        text.lines()
-            .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-            .with_context(|| format!("no {series} in the metrics"))
-    }
-
-    fn worker(&self, i: usize) -> Result<Arc<Worker>> {
-        self.gw
-            .registry
-            .fleet()
-            .get(&self.workers[i].url())
-            .cloned()
-            .with_context(|| format!("worker {i} is not registered"))
     }
 
     fn counters(&self) -> Vec<u64> {
@@ -301,9 +275,73 @@ impl Scenario<'_> {
             bail!("100 connections and none went to B")
         })?
     }
+}
 
-    /// One chat completion through the L7 gateway.
-    fn gateway_chat(&self) -> Result<u16> {
+// ---------------------------------------------------------------------------
+// Driving a running gateway.
+
+/// A running gateway as a test drives it from outside its namespace.
+#[derive(Clone, Copy)]
+pub struct Driver<'a> {
+    /// The runtime the gateway runs on, in the balancer's namespace.
+    pub balancer: &'a NsRuntime,
+    pub gw: &'a Gateway,
+    /// The workers' URLs, in the order the test numbers them.
+    pub urls: &'a [String],
+}
+
+impl<'a> Driver<'a> {
+    pub fn new(balancer: &'a NsRuntime, gw: &'a Gateway, urls: &'a [String]) -> Self {
+        Self { balancer, gw, urls }
+    }
+
+    /// Worker `i` as the gateway's registry holds it.
+    pub fn worker(&self, i: usize) -> Result<Arc<Worker>> {
+        self.gw
+            .registry
+            .fleet()
+            .get(&self.urls[i])
+            .cloned()
+            .with_context(|| format!("worker {i} is not registered"))
+    }
+
+    /// The state the kernel's map holds for `worker`.
+    pub fn kernel_state(&self, worker: &Worker) -> Result<Option<BackendState>> {
+        let steering = self.gw.steering().context("no dataplane")?;
+        Ok(steering.backend_state(worker)?)
+    }
+
+    /// Waits at most `bound` until the kernel's map holds `state` for
+    /// worker `i`.
+    pub fn wait_kernel_state(&self, i: usize, state: BackendState, bound: Duration) -> Result<()> {
+        let worker = self.worker(i)?;
+        wait(
+            &format!("worker {i} {} in the kernel", state.name()),
+            bound,
+            || Ok(self.kernel_state(&worker)? == Some(state)),
+        )
+    }
+
+    /// Waits (each step at most `bound`) until the gateway knows every
+    /// worker's models and the kernel has every worker routable.
+    pub fn ready(&self, bound: Duration) -> Result<()> {
+        wait("models learned", bound, || {
+            Ok(self
+                .gw
+                .registry
+                .fleet()
+                .workers
+                .iter()
+                .all(|w| !w.models().is_empty()))
+        })?;
+        for i in 0..self.urls.len() {
+            self.wait_kernel_state(i, BackendState::Routable, bound)?;
+        }
+        Ok(())
+    }
+
+    /// One chat completion through the L7 gateway; its status.
+    pub fn chat(&self) -> Result<u16> {
         let uri = format!("http://{}/v1/chat/completions", self.gw.addr);
         self.balancer.run(async move {
             let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
@@ -317,7 +355,8 @@ impl Scenario<'_> {
         })?
     }
 
-    fn get(&self, uri: String) -> Result<String> {
+    /// The body of a `GET` of `uri` from the balancer's namespace.
+    pub fn get(&self, uri: String) -> Result<String> {
         self.balancer.run(async move {
             let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
             let response = tokio::time::timeout(BOUND, client.get(uri.parse()?)).await??;
@@ -326,24 +365,419 @@ impl Scenario<'_> {
         })?
     }
 
-    /// Waits until the kernel's map holds `state` for worker `i`.
-    fn wait_kernel_state(&self, i: usize, state: BackendState) -> Result<()> {
-        let steering = self.gw.steering().context("no dataplane")?;
-        let worker = self.worker(i)?;
-        self.wait(
-            &format!("worker {i} {} in the kernel", state.name()),
-            || Ok(steering.backend_state(&worker)? == Some(state)),
-        )
+    /// The gateway's metrics, as exposed.
+    pub fn metrics(&self) -> Result<Metrics> {
+        self.get(format!("http://{}/metrics", self.gw.metrics_addr))
+            .map(Metrics)
     }
 
-    fn wait(&self, what: &str, mut done: impl FnMut() -> Result<bool>) -> Result<()> {
-        let deadline = Instant::now() + BOUND;
-        while !done()? {
-            if Instant::now() > deadline {
-                bail!("timed out waiting for: {what}");
+    /// Real L7 requests through the gateway until worker `i`'s breaker
+    /// reaches `state` (at most 60); returns how many it took.
+    pub fn chat_until(&self, i: usize, state: State) -> Result<usize> {
+        let worker = self.worker(i)?;
+        let mut sent = 0;
+        while worker.breaker.state() != state {
+            ensure!(
+                sent < 60,
+                "worker {i}'s breaker still {:?} after {sent} requests",
+                worker.breaker.state()
+            );
+            self.chat()?;
+            sent += 1;
+        }
+        Ok(sent)
+    }
+
+    /// Opens worker `i`'s breaker with real L7 failures (`mock` answers
+    /// 500 meanwhile), clears the fault (only the breaker holds the worker
+    /// back then) and waits at most `bound` until the kernel has it
+    /// isolated. Returns the requests it took and how long the kernel took
+    /// after the breaker opened.
+    pub fn isolate(
+        &self,
+        i: usize,
+        mock: &MockWorker,
+        bound: Duration,
+    ) -> Result<(usize, Duration)> {
+        mock.set_fault(Fault {
+            status: Some(500),
+            ..Fault::default()
+        });
+        let opened = self.chat_until(i, State::Open);
+        mock.clear_fault();
+        let sent = opened?;
+        let start = Instant::now();
+        self.wait_kernel_state(i, BackendState::Isolated, bound)?;
+        Ok((sent, start.elapsed()))
+    }
+}
+
+/// One scrape of the gateway's metrics.
+pub struct Metrics(pub String);
+
+impl Metrics {
+    /// The value of one series (name and labels as exposed).
+    pub fn get(&self, series: &str) -> Result<f64> {
+        self.0
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+            .with_context(|| format!("no {series} in the metrics"))
+    }
+
+    /// Packets of one L4 outcome.
+    pub fn outcome(&self, name: &str) -> Result<f64> {
+        self.get(&format!(
+            "balancer_l4_outcome_packets_total{{outcome=\"{name}\"}}"
+        ))
+    }
+
+    /// One of a worker's L4 counters (`balancer_l4_worker_<what>_total`).
+    pub fn worker_counter(&self, what: &str, url: &str) -> Result<f64> {
+        self.get(&format!(
+            "balancer_l4_worker_{what}_total{{worker=\"{url}\"}}"
+        ))
+    }
+
+    /// The state the kernel holds for a worker, as a number.
+    pub fn worker_state(&self, url: &str) -> Result<f64> {
+        self.get(&format!("balancer_l4_worker_state{{worker=\"{url}\"}}"))
+    }
+
+    /// A worker's handshakes of one outcome.
+    pub fn handshakes(&self, url: &str, outcome: &str) -> Result<f64> {
+        self.get(&format!(
+            "balancer_l4_worker_handshakes_total{{worker=\"{url}\",outcome=\"{outcome}\"}}"
+        ))
+    }
+
+    /// A worker's breaker failures of one reason.
+    pub fn cb_failures(&self, url: &str, reason: &str) -> Result<f64> {
+        self.get(&format!(
+            "balancer_worker_cb_failures_total{{worker=\"{url}\",reason=\"{reason}\"}}"
+        ))
+    }
+
+    /// The L4 outcomes that moved since `earlier`, for messages.
+    pub fn outcomes_since(&self, earlier: &Metrics) -> Result<String> {
+        let names = [
+            "new_flow",
+            "established",
+            "reply",
+            "promoted",
+            "recovered",
+            "peer_restored",
+            "rst_ignored",
+            "conntrack_full",
+            "unresolved",
+            "no_backend",
+            "not_service",
+        ];
+        Ok(self.moved_since(earlier, &names, Self::outcome)?.join(", "))
+    }
+
+    /// A worker's handshake counters that moved since `earlier`, for the
+    /// log.
+    pub fn handshakes_since(&self, earlier: &Metrics, url: &str) -> Result<String> {
+        let names = ["forwarded", "established", "refused", "timeout", "reset"];
+        let moved = self.moved_since(earlier, &names, |m, outcome| m.handshakes(url, outcome))?;
+        if moved.is_empty() {
+            return Ok("none moved".to_owned());
+        }
+        Ok(moved.join(", "))
+    }
+
+    /// `<name> +<delta>` for each of `names` whose `value` moved since
+    /// `earlier`.
+    fn moved_since(
+        &self,
+        earlier: &Metrics,
+        names: &[&str],
+        value: impl Fn(&Metrics, &str) -> Result<f64>,
+    ) -> Result<Vec<String>> {
+        let mut moved = Vec::new();
+        for name in names {
+            let delta = value(self, name)? - value(earlier, name)?;
+            if delta != 0.0 {
+                moved.push(format!("{name} +{delta}"));
             }
-            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(moved)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Keep-alive connections held on their workers.
+
+/// Which of `workers` gave `answer`; it must be a success.
+pub fn served_by(workers: &[MockWorker], answer: &Answer) -> Result<usize> {
+    ensure!(answer.status == 200, "answer {answer:?}");
+    workers
+        .iter()
+        .position(|w| w.name() == answer.worker)
+        .with_context(|| format!("unexpected answer {answer:?}"))
+}
+
+/// `count` keep-alive connections to `vip` opened from namespace `ns`
+/// (within `bound`), one request on each: the connections, and which of
+/// `workers` answered on each.
+pub fn long_lived(
+    ns: &str,
+    vip: SocketAddr,
+    count: usize,
+    workers: &[MockWorker],
+    bound: Duration,
+) -> Result<(Vec<TcpStream>, Vec<usize>)> {
+    let mut long = netns::run_in(ns, bound, move || -> Result<Vec<TcpStream>> {
+        (0..count).map(|_| http1::connect(vip)).collect()
+    })??;
+    let mut served = Vec::new();
+    for (i, stream) in long.iter_mut().enumerate() {
+        let answer = http1::chat(stream, false).with_context(|| format!("connection {i}"))?;
+        served.push(served_by(workers, &answer).with_context(|| format!("connection {i}"))?);
+    }
+    Ok((long, served))
+}
+
+/// One more request on each of the [`long_lived`] connections, each of
+/// which must be answered by the worker it started on (`served`).
+pub fn still_served(
+    long: &mut [TcpStream],
+    served: &[usize],
+    workers: &[MockWorker],
+    when: &str,
+) -> Result<()> {
+    for (i, stream) in long.iter_mut().enumerate() {
+        let answer = http1::chat(stream, false)
+            .with_context(|| format!("long-lived connection {i} (worker {}) {when}", served[i]))?;
+        let now = served_by(workers, &answer)?;
+        ensure!(
+            now == served[i],
+            "long-lived connection {i} moved from worker {} to worker {now} {when}",
+            served[i]
+        );
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// New connections.
+
+/// New connections to a service, one request on each (`Connection:
+/// close`), with timeouts short enough for a test to count the ones that
+/// fail.
+#[derive(Clone, Copy, Debug)]
+pub struct NewConnections {
+    pub vip: SocketAddrV4,
+    /// How long a handshake may take.
+    pub connect_timeout: Duration,
+    /// How long a read or a write may take.
+    pub io_timeout: Duration,
+}
+
+/// What one new connection with one request did.
+pub enum Attempt {
+    /// Answered 200 by this worker.
+    Answered(String),
+    /// The handshake got a reset.
+    Refused,
+    /// The handshake got no answer within the connect timeout.
+    TimedOut,
+    Failed(String),
+}
+
+impl NewConnections {
+    /// One new connection, from the caller's namespace.
+    pub fn attempt(self) -> Attempt {
+        let vip = self.vip;
+        let mut stream = match TcpStream::connect_timeout(&vip.into(), self.connect_timeout) {
+            Ok(stream) => stream,
+            Err(e) if e.kind() == ErrorKind::ConnectionRefused => return Attempt::Refused,
+            Err(e) if matches!(e.kind(), ErrorKind::TimedOut | ErrorKind::WouldBlock) => {
+                return Attempt::TimedOut;
+            }
+            Err(e) => return Attempt::Failed(format!("connecting to {vip}: {e}")),
+        };
+        let timeouts = stream
+            .set_read_timeout(Some(self.io_timeout))
+            .and_then(|()| stream.set_write_timeout(Some(self.io_timeout)));
+        if let Err(e) = timeouts {
+            return Attempt::Failed(format!("socket timeouts: {e}"));
+        }
+        match http1::chat(&mut stream, true) {
+            Ok(answer) if answer.status == 200 => Attempt::Answered(answer.worker),
+            Ok(answer) => Attempt::Failed(format!("answer {answer:?}")),
+            Err(e) => Attempt::Failed(format!("{e:#}")),
+        }
+    }
+
+    /// `count` new connections one after the other, from the caller's
+    /// namespace; stops early once more than `limit` failed by a margin
+    /// (past the limit the caller fails anyway: no need to wait for every
+    /// remaining timeout).
+    pub fn tally(self, count: usize, limit: usize) -> Tally {
+        let mut tally = Tally::default();
+        for _ in 0..count {
+            if tally.failed > limit + 3 {
+                break;
+            }
+            tally.add(self.attempt());
+        }
+        tally
+    }
+
+    /// `clients` threads in namespace `ns`, each opening new connections
+    /// one after the other until the load is finished (or dropped), for at
+    /// most `bound`.
+    pub fn load(self, ns: &str, clients: usize, bound: Duration) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let tally = Arc::new(Mutex::new(Tally::default()));
+        let threads = (0..clients)
+            .map(|_| {
+                let (stop, tally, ns) = (stop.clone(), tally.clone(), ns.to_owned());
+                std::thread::spawn(move || {
+                    netns::run_in(&ns, bound, move || {
+                        while !stop.load(Ordering::Relaxed) {
+                            let outcome = self.attempt();
+                            lock(&tally).add(outcome);
+                        }
+                    })
+                })
+            })
+            .collect();
+        Load {
+            stop,
+            tally,
+            threads,
+        }
+    }
+}
+
+/// Outcomes of new connections.
+#[derive(Default)]
+pub struct Tally {
+    pub by_worker: BTreeMap<String, usize>,
+    pub refused: usize,
+    pub timed_out: usize,
+    /// Failures of every kind, refused and timed out included.
+    pub failed: usize,
+    pub first_refused: Option<Instant>,
+    errors: Vec<String>,
+}
+
+impl Tally {
+    pub fn add(&mut self, attempt: Attempt) {
+        match attempt {
+            Attempt::Answered(worker) => *self.by_worker.entry(worker).or_default() += 1,
+            Attempt::Refused => {
+                self.refused += 1;
+                self.failed += 1;
+                self.first_refused.get_or_insert_with(Instant::now);
+            }
+            Attempt::TimedOut => {
+                self.timed_out += 1;
+                self.failed += 1;
+            }
+            Attempt::Failed(error) => {
+                self.failed += 1;
+                if self.errors.len() < 3 {
+                    self.errors.push(error);
+                }
+            }
+        }
+    }
+
+    /// The answered ones.
+    pub fn ok(&self) -> usize {
+        self.by_worker.values().sum()
+    }
+
+    pub fn total(&self) -> usize {
+        self.ok() + self.failed
+    }
+
+    /// The ones the worker of that name answered.
+    pub fn of(&self, worker: &str) -> usize {
+        self.by_worker.get(worker).copied().unwrap_or(0)
+    }
+}
+
+impl std::fmt::Display for Tally {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} answered {:?}, {} failed ({} refused, {} timed out)",
+            self.ok(),
+            self.by_worker,
+            self.failed,
+            self.refused,
+            self.timed_out
+        )?;
+        if !self.errors.is_empty() {
+            write!(f, ", other errors: {}", self.errors.join("; "))?;
         }
         Ok(())
     }
+}
+
+/// Clients opening new connections ([`NewConnections::load`]).
+pub struct Load {
+    stop: Arc<AtomicBool>,
+    tally: Arc<Mutex<Tally>>,
+    threads: Vec<std::thread::JoinHandle<Result<()>>>,
+}
+
+impl Load {
+    /// When the first connection was refused, if one was.
+    pub fn first_refused(&self) -> Option<Instant> {
+        lock(&self.tally).first_refused
+    }
+
+    /// Stops the clients; what their connections did.
+    pub fn finish(mut self) -> Result<Tally> {
+        self.stop.store(true, Ordering::Relaxed);
+        for thread in std::mem::take(&mut self.threads) {
+            thread
+                .join()
+                .map_err(|_| anyhow!("a client thread panicked"))??;
+        }
+        Ok(std::mem::take(&mut *lock(&self.tally)))
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+// ---------------------------------------------------------------------------
+// Bounded polling.
+
+/// Polls `done` every millisecond for at most `bound`: when it first held,
+/// or `None`.
+pub fn poll_until(
+    bound: Duration,
+    mut done: impl FnMut() -> Result<bool>,
+) -> Result<Option<Instant>> {
+    let deadline = Instant::now() + bound;
+    loop {
+        if done()? {
+            return Ok(Some(Instant::now()));
+        }
+        if Instant::now() > deadline {
+            return Ok(None);
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Waits at most `bound` until `done` holds; the error names `what`.
+pub fn wait(what: &str, bound: Duration, done: impl FnMut() -> Result<bool>) -> Result<()> {
+    poll_until(bound, done)?
+        .map(drop)
+        .with_context(|| format!("timed out after {bound:?} waiting for: {what}"))
 }

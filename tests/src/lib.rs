@@ -3,9 +3,10 @@
 //! it receives ([`capture`]), a real etcd ([`etcd`]), raw frames ([`packet`]),
 //! network namespaces ([`netns`]) and runtimes inside them ([`ns_runtime`]),
 //! L4 services written straight into the maps ([`l4`]), raw HTTP/1.1
-//! exchanges ([`http1`]) and the namespace scenario both forwarding modes
-//! pass ([`l4e2e`]). Helpers never assert on behalf of a test they do not
-//! know; they return what they saw.
+//! exchanges ([`http1`]), the namespace topologies of both forwarding modes
+//! ([`topology`]), and the namespace scenario both modes pass with what the
+//! namespace tests drive a gateway with ([`l4e2e`]). Helpers never assert on
+//! behalf of a test they do not know; they return what they saw.
 pub mod capture;
 pub mod etcd;
 pub mod gateway;
@@ -52,3 +53,4 @@ pub mod l4e2e;
 pub mod netns;
 pub mod ns_runtime;
 pub mod packet;
+pub mod topology;

@@ -28,35 +28,26 @@
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail, ensure};
+use anyhow::{Context, Result, bail, ensure};
 use balancer::config::GatewayConfig;
 use balancer::gateway::Gateway;
-use balancer_common::l4::BackendState;
-use balancer_core::breaker::State;
 use balancer_core::clock::ManualClock;
-use balancer_core::registry::Worker;
 use balancer_dataplane::LoadOptions;
 use balancer_dataplane::pin::{self, PinDir};
 use balancer_dataplane::status;
-use balancer_dataplane::steering::ForwardMode;
-use balancer_mock_worker::{Fault, MockWorker};
+use balancer_mock_worker::MockWorker;
 use balancer_tests::ebpf_prerequisites;
-use balancer_tests::http1::{self, Answer};
-use balancer_tests::l4e2e;
-use balancer_tests::netns::{self, Namespaces, run};
+use balancer_tests::l4e2e::{self, Driver, Metrics, NewConnections, Tally};
+use balancer_tests::netns::{self, run};
 use balancer_tests::ns_runtime::NsRuntime;
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use balancer_tests::topology::{Layout, Mode, Topology, WORKERS};
 
 /// Keep-alive connections held across every step.
 const LONG_LIVED: usize = 5;
@@ -72,8 +63,6 @@ const IO_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long the client keeps opening connections on each side of the gap
 /// between two agents.
 const AROUND_GAP: Duration = Duration::from_millis(300);
-const WORKERS: usize = 3;
-const NAMES: [&str; WORKERS] = ["a", "b", "c"];
 /// The map sizes of [`l4e2e::l4_config`]; the agent process gets the same
 /// so that it adopts the same maps.
 const TABLE_SIZE: u32 = 1009;
@@ -104,7 +93,7 @@ fn remote_pinned_datapath_survives_restart_upgrade_and_crash() {
 
 impl Env<'_> {
     fn scenario(&self) -> Result<()> {
-        let mode = self.mode;
+        let mode = self.layout.mode;
         let step = Instant::now();
         ensure!(
             !self.pins.root().exists(),
@@ -122,20 +111,9 @@ impl Env<'_> {
         self.attached(&generation)?;
         eprintln!("[{mode:?}] pinned links: {generation:?}");
 
-        let vip = mode.vip();
-        let mut long = netns::run_in(self.client_ns, BOUND, move || -> Result<Vec<TcpStream>> {
-            (0..LONG_LIVED)
-                .map(|_| http1::connect(vip.into()))
-                .collect()
-        })??;
-        let mut served = Vec::new();
-        for (i, stream) in long.iter_mut().enumerate() {
-            let answer = http1::chat(stream, false).with_context(|| format!("connection {i}"))?;
-            served.push(
-                self.served_by(&answer)
-                    .with_context(|| format!("connection {i}"))?,
-            );
-        }
+        let vip = self.layout.vip();
+        let (mut long, served) =
+            l4e2e::long_lived(self.client_ns, vip.into(), LONG_LIVED, self.workers, BOUND)?;
         eprintln!("[{mode:?}] long-lived connections on workers {served:?}");
         // The worker of the first connection is isolated; with no agent
         // running, the pinned maps alone must keep new connections off it.
@@ -193,7 +171,7 @@ impl Env<'_> {
         // id), exactly what loading a newer build's object does: an upgrade
         // is a stop and a start of the new binary.
         let step = Instant::now();
-        let load = Load::start(self.client_ns, vip);
+        let load = self.connections().load(self.client_ns, 1, BOUND * 3);
         std::thread::sleep(AROUND_GAP);
         self.stop()?;
         std::thread::sleep(AROUND_GAP);
@@ -259,7 +237,7 @@ impl Env<'_> {
             removed == [self.pins.name()],
             "detach_all removed {removed:?}"
         );
-        for iface in self.mode.ifaces() {
+        for iface in self.layout.mode.ifaces() {
             ensure!(
                 self.xdp_program(&iface)?.is_none(),
                 "XDP program still on {iface} after detach_all"
@@ -281,18 +259,7 @@ impl Env<'_> {
 
     /// Every long-lived connection answers, from the worker it started on.
     fn keep_working(&self, long: &mut [TcpStream], served: &[usize], when: &str) -> Result<()> {
-        for (i, stream) in long.iter_mut().enumerate() {
-            let answer = http1::chat(stream, false).with_context(|| {
-                format!("long-lived connection {i} (worker {}) {when}", served[i])
-            })?;
-            let now = self.served_by(&answer)?;
-            ensure!(
-                now == served[i],
-                "long-lived connection {i} moved from worker {} to worker {now} {when}",
-                served[i]
-            );
-        }
-        Ok(())
+        l4e2e::still_served(long, served, self.workers, when)
     }
 
     /// [`Env::keep_working`], with the running agent's counters showing
@@ -318,23 +285,26 @@ impl Env<'_> {
         Ok(())
     }
 
+    /// New connections to the service from the client.
+    fn connections(&self) -> NewConnections {
+        NewConnections {
+            vip: self.layout.vip(),
+            connect_timeout: CONNECT_TIMEOUT,
+            io_timeout: IO_TIMEOUT,
+        }
+    }
+
     /// [`FRESH`] new connections from the client, one request each: at
     /// most [`FRESH_FAILURES`] may fail.
     fn fresh_connections(&self, when: &str) -> Result<Tally> {
-        let vip = self.mode.vip();
+        let connections = self.connections();
         let tally = netns::run_in(self.client_ns, BOUND * 6, move || {
-            let mut tally = Tally::default();
-            for _ in 0..FRESH {
-                // Past the limit the step fails anyway; no need to wait for
-                // every remaining timeout.
-                if tally.failed > FRESH_FAILURES + 3 {
-                    break;
-                }
-                tally.add(attempt(vip));
-            }
-            tally
+            connections.tally(FRESH, FRESH_FAILURES)
         })?;
-        eprintln!("[{:?}] {FRESH} new connections {when}: {tally}", self.mode);
+        eprintln!(
+            "[{:?}] {FRESH} new connections {when}: {tally}",
+            self.layout.mode
+        );
         ensure!(
             tally.failed <= FRESH_FAILURES && tally.ok() + tally.failed >= FRESH,
             "new connections {when}: {tally}"
@@ -351,13 +321,13 @@ impl Env<'_> {
             binary.to_str().context("non-UTF-8 binary path")?,
             &["l4", "status", "--bpffs-dir", dir],
         )?;
-        eprintln!("[{:?}] balancer l4 status:\n{report}", self.mode);
+        eprintln!("[{:?}] balancer l4 status:\n{report}", self.layout.mode);
         ensure!(
             report.contains(&self.pins.name()),
             "the status does not name {}",
             self.pins.name()
         );
-        for iface in self.mode.ifaces() {
+        for iface in self.layout.mode.ifaces() {
             ensure!(
                 report.contains(&format!("XDP on {iface}:")),
                 "the status does not mention XDP on {iface}"
@@ -453,9 +423,9 @@ impl Env<'_> {
             links.insert(name, (id("id")?, id("prog_id")?));
         }
         let mut expected = BTreeSet::new();
-        for iface in self.mode.ifaces() {
+        for iface in self.layout.mode.ifaces() {
             expected.insert(format!("xdp-{iface}"));
-            if let Mode::Local = self.mode {
+            if let Mode::Local = self.layout.mode {
                 expected.insert(format!("tc-{iface}"));
             }
         }
@@ -475,7 +445,7 @@ impl Env<'_> {
 
     /// Each interface runs the XDP program of its pinned link.
     fn attached(&self, links: &Links) -> Result<()> {
-        for iface in self.mode.ifaces() {
+        for iface in self.layout.mode.ifaces() {
             let (_, program) = links[&format!("xdp-{iface}")];
             let shown = self.xdp_program(&iface)?;
             ensure!(
@@ -528,113 +498,6 @@ impl Env<'_> {
 }
 
 // ---------------------------------------------------------------------------
-// New connections.
-
-/// One new connection to `vip`, one request on it, short timeouts.
-fn attempt(vip: SocketAddrV4) -> Result<Answer> {
-    let mut stream = TcpStream::connect_timeout(&vip.into(), CONNECT_TIMEOUT)
-        .with_context(|| format!("connecting to {vip}"))?;
-    stream.set_read_timeout(Some(IO_TIMEOUT))?;
-    stream.set_write_timeout(Some(IO_TIMEOUT))?;
-    let answer = http1::chat(&mut stream, true)?;
-    ensure!(answer.status == 200, "answer {answer:?}");
-    Ok(answer)
-}
-
-/// Outcomes of new connections: successes by worker name, failures.
-#[derive(Default)]
-struct Tally {
-    by_worker: BTreeMap<String, usize>,
-    failed: usize,
-    errors: Vec<String>,
-}
-
-impl Tally {
-    fn add(&mut self, outcome: Result<Answer>) {
-        match outcome {
-            Ok(answer) => *self.by_worker.entry(answer.worker).or_default() += 1,
-            Err(error) => {
-                self.failed += 1;
-                if self.errors.len() < 3 {
-                    self.errors.push(format!("{error:#}"));
-                }
-            }
-        }
-    }
-
-    fn ok(&self) -> usize {
-        self.by_worker.values().sum()
-    }
-
-    fn total(&self) -> usize {
-        self.ok() + self.failed
-    }
-
-    fn of(&self, worker: &str) -> usize {
-        self.by_worker.get(worker).copied().unwrap_or(0)
-    }
-}
-
-impl std::fmt::Display for Tally {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{} answered {:?}, {} failed",
-            self.ok(),
-            self.by_worker,
-            self.failed
-        )?;
-        if !self.errors.is_empty() {
-            write!(f, " (first errors: {})", self.errors.join("; "))?;
-        }
-        Ok(())
-    }
-}
-
-/// A client opening new connections one after the other, from its
-/// namespace, until told to stop (or dropped).
-struct Load {
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<Result<Tally>>>,
-}
-
-impl Load {
-    fn start(ns: &str, vip: SocketAddrV4) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let flag = stop.clone();
-        let ns = ns.to_owned();
-        let thread = std::thread::spawn(move || {
-            netns::run_in(&ns, BOUND * 3, move || {
-                let mut tally = Tally::default();
-                while !flag.load(Ordering::Relaxed) {
-                    tally.add(attempt(vip));
-                }
-                tally
-            })
-        });
-        Self {
-            stop,
-            thread: Some(thread),
-        }
-    }
-
-    fn finish(mut self) -> Result<Tally> {
-        self.stop.store(true, Ordering::Relaxed);
-        self.thread
-            .take()
-            .context("the load was finished already")?
-            .join()
-            .map_err(|_| anyhow!("the load thread panicked"))?
-    }
-}
-
-impl Drop for Load {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-    }
-}
-
-// ---------------------------------------------------------------------------
 // The agent as a process.
 
 /// The `balancer` binary, for the agent process and `balancer l4 status`.
@@ -683,7 +546,7 @@ impl AgentProcess {
         let log = std::env::temp_dir().join(format!(
             "balancer-l4-restart-{}-{}.log",
             std::process::id(),
-            env.mode.forward().as_str()
+            env.layout.mode.forward().as_str()
         ));
         let out =
             std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
@@ -702,13 +565,13 @@ impl AgentProcess {
             .args(["--prometheus-port", &CHILD_METRICS_PORT.to_string()])
             .args(["--admin-port", &CHILD_ADMIN_PORT.to_string()])
             .args(["--log-level", "info"])
-            .args(["--l4-mode", env.mode.forward().as_str()])
-            .args(["--l4-service", &env.mode.vip().to_string()])
+            .args(["--l4-mode", env.layout.mode.forward().as_str()])
+            .args(["--l4-service", &env.layout.vip().to_string()])
             .args(["--l4-table-size", &TABLE_SIZE.to_string()])
             .args(["--l4-conntrack-size", &CONNTRACK_SIZE.to_string()])
             .arg("--bpffs-dir")
             .arg(env.dir);
-        for iface in env.mode.ifaces() {
+        for iface in env.layout.mode.ifaces() {
             command.args(["--xdp-iface", &iface]);
         }
         command
@@ -723,7 +586,7 @@ impl AgentProcess {
             .with_context(|| format!("starting {}", binary.display()))?;
         eprintln!(
             "[{:?}] agent process {} started (log {})",
-            env.mode,
+            env.layout.mode,
             child.id(),
             log.display()
         );
@@ -752,7 +615,7 @@ impl AgentProcess {
             {
                 eprintln!(
                     "[{:?}] agent process attached and serving after {:?}",
-                    env.mode,
+                    env.layout.mode,
                     started.elapsed()
                 );
                 return Ok(links);
@@ -814,170 +677,6 @@ fn http_get(addr: SocketAddr) -> Result<String> {
 }
 
 // ---------------------------------------------------------------------------
-// The topology (that of `l4_pressure.rs`, on subnets of its own).
-
-#[derive(Clone, Copy, Debug)]
-enum Mode {
-    /// Gateway and workers in one namespace, the client in another.
-    Local,
-    /// Client, balancer (routing) and one namespace per worker.
-    Remote,
-}
-
-impl Mode {
-    fn forward(self) -> ForwardMode {
-        match self {
-            Self::Local => ForwardMode::Local,
-            Self::Remote => ForwardMode::Remote,
-        }
-    }
-
-    fn net(self) -> u8 {
-        match self {
-            Self::Local => 91,
-            Self::Remote => 92,
-        }
-    }
-
-    fn host(self, host: u8) -> Ipv4Addr {
-        Ipv4Addr::new(10, self.net(), 0, host)
-    }
-
-    fn client_ip(self) -> Ipv4Addr {
-        self.host(2)
-    }
-
-    /// The balancer's address on the client's link.
-    fn front_ip(self) -> Ipv4Addr {
-        self.host(1)
-    }
-
-    fn vip(self) -> SocketAddrV4 {
-        SocketAddrV4::new(Ipv4Addr::new(10, self.net(), 100, 1), 80)
-    }
-
-    /// Remote mode: worker `i` (from 1) and the balancer's side of its link.
-    fn worker_ip(self, i: usize) -> Ipv4Addr {
-        Ipv4Addr::new(10, self.net(), i as u8, 2)
-    }
-
-    fn worker_gateway(self, i: usize) -> Ipv4Addr {
-        Ipv4Addr::new(10, self.net(), i as u8, 1)
-    }
-
-    fn namespaces(self) -> usize {
-        match self {
-            Self::Local => 2,
-            Self::Remote => 2 + WORKERS,
-        }
-    }
-
-    /// The balancer's interfaces the program is attached to.
-    fn ifaces(self) -> Vec<String> {
-        match self {
-            Self::Local => vec![FRONT_IF.to_owned()],
-            Self::Remote => std::iter::once(FRONT_IF.to_owned())
-                .chain((1..=WORKERS).map(back_if))
-                .collect(),
-        }
-    }
-}
-
-const CLIENT_IF: &str = "cl0";
-/// The balancer's interface toward the client.
-const FRONT_IF: &str = "lbc";
-/// A worker's interface toward the balancer (remote mode).
-const WORKER_IF: &str = "wk0";
-
-/// The balancer's interface toward worker `i` (remote mode, from 1).
-fn back_if(i: usize) -> String {
-    format!("lbw{i}")
-}
-
-fn ns_exec(ns: &str, args: &[&str]) -> Result<String> {
-    let mut all = vec!["netns", "exec", ns];
-    all.extend_from_slice(args);
-    run("ip", &all)
-}
-
-/// A veth between two namespaces, addressed and up, with full checksums on
-/// transmit and GRO on receive (a frame XDP redirects into a veth is only
-/// delivered when the far end runs NAPI).
-fn link(a: (&str, &str, Ipv4Addr), b: (&str, &str, Ipv4Addr)) -> Result<()> {
-    run(
-        "ip",
-        &[
-            "link", "add", a.1, "netns", a.0, "type", "veth", "peer", "name", b.1, "netns", b.0,
-        ],
-    )?;
-    for (ns, iface, ip) in [a, b] {
-        run(
-            "ip",
-            &["-n", ns, "addr", "add", &format!("{ip}/24"), "dev", iface],
-        )?;
-        run("ip", &["-n", ns, "link", "set", iface, "up"])?;
-        ns_exec(ns, &["ethtool", "-K", iface, "tx", "off", "gro", "on"])?;
-    }
-    Ok(())
-}
-
-/// The links and routes of `mode` between `names` (0: client, 1: balancer,
-/// then the workers' namespaces in remote mode).
-fn topology(mode: Mode, names: &[String]) -> Result<()> {
-    let (client, balancer) = (names[0].as_str(), names[1].as_str());
-    if let Mode::Remote = mode {
-        // The balancer routes, and sees replies from the VIP, which it does
-        // not own, arriving from the workers' side.
-        for setting in [
-            "net.ipv4.ip_forward=1",
-            "net.ipv4.conf.all.rp_filter=0",
-            "net.ipv4.conf.default.rp_filter=0",
-        ] {
-            ns_exec(balancer, &["sysctl", "-qw", setting])?;
-        }
-    }
-    link(
-        (client, CLIENT_IF, mode.client_ip()),
-        (balancer, FRONT_IF, mode.front_ip()),
-    )?;
-    run(
-        "ip",
-        &[
-            "-n",
-            client,
-            "route",
-            "add",
-            &format!("{}/32", mode.vip().ip()),
-            "via",
-            &mode.front_ip().to_string(),
-        ],
-    )?;
-    if let Mode::Remote = mode {
-        for i in 1..=WORKERS {
-            let worker = names[1 + i].as_str();
-            link(
-                (balancer, &back_if(i), mode.worker_gateway(i)),
-                (worker, WORKER_IF, mode.worker_ip(i)),
-            )?;
-            // Replies go back through the balancer, which restores the VIP.
-            run(
-                "ip",
-                &[
-                    "-n",
-                    worker,
-                    "route",
-                    "add",
-                    "default",
-                    "via",
-                    &mode.worker_gateway(i).to_string(),
-                ],
-            )?;
-        }
-    }
-    Ok(())
-}
-
-// ---------------------------------------------------------------------------
 // Setup and cleanup.
 
 /// Removes everything pinned under the folder when dropped, whatever
@@ -1010,24 +709,18 @@ fn restart_upgrade_crash(mode: Mode, object: &Path) -> Result<()> {
         std::process::id(),
         mode.forward().as_str()
     ));
-    let prefix = match mode {
-        Mode::Local => "bt-l4rsl",
-        Mode::Remote => "bt-l4rsr",
+    let (prefix, net) = match mode {
+        Mode::Local => ("bt-l4rsl", 91),
+        Mode::Remote => ("bt-l4rsr", 92),
     };
-    let namespaces =
-        Namespaces::create(prefix, mode.namespaces()).context("creating namespaces")?;
-    // Dropped before the namespaces: the pins go first.
-    let guard = PinGuard(dir.clone());
-    status::detach_all(&dir).context("removing a stale pin folder")?;
-    let names: Vec<String> = (0..mode.namespaces())
-        .map(|i| namespaces.name(i).to_owned())
-        .collect();
-    let outcome = exercise(mode, &names, &dir, object);
-    drop(guard);
-    let deleted = namespaces.delete();
+    let outcome = Topology::run(prefix, Layout::new(mode, net), |topology| {
+        // Dropped before the namespaces: the pins go first.
+        let _guard = PinGuard(dir.clone());
+        status::detach_all(&dir).context("removing a stale pin folder")?;
+        exercise(topology, &dir, object)
+    });
     eprintln!("[{mode:?}] took {:?}", started.elapsed());
     outcome?;
-    deleted?;
     ensure!(
         !dir.exists(),
         "{} still exists after the test",
@@ -1036,29 +729,15 @@ fn restart_upgrade_crash(mode: Mode, object: &Path) -> Result<()> {
     Ok(())
 }
 
-fn exercise(mode: Mode, names: &[String], dir: &Path, object: &Path) -> Result<()> {
-    topology(mode, names)?;
-    // Remote mode: one runtime per worker namespace; local mode: the
-    // workers share the gateway's.
-    let worker_runtimes = names[2..]
-        .iter()
-        .map(|ns| NsRuntime::new(ns))
-        .collect::<Result<Vec<_>>>()?;
-    let runtime = NsRuntime::new(&names[1])?;
-    let workers = NAMES
-        .iter()
-        .enumerate()
-        .map(|(i, name)| match mode {
-            Mode::Local => runtime.worker(SocketAddr::from((mode.front_ip(), 0)), name),
-            Mode::Remote => {
-                worker_runtimes[i].worker(SocketAddr::from((mode.worker_ip(i + 1), 0)), name)
-            }
-        })
-        .collect::<Result<Vec<_>>>()?;
+fn exercise(topology: &Topology, dir: &Path, object: &Path) -> Result<()> {
+    let layout = topology.layout;
+    let mode = layout.mode;
+    let runtimes = topology.runtimes()?;
+    let workers = runtimes.start_workers()?;
 
     let urls: Vec<String> = workers.iter().map(MockWorker::url).collect();
     let mut config = l4e2e::gateway_config(&urls);
-    let mut l4 = l4e2e::l4_config(mode.ifaces(), mode.forward(), vec![mode.vip()]);
+    let mut l4 = l4e2e::l4_config(layout);
     ensure!(
         (l4.table_size, l4.conntrack_size) == (TABLE_SIZE, CONNTRACK_SIZE),
         "l4e2e::l4_config's map sizes changed; update TABLE_SIZE and CONNTRACK_SIZE"
@@ -1068,11 +747,12 @@ fn exercise(mode: Mode, names: &[String], dir: &Path, object: &Path) -> Result<(
     config.l4 = Some(l4);
 
     let env = Env {
-        mode,
-        client_ns: &names[0],
-        balancer_ns: &names[1],
-        balancer: &runtime,
+        layout,
+        client_ns: topology.client(),
+        balancer_ns: topology.balancer(),
+        balancer: &runtimes.balancer,
         workers: &workers,
+        urls,
         config,
         dir,
         pins: PinDir::new(dir, mode.forward().as_str(), &mode.ifaces()),
@@ -1083,33 +763,23 @@ fn exercise(mode: Mode, names: &[String], dir: &Path, object: &Path) -> Result<(
 
     // Whatever gateway the scenario left running stops (its datapath
     // stays pinned, for the guard to remove).
-    let stopped = match env.gw.borrow_mut().take() {
-        Some(gw) => runtime.run(gw.shutdown()),
-        None => Ok(()),
-    };
-    let mut workers_stopped = Ok(());
-    for (i, worker) in workers.into_iter().enumerate() {
-        let runtime = match mode {
-            Mode::Local => &runtime,
-            Mode::Remote => &worker_runtimes[i],
-        };
-        workers_stopped = workers_stopped.and(runtime.run(worker.shutdown()));
-    }
+    let gw = env.gw.borrow_mut().take();
+    let stopped = runtimes.shutdown(gw, workers.into_iter().enumerate());
     outcome?;
-    stopped.context("stopping the gateway")?;
-    workers_stopped.context("stopping the workers")
+    stopped
 }
 
 // ---------------------------------------------------------------------------
 // The in-process gateway, its workers and the metrics.
 
 struct Env<'a> {
-    mode: Mode,
+    layout: Layout,
     client_ns: &'a str,
     balancer_ns: &'a str,
     /// The runtime the gateway runs on, in the balancer's namespace.
     balancer: &'a NsRuntime,
     workers: &'a [MockWorker],
+    urls: Vec<String>,
     /// Every gateway starts with it: pinned under `dir`, left attached.
     config: GatewayConfig,
     dir: &'a Path,
@@ -1135,7 +805,7 @@ impl Env<'_> {
         *self.gw.borrow_mut() = Some(gw);
         eprintln!(
             "[{:?}] gateway started ({what}) in {:?}",
-            self.mode,
+            self.layout.mode,
             started.elapsed()
         );
         Ok(())
@@ -1147,165 +817,34 @@ impl Env<'_> {
         self.balancer.run(gw.shutdown())
     }
 
-    fn gw<T>(&self, f: impl FnOnce(&Gateway) -> Result<T>) -> Result<T> {
+    /// `f` with the running gateway.
+    fn driver<T>(&self, f: impl FnOnce(Driver) -> Result<T>) -> Result<T> {
         let gw = self.gw.borrow();
-        f(gw.as_ref().context("no gateway runs")?)
+        f(Driver::new(
+            self.balancer,
+            gw.as_ref().context("no gateway runs")?,
+            &self.urls,
+        ))
     }
 
     /// Waits until the gateway knows every worker's models and the kernel
     /// has every worker routable.
     fn ready(&self) -> Result<()> {
-        self.wait("models learned", || {
-            self.gw(|gw| {
-                Ok(gw
-                    .registry
-                    .fleet()
-                    .workers
-                    .iter()
-                    .all(|w| !w.models().is_empty()))
-            })
-        })?;
-        for i in 0..self.workers.len() {
-            self.wait_kernel_state(i, BackendState::Routable)?;
-        }
-        Ok(())
+        self.driver(|driver| driver.ready(BOUND))
     }
 
-    /// Which worker gave `answer`; it must be a success.
-    fn served_by(&self, answer: &Answer) -> Result<usize> {
-        ensure!(answer.status == 200, "answer {answer:?}");
-        self.workers
-            .iter()
-            .position(|w| w.name() == answer.worker)
-            .with_context(|| format!("unexpected answer {answer:?}"))
-    }
-
-    /// Opens worker `i`'s breaker with real L7 failures, clears the fault
-    /// (only the breaker holds the worker back then) and waits until the
-    /// kernel has it isolated.
+    /// Isolates worker `i` through its breaker (see [`Driver::isolate`]).
     fn isolate(&self, i: usize) -> Result<()> {
-        self.workers[i].set_fault(Fault {
-            status: Some(500),
-            ..Fault::default()
-        });
-        let opened = (|| -> Result<usize> {
-            let mut sent = 0;
-            while self.worker(i)?.breaker.state() != State::Open {
-                ensure!(
-                    sent < 60,
-                    "worker {i}'s breaker still {:?} after {sent} requests",
-                    self.worker(i)?.breaker.state()
-                );
-                self.gateway_chat()?;
-                sent += 1;
-            }
-            Ok(sent)
-        })();
-        self.workers[i].clear_fault();
-        let sent = opened?;
-        self.wait_kernel_state(i, BackendState::Isolated)?;
+        let (sent, _) = self.driver(|driver| driver.isolate(i, &self.workers[i], BOUND))?;
         eprintln!(
             "[{:?}] worker {i}'s breaker opened after {sent} requests; isolated in the kernel",
-            self.mode
+            self.layout.mode
         );
         Ok(())
     }
 
-    fn worker(&self, i: usize) -> Result<Arc<Worker>> {
-        let url = self.workers[i].url();
-        self.gw(|gw| {
-            gw.registry
-                .fleet()
-                .get(&url)
-                .cloned()
-                .with_context(|| format!("worker {i} is not registered"))
-        })
-    }
-
-    /// One chat completion through the L7 gateway.
-    fn gateway_chat(&self) -> Result<u16> {
-        let uri = self.gw(|gw| Ok(format!("http://{}/v1/chat/completions", gw.addr)))?;
-        self.balancer.run(async move {
-            let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-            let request = http::Request::post(uri)
-                .header("content-type", "application/json")
-                .body(Full::new(Bytes::from_static(http1::CHAT.as_bytes())))?;
-            let response = tokio::time::timeout(BOUND, client.request(request)).await??;
-            let status = response.status().as_u16();
-            response.into_body().collect().await?;
-            Ok::<_, anyhow::Error>(status)
-        })?
-    }
-
     /// The running gateway's metrics, as exposed.
     fn metrics(&self) -> Result<Metrics> {
-        let uri = self.gw(|gw| Ok(format!("http://{}/metrics", gw.metrics_addr)))?;
-        let text = self.balancer.run(async move {
-            let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-            let response = tokio::time::timeout(BOUND, client.get(uri.parse()?)).await??;
-            let body = response.into_body().collect().await?.to_bytes();
-            Ok::<_, anyhow::Error>(String::from_utf8_lossy(&body).into_owned())
-        })??;
-        Ok(Metrics(text))
-    }
-
-    /// Waits until the kernel's map holds `state` for worker `i`.
-    fn wait_kernel_state(&self, i: usize, state: BackendState) -> Result<()> {
-        let worker = self.worker(i)?;
-        self.wait(
-            &format!("worker {i} {} in the kernel", state.name()),
-            || {
-                self.gw(|gw| {
-                    let steering = gw.steering().context("no dataplane")?;
-                    Ok(steering.backend_state(&worker)? == Some(state))
-                })
-            },
-        )
-    }
-
-    fn wait(&self, what: &str, mut done: impl FnMut() -> Result<bool>) -> Result<()> {
-        let deadline = Instant::now() + BOUND;
-        while !done()? {
-            if Instant::now() > deadline {
-                bail!("timed out after {BOUND:?} waiting for: {what}");
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        Ok(())
-    }
-}
-
-/// One scrape of the gateway's metrics.
-struct Metrics(String);
-
-impl Metrics {
-    /// Packets of one L4 outcome.
-    fn outcome(&self, name: &str) -> Result<f64> {
-        let series = format!("balancer_l4_outcome_packets_total{{outcome=\"{name}\"}}");
-        self.0
-            .lines()
-            .find_map(|l| l.strip_prefix(&series)?.trim().parse().ok())
-            .with_context(|| format!("no {series} in the metrics"))
-    }
-
-    /// The outcomes that moved since `earlier`, for messages.
-    fn outcomes_since(&self, earlier: &Metrics) -> Result<String> {
-        let mut moved = Vec::new();
-        for name in [
-            "new_flow",
-            "established",
-            "reply",
-            "recovered",
-            "peer_restored",
-            "conntrack_full",
-            "unresolved",
-            "no_backend",
-        ] {
-            let delta = self.outcome(name)? - earlier.outcome(name)?;
-            if delta != 0.0 {
-                moved.push(format!("{name} +{delta}"));
-            }
-        }
-        Ok(moved.join(", "))
+        self.driver(|driver| driver.metrics())
     }
 }

@@ -887,7 +887,10 @@ Transfer/sec:     36.08MB
             spin = std::hint::black_box(spin.wrapping_add(1));
         }
         let spent = tree_cpu(std::process::id()).saturating_sub(before);
-        assert!(spent >= Duration::from_millis(50), "{spent:?} for 100 ms of spinning");
+        assert!(
+            spent >= Duration::from_millis(50),
+            "{spent:?} for 100 ms of spinning"
+        );
     }
 
     #[test]
