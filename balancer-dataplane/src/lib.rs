@@ -559,7 +559,7 @@ impl Dataplane {
             let id = program.attach_to_link(link).map_err(|e| to(Box::new(e)))?;
             // The pin still holds the link; this process needs no handle.
             drop(program.take_link(id).map_err(|e| to(Box::new(e)))?);
-            tracing::info!(iface, link = %path.display(), "replaced the program of the pinned XDP link");
+            tracing::info!(iface, link = %path.display(), "replaced the program of the pinned link");
             self.attachments.push(Attachment {
                 iface: iface.to_owned(),
                 mode,
@@ -678,7 +678,7 @@ impl Dataplane {
                     }
                 })?,
                 // Nothing else holds a pinned link: without its pin it goes.
-                Held::Pinned(path) => remove_pin(&path)?,
+                Held::Pinned(path) => pin::remove_file(&path)?,
             }
             tracing::info!(iface = attachment.iface, "detached TC egress program");
         }
@@ -690,7 +690,7 @@ impl Dataplane {
                         source,
                     }
                 })?,
-                Held::Pinned(path) => remove_pin(&path)?,
+                Held::Pinned(path) => pin::remove_file(&path)?,
             }
             tracing::info!(iface = attachment.iface, "detached XDP program");
         }
@@ -747,19 +747,6 @@ where
     let to = link_error(path);
     let pinned = PinnedLink::from_pin(path).map_err(|e| to(Box::new(e)))?;
     L::try_from(FdLink::from(pinned)).map_err(|e| to(Box::new(e)))
-}
-
-fn remove_pin(path: &Path) -> Result<(), DataplaneError> {
-    match std::fs::remove_file(path) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(source) => Err(PinError::Io {
-            what: "remove",
-            path: path.to_path_buf(),
-            source,
-        }
-        .into()),
-    }
 }
 
 fn program_mut(ebpf: &mut Ebpf) -> Result<&mut Xdp, DataplaneError> {

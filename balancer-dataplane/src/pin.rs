@@ -207,7 +207,8 @@ pub fn remove_tree(dir: &Path) -> Result<(), PinError> {
     })
 }
 
-fn remove_file(path: &Path) -> Result<(), PinError> {
+/// Removes one pin; one already gone is fine.
+pub(crate) fn remove_file(path: &Path) -> Result<(), PinError> {
     match fs::remove_file(path) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),

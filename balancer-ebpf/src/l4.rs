@@ -140,14 +140,7 @@ pub fn steer(ctx: &XdpContext, packet: &TcpPacket) -> u32 {
         let mut found = MaybeUninit::<Flow>::uninit();
         if !packet.syn && conntrack::established(&key, &seg, &mut found) {
             // SAFETY: `established` wrote it.
-            let flow = unsafe { found.assume_init() };
-            outcome(Outcome::Established);
-            count_forward(ctx, flow.service, flow.backend, false);
-            return send(
-                ctx,
-                packet,
-                &Delivery::forward(&flow, flow.backend, flow.flags),
-            );
+            return known(ctx, packet, unsafe { found.assume_init_ref() });
         }
         // The service before the embryonic table: traffic to the service
         // port of another address pays one lookup less.
@@ -156,14 +149,7 @@ pub fn steer(ctx: &XdpContext, packet: &TcpPacket) -> u32 {
             let service = unsafe { *service };
             if !packet.syn && conntrack::handshaking(&key, &seg, &mut found) {
                 // SAFETY: `handshaking` wrote it.
-                let flow = unsafe { found.assume_init() };
-                outcome(Outcome::Established);
-                count_forward(ctx, flow.service, flow.backend, false);
-                return send(
-                    ctx,
-                    packet,
-                    &Delivery::forward(&flow, flow.backend, flow.flags),
-                );
+                return known(ctx, packet, unsafe { found.assume_init_ref() });
             }
             let mut how = Delivery::default();
             if !admit(ctx, &key, &service, &seg, &mut how) {
@@ -196,6 +182,18 @@ pub fn steer(ctx: &XdpContext, packet: &TcpPacket) -> u32 {
     }
     outcome(Outcome::NotService);
     xdp_action::XDP_PASS
+}
+
+/// A client packet of a connection a table knows: to its backend.
+#[inline(always)]
+fn known(ctx: &XdpContext, packet: &TcpPacket, flow: &Flow) -> u32 {
+    outcome(Outcome::Established);
+    count_forward(ctx, flow.service, flow.backend, false);
+    send(
+        ctx,
+        packet,
+        &Delivery::forward(flow, flow.backend, flow.flags),
+    )
 }
 
 /// A backend for a packet to `service` that no connection entry covers,
