@@ -97,6 +97,9 @@ const GATEWAY: &str = "balancer";
 
 fn l7(args: &L7) -> Result<()> {
     let started = Instant::now();
+    // Every process started here inherits this: the idle-connection
+    // measurement holds 10,000 sockets at each end.
+    raise_open_files_limit();
     let mut left_out = Vec::new();
     let wrk_binary = ensure_tool("wrk", "wrk")?;
     let nginx = ensure_tool("nginx", "nginx-light")
@@ -238,7 +241,21 @@ fn l7(args: &L7) -> Result<()> {
     }
 
     let busy_after = other_cpu_use();
+    let mut idle = Vec::new();
+    for target in targets.iter().filter(|t| t.name != "worker (direct)") {
+        match idle_rss(target) {
+            Ok(line) => idle.push(line),
+            Err(error) => idle.push(format!("{:<16} idle connections: {error:#}", target.name)),
+        }
+    }
     println!("\n{}", table(&targets));
+    println!(
+        "\nmemory (resident set of the process tree) with {IDLE_CONNECTIONS} idle client \
+         connections open:"
+    );
+    for line in &idle {
+        println!("  {line}");
+    }
     println!(
         "CPU busy with other work (which skews results): {busy_before} before the rounds, \
          {busy_after} after"
@@ -385,24 +402,14 @@ fn table(targets: &[Target]) -> String {
     out
 }
 
-/// User + system CPU time of `root` and every process below it, from
-/// /proc (threads are in their process's figures).
-fn tree_cpu(root: u32) -> Duration {
-    // (pid, ppid, utime + stime in clock ticks) of every process.
-    let processes: Vec<(u32, u32, u64)> = fs::read_dir("/proc")
+/// `root` and every process below it, from /proc.
+fn process_tree(root: u32) -> Vec<u32> {
+    // (pid, ppid) of every process.
+    let processes: Vec<(u32, u32)> = fs::read_dir("/proc")
         .map(|dir| {
             dir.filter_map(|e| e.ok())
                 .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-                .filter_map(|pid| {
-                    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-                    // The command name may hold spaces: fields count from
-                    // after its closing parenthesis.
-                    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-                    let ppid = fields.get(1)?.parse().ok()?;
-                    let utime: u64 = fields.get(11)?.parse().ok()?;
-                    let stime: u64 = fields.get(12)?.parse().ok()?;
-                    Some((pid, ppid, utime + stime))
-                })
+                .filter_map(|pid| Some((pid, proc_stat(pid)?.0)))
                 .collect()
         })
         .unwrap_or_default();
@@ -413,14 +420,92 @@ fn tree_cpu(root: u32) -> Duration {
         tree.extend(processes.iter().filter(|p| p.1 == parent).map(|p| p.0));
         i += 1;
     }
-    let ticks: u64 = processes
-        .iter()
-        .filter(|p| tree.contains(&p.0))
-        .map(|p| p.2)
+    tree
+}
+
+/// The parent and user + system clock ticks of `pid` (threads included).
+fn proc_stat(pid: u32) -> Option<(u32, u64)> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may hold spaces: fields count from after its
+    // closing parenthesis.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ppid = fields.get(1)?.parse().ok()?;
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some((ppid, utime + stime))
+}
+
+/// User + system CPU time of `root` and every process below it.
+fn tree_cpu(root: u32) -> Duration {
+    let ticks: u64 = process_tree(root)
+        .into_iter()
+        .filter_map(|pid| Some(proc_stat(pid)?.1))
         .sum();
     // SAFETY: sysconf reads a constant and touches no memory.
     let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
     Duration::from_secs_f64(ticks as f64 / per_second as f64)
+}
+
+/// Resident memory of `root` and every process below it, in bytes.
+fn tree_rss(root: u32) -> u64 {
+    process_tree(root)
+        .into_iter()
+        .filter_map(|pid| {
+            let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+            let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kib * 1024)
+        })
+        .sum()
+}
+
+/// Idle client connections the memory measurement opens to each target.
+const IDLE_CONNECTIONS: usize = 10_000;
+
+/// Opens [`IDLE_CONNECTIONS`] connections to `target` that send nothing,
+/// and says how the resident memory of its process tree grew.
+fn idle_rss(target: &Target) -> Result<String> {
+    let before = tree_rss(target.pid);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut open = Vec::with_capacity(IDLE_CONNECTIONS);
+    while open.len() < IDLE_CONNECTIONS {
+        ensure!(
+            Instant::now() < deadline,
+            "only {} connections opened within 60 s",
+            open.len()
+        );
+        open.push(
+            std::net::TcpStream::connect_timeout(&target.addr, Duration::from_secs(2))
+                .with_context(|| format!("idle connection {}", open.len() + 1))?,
+        );
+    }
+    // Accepted connections are set up by the server's own threads.
+    std::thread::sleep(Duration::from_secs(1));
+    let with = tree_rss(target.pid);
+    drop(open);
+    let mib = |bytes: u64| bytes as f64 / (1024.0 * 1024.0);
+    Ok(format!(
+        "{:<16} {:>8.1} MiB (idle: {:.1} MiB; {:.1} KiB per connection)",
+        target.name,
+        mib(with),
+        mib(before),
+        with.saturating_sub(before) as f64 / 1024.0 / IDLE_CONNECTIONS as f64,
+    ))
+}
+
+/// Raises this process's open-files limit to its hard limit.
+fn raise_open_files_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: both calls read or write only the struct passed.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 {
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        }
+    }
 }
 
 /// How busy the CPUs are over one second while the bench itself is idle,
@@ -576,10 +661,11 @@ fn nginx_conf(dir: &Path, listen: SocketAddr, workers: &[SocketAddr]) -> String 
     // keepalive work.
     format!(
         "worker_processes 2;
+worker_rlimit_nofile 32768;
 pid {dir}/nginx.pid;
 error_log {dir}/nginx-error.log warn;
 events {{
-    worker_connections 1024;
+    worker_connections 16384;
 }}
 http {{
     access_log off;
