@@ -84,6 +84,10 @@ pub fn bench(which: Which) -> Result<()> {
 
 const PATH: &str = "/v1/chat/completions";
 const BODY: &str = r#"{"model":"demo-model","messages":[{"role":"user","content":"hi"}]}"#;
+/// The streaming row's request: an SSE response of [`STREAM_CHUNKS`]
+/// chunks (one per token; the demo worker sends them without delay).
+const STREAM_BODY: &str = r#"{"model":"demo-model","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":50}"#;
+const STREAM_CHUNKS: f64 = 50.0;
 /// One of the two cores' worth of load generator; the servers get the rest.
 const WRK_THREADS: u64 = 1;
 /// Fills connection pools and caches before anything is counted.
@@ -111,7 +115,14 @@ fn l7(args: &L7) -> Result<()> {
         .ok();
 
     let mut lab = Lab::new()?;
-    let wrk = Wrk::new(wrk_binary, &lab.dir, args.connections)?;
+    let wrk = Wrk::new(wrk_binary.clone(), &lab.dir, args.connections, "chat", BODY)?;
+    let stream_wrk = Wrk::new(
+        wrk_binary,
+        &lab.dir,
+        args.connections,
+        "stream",
+        STREAM_BODY,
+    )?;
 
     let workers = [free_addr()?, free_addr()?];
     for (number, addr) in workers.iter().enumerate() {
@@ -154,10 +165,16 @@ fn l7(args: &L7) -> Result<()> {
     lab.await_ready(GATEWAY, gateway)?;
     targets.push(Target::new(GATEWAY, gateway, lab.pid(GATEWAY)?));
 
+    let mut nginx_stream = None;
     if let Some(nginx) = nginx {
         let addr = free_addr()?;
+        // SSE through nginx as LLM gateways run it: unbuffered, each chunk
+        // relayed as it comes (a server of its own, so the other row keeps
+        // nginx's defaults).
+        let stream_addr = free_addr()?;
+        nginx_stream = Some(stream_addr);
         let conf = lab.dir.join("nginx.conf");
-        fs::write(&conf, nginx_conf(&lab.dir, addr, &workers))?;
+        fs::write(&conf, nginx_conf(&lab.dir, addr, stream_addr, &workers))?;
         lab.start(
             "nginx",
             Command::new(nginx)
@@ -218,13 +235,7 @@ fn l7(args: &L7) -> Result<()> {
     for round in 0..args.rounds {
         for offset in 0..count {
             let target = &mut targets[(round as usize + offset) % count];
-            let cpu_before = tree_cpu(target.pid);
-            let mut sample = wrk
-                .run(target.addr, args.duration_secs)
-                .with_context(|| format!("measuring {}", target.name))?;
-            let cpu = tree_cpu(target.pid).saturating_sub(cpu_before);
-            let served = sample.rps * args.duration_secs as f64;
-            sample.cpu_us = cpu.as_secs_f64() * 1e6 / served.max(1.0);
+            let sample = measure(&wrk, target, args.duration_secs)?;
             eprintln!(
                 "round {}/{}: {:<16} {:>9.0} req/s  p50 {:>8}  p99 {:>8}  CPU {:>6.1} us/req  errors {}",
                 round + 1,
@@ -240,6 +251,37 @@ fn l7(args: &L7) -> Result<()> {
         }
     }
 
+    // The streaming row: the gateway and nginx (unbuffered), alternating.
+    let mut streams: Vec<Target> = targets
+        .iter()
+        .filter(|t| t.name == GATEWAY || t.name == "nginx")
+        .map(|t| {
+            let addr = if t.name == "nginx" {
+                nginx_stream.unwrap_or(t.addr)
+            } else {
+                t.addr
+            };
+            Target::new(t.name, addr, t.pid)
+        })
+        .collect();
+    for round in 0..args.rounds {
+        for offset in 0..streams.len() {
+            let index = (round as usize + offset) % streams.len();
+            let target = &mut streams[index];
+            let sample = measure(&stream_wrk, target, args.duration_secs)?;
+            eprintln!(
+                "stream round {}/{}: {:<16} {:>9.0} chunks/s  CPU {:>6.2} us/chunk  errors {}",
+                round + 1,
+                args.rounds,
+                target.name,
+                sample.rps * STREAM_CHUNKS,
+                sample.cpu_us / STREAM_CHUNKS,
+                sample.errors,
+            );
+            target.samples.push(sample);
+        }
+    }
+
     let busy_after = other_cpu_use();
     let mut idle = Vec::new();
     for target in targets.iter().filter(|t| t.name != "worker (direct)") {
@@ -249,6 +291,7 @@ fn l7(args: &L7) -> Result<()> {
         }
     }
     println!("\n{}", table(&targets));
+    println!("\n{}", stream_table(&streams));
     println!(
         "\nmemory (resident set of the process tree) with {IDLE_CONNECTIONS} idle client \
          connections open:"
@@ -397,6 +440,49 @@ fn table(targets: &[Target]) -> String {
             ratio(&|s| s.cpu_us),
             ratio(&|s| s.rps),
             ratio(&|s| s.p99.as_secs_f64()),
+        ));
+    }
+    out
+}
+
+/// One wrk run against `target`, with the CPU its process tree spent per
+/// request served.
+fn measure(wrk: &Wrk, target: &Target, secs: u64) -> Result<Sample> {
+    let cpu_before = tree_cpu(target.pid);
+    let mut sample = wrk
+        .run(target.addr, secs)
+        .with_context(|| format!("measuring {}", target.name))?;
+    let cpu = tree_cpu(target.pid).saturating_sub(cpu_before);
+    let served = sample.rps * secs as f64;
+    sample.cpu_us = cpu.as_secs_f64() * 1e6 / served.max(1.0);
+    Ok(sample)
+}
+
+/// The streaming row: chunks relayed per second and CPU per chunk.
+fn stream_table(streams: &[Target]) -> String {
+    let mut out = format!(
+        "streaming ({STREAM_CHUNKS} SSE chunks per response, nginx with proxy_buffering off):\n\
+         {:<16} {:>12} {:>13} {:>9} {:>7}\n",
+        "target", "chunks/s", "CPU us/chunk", "p99", "errors"
+    );
+    for target in streams {
+        out.push_str(&format!(
+            "{:<16} {:>12.0} {:>13.2} {:>9} {:>7}\n",
+            target.name,
+            target.median(|s| s.rps) * STREAM_CHUNKS,
+            target.median(|s| s.cpu_us) / STREAM_CHUNKS,
+            show(Duration::from_secs_f64(
+                target.median(|s| s.p99.as_secs_f64())
+            )),
+            target.samples.iter().map(|s| s.errors).sum::<u64>(),
+        ));
+    }
+    if let [gateway, nginx] = streams {
+        let ratio = |f: &dyn Fn(&Sample) -> f64| gateway.median(f) / nginx.median(f);
+        out.push_str(&format!(
+            "{GATEWAY} / nginx: chunks/s {:.2}x, CPU per chunk {:.2}x",
+            ratio(&|s| s.rps),
+            ratio(&|s| s.cpu_us),
         ));
     }
     out
@@ -567,20 +653,21 @@ struct Wrk {
 }
 
 impl Wrk {
-    fn new(binary: PathBuf, dir: &Path, connections: u64) -> Result<Self> {
-        let script = dir.join("chat.lua");
+    /// wrk posting `body` (its script named `name`).
+    fn new(binary: PathBuf, dir: &Path, connections: u64, name: &str, body: &str) -> Result<Self> {
+        let script = dir.join(format!("{name}.lua"));
         fs::write(
             &script,
             format!(
                 "wrk.method = \"POST\"\n\
                  wrk.headers[\"Content-Type\"] = \"application/json\"\n\
-                 wrk.body = '{BODY}'\n"
+                 wrk.body = '{body}'\n"
             ),
         )?;
         Ok(Self {
             binary,
             script,
-            report: dir.join("wrk.out"),
+            report: dir.join(format!("{name}.out")),
             connections,
         })
     }
@@ -650,7 +737,12 @@ fn parse_latency(text: &str) -> Result<Duration> {
     ))
 }
 
-fn nginx_conf(dir: &Path, listen: SocketAddr, workers: &[SocketAddr]) -> String {
+fn nginx_conf(
+    dir: &Path,
+    listen: SocketAddr,
+    stream_listen: SocketAddr,
+    workers: &[SocketAddr],
+) -> String {
     let servers: String = workers
         .iter()
         .map(|addr| format!("        server {addr};\n"))
@@ -680,6 +772,15 @@ http {{
             proxy_pass http://workers;
             proxy_http_version 1.1;
             proxy_set_header Connection \"\";
+        }}
+    }}
+    server {{
+        listen {stream_listen};
+        location / {{
+            proxy_pass http://workers;
+            proxy_http_version 1.1;
+            proxy_set_header Connection \"\";
+            proxy_buffering off;
         }}
     }}
 }}
