@@ -117,8 +117,6 @@ pub const CLOSE_GRACE: u32 = 2_000;
 
 /// `IPPROTO_TCP`.
 pub const PROTO_TCP: u8 = 6;
-/// `IPPROTO_ICMP`.
-pub const PROTO_ICMP: u8 = 1;
 
 /// An IPv4 address as it sits in a packet.
 pub const fn addr_be(octets: [u8; 4]) -> u32 {
