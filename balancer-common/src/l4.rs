@@ -453,6 +453,10 @@ pub struct BackendStats {
     pub timeouts: u64,
     /// Resets the backend sent on established connections.
     pub resets: u64,
+    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) of this CPU's latest
+    /// established, refused or timed-out handshake: where the agent measures
+    /// the delay from a kernel signal to the breaker transition it causes.
+    pub last_signal_ns: u64,
 }
 
 /// Trial admissions of a backend in the current second (`TRIALS`, one per
@@ -571,7 +575,7 @@ const _: () = {
     assert!(size_of::<FlowKey>() == 16);
     assert!(size_of::<Flow>() == 40);
     assert!(size_of::<ServiceStats>() == 32);
-    assert!(size_of::<BackendStats>() == 80);
+    assert!(size_of::<BackendStats>() == 88);
     assert!(size_of::<Trial>() == 8);
 };
 

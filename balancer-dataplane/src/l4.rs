@@ -500,6 +500,7 @@ impl L4Maps {
                 refused: sum.refused + s.refused,
                 timeouts: sum.timeouts + s.timeouts,
                 resets: sum.resets + s.resets,
+                last_signal_ns: sum.last_signal_ns.max(s.last_signal_ns),
             }))
     }
 

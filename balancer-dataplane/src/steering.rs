@@ -23,7 +23,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::net::{SocketAddr, SocketAddrV4};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -190,7 +190,6 @@ impl Steering {
             ports: Mutex::new(HashMap::new()),
             sync_delay: Histogram::new(SYNC_BUCKETS),
             signal_interval: config.signal_interval,
-            signals_read_at: AtomicU64::new(registry.clock().now()),
             signals: Mutex::new(HashMap::new()),
             signal_delay: Histogram::new(SIGNAL_BUCKETS),
             registry: registry.clone(),
@@ -410,13 +409,11 @@ struct Shared {
     sync_delay: Histogram,
     /// How often the handshake counters are read.
     signal_interval: Duration,
-    /// When they were last read (registry clock).
-    signals_read_at: AtomicU64,
     /// Handshake counters (established, refused, timeouts) as last read,
     /// by worker id.
     signals: Mutex<HashMap<String, [u64; 3]>>,
-    /// Delay from the start of the read interval a handshake fell in to the
-    /// transition its charge caused (`dataplane_signal_seconds`).
+    /// Delay from the latest handshake the kernel counted for a worker to
+    /// the transition its charge caused (`dataplane_signal_seconds`).
     signal_delay: Histogram,
     registry: Arc<Registry>,
     /// Set once the programs are attached; kept here so the metrics source
@@ -558,8 +555,6 @@ impl Shared {
     /// The first read of a worker only takes the counters as they are.
     fn read_signals(&self) {
         let clock = self.registry.clock();
-        let now = clock.now();
-        let since = self.signals_read_at.swap(now, Ordering::Relaxed);
         let slots: Vec<(String, u32)> = lock(&self.slots)
             .by_worker
             .iter()
@@ -599,9 +594,13 @@ impl Shared {
                     worker.breaker.observe(outcome, clock.as_ref());
                 }
             }
-            if worker.breaker.state() != before {
+            if worker.breaker.state() != before
+                && let Some(now) = monotonic_ns()
+            {
+                // From the latest handshake the kernel counted for the
+                // worker (its clock is CLOCK_MONOTONIC too).
                 self.signal_delay
-                    .observe_nanos(clock.now().saturating_sub(since));
+                    .observe_nanos(now.saturating_sub(stats.last_signal_ns));
             }
         }
     }
@@ -830,14 +829,25 @@ fn table_loop(shared: &Shared, requests: &mpsc::Receiver<Request>) {
     }
 }
 
+/// CLOCK_MONOTONIC in nanoseconds, the clock `bpf_ktime_get_ns` reads.
+fn monotonic_ns() -> Option<u64> {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes only the timespec it is given.
+    #[allow(unsafe_code)]
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    (rc == 0).then(|| now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64)
+}
+
 /// Handshake outcomes charged to one breaker per signal read at most: a
 /// bound on the work of one read, far above what a worker's backlog makes
 /// in an interval.
 const MAX_SIGNALS_PER_READ: u64 = 10_000;
 
-/// Seconds; the delay from the start of the signal interval a handshake
-/// fell in to the breaker transition it caused: at most an interval plus
-/// the read.
+/// Seconds; the delay from the kernel counting a handshake to the breaker
+/// transition it caused: at most a read interval plus the read.
 const SIGNAL_BUCKETS: &[f64] = &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5];
 
 /// Seconds; the interesting range of the breaker-to-map delay is

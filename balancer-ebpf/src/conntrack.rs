@@ -18,7 +18,7 @@
 //! window as a lower bound). Segments outside any plausible window change no
 //! state at all; they are passed on, and the endpoint's stack decides.
 
-use aya_ebpf::helpers::generated::bpf_ktime_get_coarse_ns;
+use aya_ebpf::helpers::generated::{bpf_ktime_get_coarse_ns, bpf_ktime_get_ns};
 use aya_ebpf::maps::LruHashMap;
 use core::mem::MaybeUninit;
 
@@ -217,6 +217,7 @@ fn note_retransmission(key: &FlowKey, flow: &Flow) {
     let answered = unsafe { (*reply).flags } & FLAG_SEQ != 0;
     if !answered && let Some(stats) = backend_stats(old.backend) {
         stats.timeouts += 1;
+        stats.last_signal_ns = now_ns();
     }
 }
 
@@ -293,6 +294,7 @@ fn track(table: &'static Table, key: &FlowKey, entry: *mut Flow, seg: &Segment) 
             if backend_speaks && let Some(stats) = backend_stats(own.backend) {
                 if handshaking {
                     stats.refused += 1;
+                    stats.last_signal_ns = now_ns();
                 } else if core::ptr::eq(table, &CONNS) {
                     stats.resets += 1;
                 }
@@ -310,6 +312,7 @@ fn track(table: &'static Table, key: &FlowKey, entry: *mut Flow, seg: &Segment) 
             && let Some(stats) = backend_stats(own.backend)
         {
             stats.established += 1;
+            stats.last_signal_ns = now_ns();
         }
         note(entry, &own, found.as_ref(), seg);
         if seg.has(TcpHdr::FIN) {
@@ -424,6 +427,14 @@ fn promote(key: &FlowKey, entry: *mut Flow, peer_key: &FlowKey) {
     let _ = EMBRYONIC.remove(key);
     let _ = EMBRYONIC.remove(peer_key);
     outcome(Outcome::Promoted);
+}
+
+/// The monotonic clock, for `BackendStats::last_signal_ns` (only on the
+/// handshake paths that count a signal).
+#[inline(always)]
+fn now_ns() -> u64 {
+    // SAFETY: a helper without arguments.
+    unsafe { bpf_ktime_get_ns() }
 }
 
 /// The time in [`Flow::closed`] units; never 0, which means "open".
