@@ -15,7 +15,7 @@ use balancer_dataplane::l4::{ServiceState, backend_at};
 use balancer_dataplane::maglev::{self, Member};
 use balancer_dataplane::{Dataplane, L4Maps, LoadOptions};
 
-use crate::netns::{Namespaces, run};
+use crate::netns::{self, Namespaces, run};
 
 /// A small prime: tables stay quick to write, and Maglev's shares are
 /// still within a few percent for a handful of backends.
@@ -142,6 +142,27 @@ impl Router {
     pub const BACKEND_IF: &str = "lbw";
     pub const CLIENT_MAC: [u8; 6] = [0x02, 0xcc, 0, 0, 0, 0x02];
     pub const BACKEND_MAC: [u8; 6] = [0x02, 0xbb, 0, 0, 0, 0x0b];
+
+    /// Runs `test` inside a new router namespace (test runs look routes up
+    /// in the namespace of the thread that starts them), deletes the
+    /// namespace whatever happened, and returns what `test` returned,
+    /// panicking on any failure along the way.
+    pub fn run<T: Send + 'static>(
+        prefix: &str,
+        client: Ipv4Addr,
+        backends: &[Ipv4Addr],
+        timeout: std::time::Duration,
+        test: impl FnOnce(Router) -> Result<T> + Send + 'static,
+    ) -> T {
+        let (ns, router) = Self::create(prefix, client, backends).expect("creating the namespace");
+        let outcome = netns::run_in(ns.name(0), timeout, move || test(router));
+        let deleted = ns.delete();
+        let value = outcome
+            .and_then(|inner| inner)
+            .unwrap_or_else(|error| panic!("{error:#}"));
+        deleted.expect("deleting the namespace");
+        value
+    }
 
     /// The namespace (deleted when dropped) and its interfaces. `client`
     /// must be in 10.99.1.0/24 and `backends` in 10.99.2.0/24.

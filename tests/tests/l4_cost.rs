@@ -31,7 +31,6 @@ use balancer_common::l4::Outcome;
 use balancer_dataplane::XdpAction;
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::l4::{Router, Steered};
-use balancer_tests::netns;
 use balancer_tests::packet::{self, Tcp};
 
 const REPEAT: u32 = 1_000_000;
@@ -239,12 +238,12 @@ fn per_packet_cost() {
     let Some(object) = ebpf_prerequisites() else {
         return;
     };
-    let (ns, router) = Router::create("bt-l4cost", *CLIENT.ip(), &[*BACKEND.ip()])
-        .expect("creating the namespace");
-    let measured = netns::run_in(
-        ns.name(0),
+    let rows = Router::run(
+        "bt-l4cost",
+        *CLIENT.ip(),
+        &[*BACKEND.ip()],
         Duration::from_secs(600),
-        move || -> Result<_> {
+        move |router| -> Result<_> {
             let mut rows = Vec::new();
             let from_client = Some(router.client_if);
 
@@ -300,10 +299,5 @@ fn per_packet_cost() {
             Ok(rows)
         },
     );
-    let deleted = ns.delete();
-    let rows = measured
-        .and_then(|inner| inner)
-        .unwrap_or_else(|error| panic!("{error:#}"));
-    deleted.expect("deleting the namespace");
     report(&rows).expect("reporting");
 }

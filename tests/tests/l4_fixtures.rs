@@ -542,24 +542,16 @@ fn remote_mode_fixtures() {
         return;
     };
     let backend_ips: Vec<Ipv4Addr> = BACKENDS.iter().map(|b| *b.ip()).collect();
-    let (ns, net) =
-        Router::create("bt-l4fx", *CLIENT.ip(), &backend_ips).expect("creating the namespace");
-    let name = ns.name(0).to_owned();
-    let outcome = netns::run_in(ns.name(0), STEP, move || -> Result<()> {
+    Router::run("bt-l4fx", *CLIENT.ip(), &backend_ips, STEP, move |net| {
         // A smaller MTU toward the backends than toward the client.
         netns::run("ip", &["link", "set", Router::BACKEND_IF, "mtu", "1000"])?;
         let mut steered = Steered::load(&object, VIP, &BACKENDS, true)?;
-        let steps = remote_steps(&steered, &net, &name);
+        let steps = remote_steps(&steered, &net);
         run(&mut steered, steps)
     });
-    let deleted = ns.delete();
-    outcome
-        .and_then(|inner| inner)
-        .unwrap_or_else(|error| panic!("{error:#}"));
-    deleted.expect("deleting the namespace");
 }
 
-fn remote_steps(steered: &Steered, net: &Router, _ns: &str) -> Vec<Step> {
+fn remote_steps(steered: &Steered, net: &Router) -> Vec<Step> {
     use Outcome::*;
     let from_client = Hook::Xdp(Some(net.client_if));
     let from_backends = Hook::Xdp(Some(net.backend_if));

@@ -16,7 +16,6 @@ use balancer_common::l4::{BackendState, FLAG_RECOVERED, FlowKey, Outcome, addr_b
 use balancer_dataplane::{VerdictCounts, XdpAction};
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::l4::{Router, Steered};
-use balancer_tests::netns;
 use balancer_tests::packet::{self, Ipv4};
 
 const VIP: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 99, 0, 100), 80);
@@ -463,16 +462,9 @@ fn remote_mode_redirects_rewritten_packets_and_restores_replies() {
         return;
     };
     let backend_ips: Vec<Ipv4Addr> = BACKENDS.iter().map(|b| *b.ip()).collect();
-    let (ns, topology) =
-        Router::create("bt-l4tr", *CLIENT.ip(), &backend_ips).expect("creating the test namespace");
-    // The program looks routes up in the namespace of the thread that
-    // starts the test run.
-    let outcome = netns::run_in(ns.name(0), STEP, move || remote_checks(&object, &topology));
-    let deleted = ns.delete();
-    outcome
-        .and_then(|inner| inner)
-        .unwrap_or_else(|error| panic!("{error:#}"));
-    deleted.expect("deleting the namespace");
+    Router::run("bt-l4tr", *CLIENT.ip(), &backend_ips, STEP, move |net| {
+        remote_checks(&object, &net)
+    });
 }
 
 fn remote_checks(object: &std::path::Path, net: &Router) -> Result<()> {
