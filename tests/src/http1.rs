@@ -41,7 +41,16 @@ pub fn chat(stream: &mut TcpStream, close: bool) -> Result<Answer> {
     let mut head = Vec::new();
     let mut byte = [0u8; 1];
     while !head.ends_with(b"\r\n\r\n") {
-        if stream.read(&mut byte)? == 0 {
+        // A read with a socket timeout returns EINTR whenever a signal
+        // with a handler reaches the process, SA_RESTART or not (signal(7));
+        // the tests' own runtimes install such handlers.
+        let read = loop {
+            match stream.read(&mut byte) {
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                read => break read?,
+            }
+        };
+        if read == 0 {
             bail!(
                 "connection closed inside the response head: {:?}",
                 String::from_utf8_lossy(&head)
