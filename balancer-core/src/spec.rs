@@ -189,7 +189,7 @@ impl BreakerDefaults {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerSpec {
-    /// `http://host[:port]`, without a path or query; [`WorkerSpec::validate`] normalises it into a
+    /// `http://host[:port]` or `https://host[:port]`, without a path or query; [`WorkerSpec::validate`] normalises it into a
     /// [`WorkerAddress`].
     pub url: String,
     /// The model it serves; learned from its `/v1/models` when absent.
@@ -223,13 +223,16 @@ impl WorkerSpec {
 /// socket address (the XDP dataplane steers to it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerAddress {
-    /// `http://host[:port]` without a trailing slash and without any
-    /// credentials: the worker's identity in the fleet, its metric label and
-    /// what logs and the admin API show.
+    /// `http://host[:port]` or `https://host[:port]` without a trailing
+    /// slash and without any credentials: the worker's identity in the
+    /// fleet, its metric label and what logs and the admin API show.
     pub base: String,
+    /// `http` or `https`: whether the proxy speaks TLS to the worker.
+    pub scheme: http::uri::Scheme,
     /// The `host[:port]` the proxy puts in request URIs.
     pub authority: http::uri::Authority,
-    /// The worker's socket address (port 80 when none is given), known at
+    /// The worker's socket address (port 80, or 443 for `https`, when none
+    /// is given), known at
     /// once for an IP literal; a host name is resolved on first use by
     /// [`WorkerAddress::resolve`], never while validating.
     socket: OnceLock<Option<SocketAddr>>,
@@ -294,6 +297,15 @@ fn redacted(url: &str) -> String {
     format!("{}***{}", &url[..start], &url[at..])
 }
 
+/// 443 for `https`, 80 otherwise.
+fn default_port(scheme: &http::uri::Scheme) -> u16 {
+    if *scheme == http::uri::Scheme::HTTPS {
+        443
+    } else {
+        80
+    }
+}
+
 impl WorkerAddress {
     /// Whether [`WorkerAddress::resolve`] answers without a DNS lookup.
     pub fn is_resolved(&self) -> bool {
@@ -306,7 +318,7 @@ impl WorkerAddress {
     /// resolve.
     pub fn resolve(&self) -> Option<SocketAddr> {
         *self.socket.get_or_init(|| {
-            let port = self.authority.port_u16().unwrap_or(80);
+            let port = self.port();
             (self.authority.host().trim_matches(['[', ']']), port)
                 .to_socket_addrs()
                 .ok()
@@ -314,16 +326,30 @@ impl WorkerAddress {
         })
     }
 
-    /// Parses and normalises an `http://[user:password@]host[:port]` URL
+    /// The port the URL names, or its scheme's default.
+    fn port(&self) -> u16 {
+        self.authority
+            .port_u16()
+            .unwrap_or_else(|| default_port(&self.scheme))
+    }
+
+    /// Whether the proxy speaks TLS to this worker (`https://`).
+    pub fn is_tls(&self) -> bool {
+        self.scheme == http::uri::Scheme::HTTPS
+    }
+
+    /// Parses and normalises an `http[s]://[user:password@]host[:port]` URL
     /// without any DNS lookup; other schemes, paths and queries are refused.
     /// Credentials are kept apart and redacted from every message.
     pub fn parse(url: &str) -> Result<Self, SpecError> {
         let shown = redacted(url);
         let bad = |m: &str| SpecError::new("url", format!("{shown:?}: {m}"));
         let uri: http::Uri = url.parse().map_err(|_| bad("not a URL"))?;
-        if uri.scheme_str() != Some("http") {
-            return Err(bad("only http:// workers are supported"));
-        }
+        let scheme = match uri.scheme_str() {
+            Some("http") => http::uri::Scheme::HTTP,
+            Some("https") => http::uri::Scheme::HTTPS,
+            _ => return Err(bad("a worker URL starts with http:// or https://")),
+        };
         let full = uri.authority().cloned().ok_or_else(|| bad("no host"))?;
         if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
             return Err(bad("a worker URL is scheme://host:port, without a path"));
@@ -333,7 +359,9 @@ impl WorkerAddress {
             None => (None, full.as_str()),
         };
         let authority: http::uri::Authority = host_port.parse().map_err(|_| bad("no host"))?;
-        let port = authority.port_u16().unwrap_or(80);
+        let port = authority
+            .port_u16()
+            .unwrap_or_else(|| default_port(&scheme));
         let socket = OnceLock::new();
         if let Ok(ip) = authority.host().trim_matches(['[', ']']).parse::<IpAddr>() {
             let _ = socket.set(Some(SocketAddr::new(ip, port)));
@@ -346,7 +374,8 @@ impl WorkerAddress {
             ))
         });
         Ok(Self {
-            base: format!("http://{authority}"),
+            base: format!("{scheme}://{authority}"),
+            scheme,
             authority,
             socket,
             basic_auth,

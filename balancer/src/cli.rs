@@ -28,6 +28,7 @@ use http::HeaderName;
 use crate::config::{ConnectionConfig, GatewayConfig};
 use crate::discovery::etcd::{EtcdConfig, Registration};
 use crate::proxy::{HealthCheckConfig, ProxyConfig, RetryPolicy, Routes};
+use crate::tls::{ServingTlsConfig, WorkerTlsConfig};
 
 fn positive_f64(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
@@ -189,6 +190,26 @@ pub struct LaunchArgs {
     /// Client connections at once on the public port; at the cap, accept waits.
     #[arg(long, default_value_t = 16384, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_connections: u64,
+    /// Serve HTTPS on `--port` with this PEM certificate chain (leaf
+    /// first); reloaded on SIGHUP and when the file changes.
+    #[arg(long, value_name = "PATH", requires = "tls_key_path")]
+    pub tls_cert_path: Option<PathBuf>,
+    /// The PEM private key of `--tls-cert-path`.
+    #[arg(long, value_name = "PATH", requires = "tls_cert_path")]
+    pub tls_key_path: Option<PathBuf>,
+    /// Callers must present a certificate signed by a CA of this PEM bundle.
+    #[arg(long, value_name = "PATH", requires = "tls_cert_path")]
+    pub tls_client_ca_path: Option<PathBuf>,
+    /// Trust these PEM CA certificates for `https://` workers instead of the
+    /// system's.
+    #[arg(long, value_name = "PATH")]
+    pub worker_ca_path: Option<PathBuf>,
+    /// Present this PEM certificate chain to `https://` workers (mutual TLS).
+    #[arg(long, value_name = "PATH", requires = "client_key_path")]
+    pub client_cert_path: Option<PathBuf>,
+    /// The PEM private key of `--client-cert-path`.
+    #[arg(long, value_name = "PATH", requires = "client_cert_path")]
+    pub client_key_path: Option<PathBuf>,
     /// Forward this route too (an exact normalised path, or a prefix ending
     /// in `/*`), for GET and POST. Repeatable. By default only the inference
     /// and model routes reach a worker.
@@ -591,6 +612,20 @@ impl LaunchArgs {
                 send_timeout: Duration::from_secs(self.send_timeout_secs),
                 http2_keepalive: Duration::from_secs(self.http2_keepalive_interval_secs),
                 max_connections: usize::try_from(self.max_connections).unwrap_or(usize::MAX),
+            },
+            tls: self
+                .tls_cert_path
+                .clone()
+                .zip(self.tls_key_path.clone())
+                .map(|(cert_path, key_path)| ServingTlsConfig {
+                    cert_path,
+                    key_path,
+                    client_ca_path: self.tls_client_ca_path.clone(),
+                }),
+            worker_tls: WorkerTlsConfig {
+                ca_path: self.worker_ca_path.clone(),
+                client_cert_path: self.client_cert_path.clone(),
+                client_key_path: self.client_key_path.clone(),
             },
         };
         config.validate()?;

@@ -23,6 +23,7 @@ use balancer_dataplane::steering::L4Config;
 
 use crate::discovery::etcd::EtcdConfig;
 use crate::proxy::{HealthCheckConfig, ProxyConfig, RetryPolicy, Routes};
+use crate::tls::{ServingTlsConfig, WorkerTlsConfig};
 
 /// Everything one agent is started with.
 #[derive(Debug, Clone, PartialEq)]
@@ -67,6 +68,12 @@ pub struct GatewayConfig {
     pub shutdown_grace: Duration,
     /// What a client connection may do (timeouts, the connection cap).
     pub connections: ConnectionConfig,
+    /// `--tls-cert-path`, `--tls-key-path`, `--tls-client-ca-path`: HTTPS on
+    /// the public port; `None`: plain HTTP.
+    pub tls: Option<ServingTlsConfig>,
+    /// `--worker-ca-path`, `--client-cert-path`, `--client-key-path`: how
+    /// `https://` workers are trusted and what the gateway presents to them.
+    pub worker_tls: WorkerTlsConfig,
 }
 
 /// The bounds of client connections on the public port.
@@ -124,6 +131,8 @@ impl Default for GatewayConfig {
             serving_threads: 0,
             shutdown_grace: Duration::from_secs(180),
             connections: ConnectionConfig::default(),
+            tls: None,
+            worker_tls: WorkerTlsConfig::default(),
         }
     }
 }
@@ -194,6 +203,24 @@ impl GatewayConfig {
             ));
         }
         check_fallbacks(&self.proxy.fallbacks)?;
+        match (
+            &self.worker_tls.client_cert_path,
+            &self.worker_tls.client_key_path,
+        ) {
+            (Some(_), None) => {
+                return Err(invalid(
+                    "--client-key-path",
+                    "missing: --client-cert-path needs its key",
+                ));
+            }
+            (None, Some(_)) => {
+                return Err(invalid(
+                    "--client-cert-path",
+                    "missing: --client-key-path needs its certificate",
+                ));
+            }
+            _ => {}
+        }
         if let Some(etcd) = &self.etcd {
             if etcd.endpoints.is_empty() {
                 return Err(invalid("--etcd-endpoints", "no endpoint"));

@@ -33,6 +33,7 @@ use crate::discovery::{Discovery, FleetUpdates, OnAdded, StaticList};
 use crate::metrics::Exposition;
 use crate::proxy::{GatewayStats, Prober, Proxy};
 use crate::server::{ConnectionLimits, serve};
+use crate::tls::{ServingTls, TlsStats, WorkerTls};
 
 /// Connections at once on the metrics and the admin listeners.
 const OPERATOR_CONNECTIONS: usize = 256;
@@ -48,6 +49,8 @@ pub struct Gateway {
     steering: Option<Steering>,
     /// The discovery sources' follow tasks.
     discovery: Vec<tokio::task::AbortHandle>,
+    /// HTTPS on the public port (`--tls-cert-path`).
+    serves_tls: bool,
     shutdown: watch::Sender<bool>,
     listeners: JoinSet<()>,
     serving: Vec<std::thread::JoinHandle<()>>,
@@ -89,6 +92,7 @@ fn serving_thread(
     socket: std::net::TcpListener,
     proxy: Arc<Proxy>,
     limits: ConnectionLimits,
+    tls: Option<Arc<ServingTls>>,
     stop: watch::Receiver<bool>,
     grace: Duration,
 ) -> anyhow::Result<std::thread::JoinHandle<()>> {
@@ -113,7 +117,7 @@ fn serving_thread(
                     let lane = lane.clone();
                     async move { lane.0.handle(&lane.1, req).await }
                 };
-                serve(listener, handler, limits, stop, grace).await;
+                serve(listener, handler, limits, tls, stop, grace).await;
             });
         })
         .context("cannot start a serving thread")?;
@@ -176,7 +180,23 @@ impl Gateway {
         let tokens = Arc::new(Tokens::new(&config.token_budgets));
         let admission = config.admission.map(|a| Arc::new(Admission::new(a)));
 
-        let prober = Prober::new(registry.clone(), config.health_check.clone());
+        let tls_stats = Arc::new(TlsStats::default());
+        let worker_tls = Arc::new(
+            WorkerTls::load(&config.worker_tls, tls_stats.clone())
+                .context("cannot set up TLS to workers")?,
+        );
+        let serving_tls = match &config.tls {
+            Some(files) => Some(
+                ServingTls::load(files.clone(), tls_stats.clone())
+                    .context("cannot serve HTTPS (--tls-cert-path)")?,
+            ),
+            None => None,
+        };
+        let prober = Prober::new(
+            registry.clone(),
+            config.health_check.clone(),
+            worker_tls.connector(config.health_check.timeout),
+        );
         let on_added: OnAdded = {
             let prober = prober.clone();
             Arc::new(move |w| prober.spawn(w))
@@ -204,8 +224,12 @@ impl Gateway {
             None => None,
         };
 
-        let mut sources: Vec<Arc<dyn MetricsSource>> =
-            vec![stats.clone(), tokens.clone(), registry.clone()];
+        let mut sources: Vec<Arc<dyn MetricsSource>> = vec![
+            stats.clone(),
+            tokens.clone(),
+            registry.clone(),
+            tls_stats.clone(),
+        ];
         if let Some(a) = &admission {
             sources.push(a.clone());
         }
@@ -222,6 +246,7 @@ impl Gateway {
             admission,
             stats,
             tokens,
+            worker_tls,
         ));
 
         let main = bind_reuseport(config.listen, config.serving_threads())?;
@@ -263,6 +288,7 @@ impl Gateway {
                     socket,
                     proxy.clone(),
                     public.clone(),
+                    serving_tls.clone(),
                     stop.clone(),
                     grace,
                 )
@@ -284,6 +310,7 @@ impl Gateway {
                 std::future::ready(r)
             },
             operator(),
+            None,
             stop.clone(),
             Duration::from_secs(1),
         ));
@@ -298,9 +325,13 @@ impl Gateway {
             admin,
             move |req| admin_api.clone().handle(req),
             operator(),
-            stop,
+            None,
+            stop.clone(),
             Duration::from_secs(1),
         ));
+        if let Some(tls) = serving_tls {
+            listeners.spawn(tls.watch(stop));
+        }
 
         let workers = registry.fleet().workers.len();
         tracing::info!(%addr, %metrics_addr, %admin_addr, workers, policy = config.policy.as_str(), "balancer listening");
@@ -312,6 +343,7 @@ impl Gateway {
             proxy,
             steering,
             discovery,
+            serves_tls: config.tls.is_some(),
             shutdown,
             listeners,
             serving,
@@ -349,11 +381,21 @@ impl Gateway {
     }
 
     /// Runs until SIGINT or SIGTERM, then shuts down.
+    /// SIGHUP reloads the TLS certificate (see [`ServingTls::watch`]);
+    /// without TLS it changes nothing, rather than ending the process as
+    /// its default action would.
     pub async fn run_until_signal(self) -> anyhow::Result<()> {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut hangup = signal(SignalKind::hangup())?;
+        loop {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => break,
+                _ = term.recv() => break,
+                _ = hangup.recv() => if !self.serves_tls {
+                    tracing::info!("SIGHUP: nothing to reload without --tls-cert-path");
+                },
+            }
         }
         tracing::info!("shutting down: finishing in-flight requests");
         self.shutdown().await;

@@ -8,8 +8,8 @@
 //!
 //! Layers, bottom up: [`bodies`] names the body types; [`config`] is the typed description of an agent and
 //! [`cli`] maps flags and TOML onto it; [`discovery`] says where workers come
-//! from; [`proxy`] is the request path, phase by phase; [`server`] accepts
-//! connections; [`admin`] and [`metrics`] face the operator; [`gateway`]
+//! from; [`tls`] holds the certificates of both edges; [`proxy`] is the
+//! request path, phase by phase; [`server`] accepts connections; [`admin`] and [`metrics`] face the operator; [`gateway`]
 //! wires them together. It must not contain `unsafe` (the dataplane crate
 //! holds all of it) nor the demo worker (its own crate, used by the binary
 //! and the tests).
@@ -27,3 +27,4 @@ pub mod gateway;
 pub mod metrics;
 pub mod proxy;
 pub mod server;
+pub mod tls;

@@ -27,7 +27,6 @@ use http::header::HeaderName;
 use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 use balancer_core::admission::{Admission, Shed};
@@ -45,7 +44,8 @@ pub use edge::Routes;
 pub use probe::{HealthCheckConfig, Prober};
 pub use stats::GatewayStats;
 
-use crate::server::PeerAddr;
+use crate::server::Peer;
+use crate::tls::{WorkerConnector, WorkerTls};
 use answer::json_response;
 use body::{BodyLimits, RequestBody, read_body};
 use edge::{Route, forward_headers};
@@ -59,7 +59,7 @@ pub const FALLBACK_HEADER: &str = "x-balancer-fallback";
 /// A connection pool to the workers. Each serving thread has its own, so a
 /// request and its upstream connection are polled on the same thread and no
 /// lock or wake-up crosses threads on the request path.
-pub type UpstreamClient = Client<HttpConnector, UpstreamBody>;
+pub type UpstreamClient = Client<WorkerConnector, UpstreamBody>;
 
 /// What the request path is told at start.
 #[derive(Debug, Clone, PartialEq)]
@@ -95,6 +95,8 @@ pub struct Proxy {
     tokens: Arc<Tokens>,
     clock: Arc<dyn Clock>,
     body_limits: BodyLimits,
+    /// How `https://` workers are dialled, shared by every pool.
+    worker_tls: Arc<WorkerTls>,
 }
 
 impl Proxy {
@@ -105,6 +107,7 @@ impl Proxy {
         admission: Option<Arc<Admission>>,
         stats: Arc<GatewayStats>,
         tokens: Arc<Tokens>,
+        worker_tls: Arc<WorkerTls>,
     ) -> Self {
         let clock = registry.clock().clone();
         let body_limits = BodyLimits {
@@ -122,6 +125,7 @@ impl Proxy {
             stats,
             tokens,
             clock,
+            worker_tls,
         }
     }
 
@@ -131,14 +135,11 @@ impl Proxy {
 
     /// A new connection pool to the workers, for one serving thread.
     pub fn client(&self) -> UpstreamClient {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(self.config.connect_timeout));
-        connector.set_nodelay(true);
         Client::builder(TokioExecutor::new())
             // A request is never resent behind the retry loop's back.
             .retry_canceled_requests(false)
             .pool_idle_timeout(Duration::from_secs(90))
-            .build(connector)
+            .build(self.worker_tls.connector(self.config.connect_timeout))
     }
 
     pub fn admission(&self) -> Option<&Admission> {
@@ -186,7 +187,13 @@ impl Proxy {
                 );
             }
         };
-        let peer = req.extensions().get::<PeerAddr>().map(|p| p.0.ip());
+        let peer = req.extensions().get::<Peer>();
+        let proto = if peer.is_some_and(|p| p.tls) {
+            "https"
+        } else {
+            "http"
+        };
+        let peer = peer.map(|p| p.addr.ip());
         let (parts, body) = req.into_parts();
         // Read before admission, under the stall deadline: a client that
         // sends half a body never holds a permit.
@@ -242,7 +249,7 @@ impl Proxy {
             .headers
             .get(&self.config.routing_key_header)
             .map(|v| hash_key(v.as_bytes()));
-        let headers = forward_headers(parts.headers, peer, self.config.trusted_proxy_hops);
+        let headers = forward_headers(parts.headers, peer, proto, self.config.trusted_proxy_hops);
         let path = match parts.uri.query() {
             Some(query) => format!("{path}?{query}"),
             None => path,

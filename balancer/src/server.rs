@@ -6,9 +6,11 @@
 //! accept waits), the time a request head may take (hyper's header-read
 //! timeout, which also closes a keep-alive connection whose next head
 //! stalls), the idle timeout of a connection with nothing in flight, the
-//! send timeout of a client that stops reading, HTTP/2 keep-alive pings, and
-//! the peer address each request carries ([`PeerAddr`]). What a request
-//! means is the handler's business.
+//! send timeout of a client that stops reading, HTTP/2 keep-alive pings, the
+//! TLS handshake of an HTTPS listener (within the header-read timeout, in
+//! the connection's own task so a slow one holds up no other), and the peer
+//! each request carries ([`Peer`]). What a request means is the handler's
+//! business; the certificates are [`crate::tls`]'s.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -32,12 +34,18 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 use tokio::time::Instant;
+use tokio_rustls::server::TlsStream;
 
 use crate::bodies::{BoxError, ResponseBody};
+use crate::tls::ServingTls;
 
-/// The client's address, in every request's extensions.
+/// The client, in every request's extensions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PeerAddr(pub SocketAddr);
+pub struct Peer {
+    pub addr: SocketAddr,
+    /// The connection is TLS.
+    pub tls: bool,
+}
 
 /// The bounds every connection of a listener meets.
 #[derive(Debug, Clone)]
@@ -77,12 +85,14 @@ impl ConnectionLimits {
     }
 }
 
-/// Serves `handler` on `listener` until `shutdown` flips to true, then lets
-/// open connections finish their requests for at most `grace`.
+/// Serves `handler` on `listener` (over TLS with `tls`) until `shutdown`
+/// flips to true, then lets open connections finish their requests for at
+/// most `grace`.
 pub async fn serve<H, F>(
     listener: TcpListener,
     handler: H,
     limits: ConnectionLimits,
+    tls: Option<Arc<ServingTls>>,
     mut shutdown: watch::Receiver<bool>,
     grace: Duration,
 ) where
@@ -101,6 +111,7 @@ pub async fn serve<H, F>(
         .timer(TokioTimer::new())
         .keep_alive_interval(limits.http2_keepalive)
         .keep_alive_timeout(limits.http2_keepalive);
+    let builder = Arc::new(builder);
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
@@ -132,8 +143,12 @@ pub async fn serve<H, F>(
         let activity = Arc::new(Activity::new());
         let handler = handler.clone();
         let in_service = activity.clone();
+        let client = Peer {
+            addr: peer,
+            tls: tls.is_some(),
+        };
         let service = service_fn(move |mut req: Request<Incoming>| {
-            req.extensions_mut().insert(PeerAddr(peer));
+            req.extensions_mut().insert(client);
             let busy = Busy::new(&in_service);
             let fut = handler(req);
             async move {
@@ -144,16 +159,31 @@ pub async fn serve<H, F>(
                 )
             }
         });
-        let io = TokioIo::new(Watched {
+        let watched = Watched {
             inner: stream,
             activity: activity.clone(),
-        });
-        let conn = builder.serve_connection_with_upgrades(io, service);
-        let conn = graceful.watch(conn.into_owned());
+        };
+        let (builder, watcher, tls) = (builder.clone(), graceful.watcher(), tls.clone());
         let (idle, send) = (limits.idle_timeout, limits.send_timeout);
+        let handshake = limits.header_read_timeout;
         tokio::spawn(async move {
+            let serving = async {
+                let transport = match tls {
+                    None => Transport::Plain(watched),
+                    Some(tls) => match tls.accept(watched, handshake).await {
+                        Ok(stream) => Transport::Tls(Box::new(stream)),
+                        Err(why) => {
+                            tracing::debug!(%peer, reason = why.as_str(), "TLS handshake failed");
+                            return;
+                        }
+                    },
+                };
+                let conn = builder.serve_connection_with_upgrades(TokioIo::new(transport), service);
+                // How a connection ended is the client's business.
+                let _ = watcher.watch(conn.into_owned()).await;
+            };
             tokio::select! {
-                _ = conn => {}
+                _ = serving => {}
                 why = watchdog(&activity, idle, send) => {
                     tracing::debug!(%peer, why, "connection closed by the gateway");
                 }
@@ -351,6 +381,71 @@ impl AsyncWrite for Watched {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// A client connection as hyper reads it: the socket, or TLS over it. The
+/// watchdog sees the socket's writes either way.
+enum Transport {
+    Plain(Watched),
+    Tls(Box<TlsStream<Watched>>),
+}
+
+impl AsyncRead for Transport {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Transport::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Transport::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Transport {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Transport::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Transport::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Transport::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Transport::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Transport::Plain(s) => s.is_write_vectored(),
+            Transport::Tls(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Transport::Plain(s) => Pin::new(s).poll_flush(cx),
+            Transport::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Transport::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Transport::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
     }
 }
 

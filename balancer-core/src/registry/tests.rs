@@ -242,3 +242,16 @@ fn validating_a_worker_url_does_no_dns_lookup() {
     assert_eq!(named.resolve().map(|a| a.port()), Some(8000));
     assert!(named.is_resolved(), "kept after the first lookup");
 }
+
+#[test]
+fn https_workers_default_to_port_443_and_keep_their_scheme() {
+    let address = WorkerAddress::parse("https://u:p@127.0.0.1").unwrap();
+    assert!(address.is_tls());
+    assert_eq!(address.base, "https://127.0.0.1");
+    assert_eq!(address.resolve(), Some("127.0.0.1:443".parse().unwrap()));
+    let plain = WorkerAddress::parse("http://127.0.0.1").unwrap();
+    assert!(!plain.is_tls());
+    assert_eq!(plain.resolve(), Some("127.0.0.1:80".parse().unwrap()));
+    let error = WorkerAddress::parse("ftp://127.0.0.1").unwrap_err().to_string();
+    assert!(error.contains("http:// or https://"), "{error}");
+}

@@ -235,7 +235,7 @@ impl Proxy {
         body: UpstreamBody,
     ) -> Result<Response<Incoming>, AttemptError> {
         let uri = Uri::builder()
-            .scheme("http")
+            .scheme(worker.address.scheme.clone())
             .authority(worker.address.authority.clone())
             .path_and_query(req.path.as_str())
             .build()

@@ -199,10 +199,12 @@ fn decode_unreserved(path: &str) -> Option<String> {
 /// the client names in `Connection` or `Proxy-Connection`, `Host` and
 /// `Content-Length` (hyper sets both for the hop to the worker) removed;
 /// `X-Forwarded-For` set to the peer (or, behind `trusted_hops` trusted
-/// proxies, the peer appended to it) and `X-Forwarded-Proto` set.
+/// proxies, the peer appended to it) and `X-Forwarded-Proto` set to
+/// `proto`, the scheme the client spoke (kept as a trusted proxy set it).
 pub(crate) fn forward_headers(
     mut headers: HeaderMap,
     peer: Option<IpAddr>,
+    proto: &'static str,
     trusted_hops: u32,
 ) -> HeaderMap {
     let proxy_connection = HeaderName::from_static("proxy-connection");
@@ -227,19 +229,24 @@ pub(crate) fn forward_headers(
     // The body may be rewritten (a fallback's model); hyper sets the length
     // of the body actually sent.
     headers.remove(header::CONTENT_LENGTH);
-    forwarded_for(&mut headers, peer, trusted_hops);
+    forwarded_for(&mut headers, peer, proto, trusted_hops);
     headers
 }
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
-fn forwarded_for(headers: &mut HeaderMap, peer: Option<IpAddr>, trusted_hops: u32) {
+fn forwarded_for(
+    headers: &mut HeaderMap,
+    peer: Option<IpAddr>,
+    proto: &'static str,
+    trusted_hops: u32,
+) {
     let peer = peer.map(|ip| ip.to_string());
     if trusted_hops == 0 {
         // Nothing the client says about itself is trusted.
         headers.remove(X_FORWARDED_FOR);
-        headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+        headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static(proto));
         if let Some(v) = peer.and_then(|p| HeaderValue::try_from(p).ok()) {
             headers.insert(X_FORWARDED_FOR, v);
         }
@@ -264,7 +271,7 @@ fn forwarded_for(headers: &mut HeaderMap, peer: Option<IpAddr>, trusted_hops: u3
         headers.insert(X_FORWARDED_FOR, v);
     }
     if !headers.contains_key(X_FORWARDED_PROTO) {
-        headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+        headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static(proto));
     }
 }
 
@@ -349,7 +356,7 @@ mod tests {
         h.insert("x-kept", HeaderValue::from_static("1"));
         h.insert(X_FORWARDED_FOR, HeaderValue::from_static("6.6.6.6"));
         let peer: IpAddr = "127.0.0.9".parse().unwrap();
-        let out = forward_headers(h.clone(), Some(peer), 0);
+        let out = forward_headers(h.clone(), Some(peer), "https", 0);
         for gone in ["x-secret", "x-other", "proxy-connection", "connection"] {
             assert!(!out.contains_key(gone), "{gone}");
         }
@@ -358,8 +365,8 @@ mod tests {
             out[X_FORWARDED_FOR], "127.0.0.9",
             "a forged chain is replaced"
         );
-        assert_eq!(out[X_FORWARDED_PROTO], "http");
-        let trusted = forward_headers(h, Some(peer), 1);
+        assert_eq!(out[X_FORWARDED_PROTO], "https", "the scheme the client spoke");
+        let trusted = forward_headers(h, Some(peer), "http", 1);
         assert_eq!(trusted[X_FORWARDED_FOR], "6.6.6.6, 127.0.0.9");
     }
 }

@@ -11,12 +11,13 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 use balancer_core::registry::{Registry, Worker};
 
-type ProbeClient = Client<HttpConnector, Empty<Bytes>>;
+use crate::tls::WorkerConnector;
+
+type ProbeClient = Client<WorkerConnector, Empty<Bytes>>;
 
 /// How each worker's background task probes it.
 #[derive(Clone)]
@@ -50,10 +51,16 @@ impl Default for HealthCheckConfig {
 }
 
 impl Prober {
-    pub fn new(registry: Arc<Registry>, config: HealthCheckConfig) -> Self {
+    /// Probes over `connector`: the same TLS client as the request path,
+    /// so a probe meets a worker's certificate as a request does.
+    pub fn new(
+        registry: Arc<Registry>,
+        config: HealthCheckConfig,
+        connector: WorkerConnector,
+    ) -> Self {
         Self {
             registry,
-            client: Client::builder(TokioExecutor::new()).build(HttpConnector::new()),
+            client: Client::builder(TokioExecutor::new()).build(connector),
             config,
         }
     }

@@ -1,0 +1,207 @@
+//! The certificate the gateway serves on `--port`: loaded at start (a bad
+//! file is an error naming it), swapped whole on SIGHUP or when a file
+//! changes (a bad file keeps the certificate in use, and says why), and the
+//! handshake of each accepted connection under a time bound.
+//!
+//! Owns the rustls server configuration and its reloads only. Open
+//! connections keep the configuration they were accepted with, so a
+//! rotation never drops one; new connections get the new certificate.
+//! Sessions and tickets outlive reloads, so callers resume across them.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use arc_swap::ArcSwap;
+use rustls::ServerConfig;
+use rustls::server::{ProducesTickets, ServerSessionMemoryCache, StoresServerSessions};
+use rustls::server::WebPkiClientVerifier;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::watch;
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::server::TlsStream;
+
+use super::stats::{Failure, Side, TlsStats};
+use super::{TlsError, key_pair, pair_rejected, provider, roots};
+
+/// How often the files are looked at for a change. A stat of three files
+/// each time: cheap, and no inotify watch to lose when a directory is
+/// swapped (as Kubernetes does with secrets).
+const POLL: Duration = Duration::from_secs(2);
+
+/// TLS sessions kept for resumption across every serving thread.
+const SESSIONS: usize = 4096;
+
+/// `--tls-cert-path`, `--tls-key-path`, `--tls-client-ca-path`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServingTlsConfig {
+    /// PEM certificate chain, leaf first.
+    pub cert_path: PathBuf,
+    /// PEM private key of the leaf.
+    pub key_path: PathBuf,
+    /// PEM CA bundle: when set, every caller must present a certificate it
+    /// signed.
+    pub client_ca_path: Option<PathBuf>,
+}
+
+impl ServingTlsConfig {
+    fn paths(&self) -> impl Iterator<Item = &PathBuf> {
+        [&self.cert_path, &self.key_path]
+            .into_iter()
+            .chain(&self.client_ca_path)
+    }
+}
+
+/// The served certificate, swappable while connections come and go.
+pub struct ServingTls {
+    files: ServingTlsConfig,
+    current: ArcSwap<ServerConfig>,
+    sessions: Arc<dyn StoresServerSessions>,
+    tickets: Arc<dyn ProducesTickets>,
+    stats: Arc<TlsStats>,
+}
+
+/// What a file looked like when last loaded: a change of any part is a
+/// change of the file (a rename over it changes the inode).
+type Stamp = Option<(SystemTime, u64, u64)>;
+
+fn stamp(path: &PathBuf) -> Stamp {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(path).ok()?;
+    Some((meta.modified().ok()?, meta.len(), meta.ino()))
+}
+
+impl ServingTls {
+    /// Loads the files, or fails naming the one that cannot be used.
+    pub fn load(files: ServingTlsConfig, stats: Arc<TlsStats>) -> Result<Arc<Self>, TlsError> {
+        let sessions: Arc<dyn StoresServerSessions> = ServerSessionMemoryCache::new(SESSIONS);
+        let tickets = rustls::crypto::ring::Ticketer::new().map_err(|source| TlsError::Rejected {
+            context: "session tickets".to_owned(),
+            source,
+        })?;
+        let config = build(&files, &sessions, &tickets)?;
+        stats.certificate_loaded(true);
+        Ok(Arc::new(Self {
+            files,
+            current: ArcSwap::from_pointee(config),
+            sessions,
+            tickets,
+            stats,
+        }))
+    }
+
+    /// Loads the files again; on any error the certificate in use stays
+    /// and the error is logged. Returns whether the new one is in use.
+    pub fn reload(&self) -> bool {
+        match build(&self.files, &self.sessions, &self.tickets) {
+            Ok(config) => {
+                self.current.store(Arc::new(config));
+                self.stats.certificate_loaded(true);
+                tracing::info!(cert = %self.files.cert_path.display(), "TLS certificate reloaded");
+                true
+            }
+            Err(error) => {
+                self.stats.certificate_loaded(false);
+                tracing::warn!(%error, "TLS certificate not reloaded: the previous one stays in use");
+                false
+            }
+        }
+    }
+
+    /// The TLS handshake of an accepted connection, within `within`;
+    /// counted by outcome.
+    pub async fn accept<IO>(&self, io: IO, within: Duration) -> Result<TlsStream<IO>, Failure>
+    where
+        IO: AsyncRead + AsyncWrite + Unpin,
+    {
+        let acceptor = TlsAcceptor::from(self.current.load_full());
+        let failure = match tokio::time::timeout(within, acceptor.accept(io)).await {
+            Ok(Ok(stream)) => {
+                self.stats.handshake(Side::Client);
+                return Ok(stream);
+            }
+            Ok(Err(error)) => Failure::of(&error),
+            Err(_) => Failure::Timeout,
+        };
+        self.stats.handshake_failed(Side::Client, failure);
+        Err(failure)
+    }
+
+    /// Reloads on SIGHUP and whenever a file changes, until `stop` flips.
+    pub async fn watch(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        let mut hangup =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+                Ok(s) => Some(s),
+                Err(error) => {
+                    tracing::warn!(%error, "no SIGHUP handler: TLS files are reloaded when they change only");
+                    None
+                }
+            };
+        let mut seen: Vec<Stamp> = self.files.paths().map(stamp).collect();
+        let mut poll = tokio::time::interval(POLL);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let signalled = async {
+                match hangup.as_mut() {
+                    Some(h) => h.recv().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = signalled => {
+                    tracing::info!("SIGHUP: reloading the TLS certificate");
+                    seen = self.files.paths().map(stamp).collect();
+                    self.reload();
+                }
+                _ = poll.tick() => {
+                    let now: Vec<Stamp> = self.files.paths().map(stamp).collect();
+                    if now != seen {
+                        seen = now;
+                        self.reload();
+                    }
+                }
+                _ = stop.changed() => return,
+            }
+            if *stop.borrow() {
+                return;
+            }
+        }
+    }
+}
+
+/// A server configuration from the files: ALPN `h2` and `http/1.1`, the
+/// shared session cache and ticketer, and the client verifier when
+/// `--tls-client-ca-path` is set.
+fn build(
+    files: &ServingTlsConfig,
+    sessions: &Arc<dyn StoresServerSessions>,
+    tickets: &Arc<dyn ProducesTickets>,
+) -> Result<ServerConfig, TlsError> {
+    let (chain, key) = key_pair(&files.cert_path, &files.key_path)?;
+    let builder = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|source| TlsError::Rejected {
+            context: "protocol versions".to_owned(),
+            source,
+        })?;
+    let builder = match &files.client_ca_path {
+        Some(path) => {
+            let verifier =
+                WebPkiClientVerifier::builder_with_provider(Arc::new(roots(path)?), provider())
+                    .build()
+                    .map_err(|source| TlsError::ClientCa {
+                        path: path.clone(),
+                        source,
+                    })?;
+            builder.with_client_cert_verifier(verifier)
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let mut config = builder
+        .with_single_cert(chain, key)
+        .map_err(|e| pair_rejected(&files.cert_path, &files.key_path, e))?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    config.session_storage = sessions.clone();
+    config.ticketer = tickets.clone();
+    Ok(config)
+}

@@ -1,0 +1,187 @@
+//! The gateway as a TLS client of `https://` workers: the trust roots
+//! (`--worker-ca-path`, else the system's), the optional client certificate
+//! (`--client-cert-path`, `--client-key-path`), and [`WorkerConnector`], the
+//! connector of every upstream pool, health probes and model discovery
+//! included.
+//!
+//! Owns connection set-up only: TCP, then TLS for `https://`, both within
+//! one connect timeout, so a handshake that stalls or fails is a connect
+//! failure to the caller (the attempt loop charges it to the worker as one).
+//! One client configuration serves every pool, so its session cache resumes
+//! sessions whichever serving thread connects next.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::Uri;
+use http::uri::Scheme;
+use hyper_rustls::MaybeHttpsStream;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioIo;
+use rustls::ClientConfig;
+use rustls::RootCertStore;
+use rustls::pki_types::ServerName;
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+use tokio_rustls::TlsConnector;
+
+use super::stats::{Failure, Side, TlsStats};
+use super::{TlsError, key_pair, pair_rejected, provider, roots};
+use crate::bodies::BoxError;
+
+/// `--worker-ca-path`, `--client-cert-path`, `--client-key-path`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkerTlsConfig {
+    /// PEM CA bundle trusted for workers instead of the system's roots.
+    pub ca_path: Option<std::path::PathBuf>,
+    /// PEM certificate chain and key presented to workers that ask for one
+    /// (mutual TLS); both or neither.
+    pub client_cert_path: Option<std::path::PathBuf>,
+    pub client_key_path: Option<std::path::PathBuf>,
+}
+
+/// The client side of TLS to workers, shared by every pool.
+pub struct WorkerTls {
+    config: Arc<ClientConfig>,
+    stats: Arc<TlsStats>,
+}
+
+impl WorkerTls {
+    /// Loads the roots and the client certificate, or fails naming the file
+    /// that cannot be used.
+    pub fn load(files: &WorkerTlsConfig, stats: Arc<TlsStats>) -> Result<Self, TlsError> {
+        let roots = match &files.ca_path {
+            Some(path) => roots(path)?,
+            None => system_roots(),
+        };
+        let builder = ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|source| TlsError::Rejected {
+                context: "protocol versions".to_owned(),
+                source,
+            })?
+            .with_root_certificates(roots);
+        let mut config = match (&files.client_cert_path, &files.client_key_path) {
+            (Some(cert), Some(key)) => {
+                let (chain, private) = key_pair(cert, key)?;
+                builder
+                    .with_client_auth_cert(chain, private)
+                    .map_err(|e| pair_rejected(cert, key, e))?
+            }
+            // The configuration checks that both or neither are given.
+            _ => builder.with_no_client_auth(),
+        };
+        // The upstream pools speak HTTP/1.1.
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(Self {
+            config: Arc::new(config),
+            stats,
+        })
+    }
+
+    /// A connector for one pool, TCP and TLS within `connect_timeout`.
+    pub fn connector(&self, connect_timeout: Duration) -> WorkerConnector {
+        let mut tcp = HttpConnector::new();
+        tcp.set_connect_timeout(Some(connect_timeout));
+        tcp.set_nodelay(true);
+        // `https://` URIs reach this connector; TLS is layered on below.
+        tcp.enforce_http(false);
+        WorkerConnector {
+            tcp,
+            tls: TlsConnector::from(self.config.clone()),
+            timeout: connect_timeout,
+            stats: self.stats.clone(),
+        }
+    }
+}
+
+/// The system's CA certificates (as OpenSSL finds them); none found leaves
+/// `https://` workers failing their handshakes until `--worker-ca-path` is
+/// given, which is logged.
+fn system_roots() -> RootCertStore {
+    let found = rustls_native_certs::load_native_certs();
+    let mut store = RootCertStore::empty();
+    let (added, _) = store.add_parsable_certificates(found.certs);
+    if added == 0 {
+        tracing::warn!(
+            errors = ?found.errors,
+            "no system CA certificates: https:// workers need --worker-ca-path"
+        );
+    }
+    store
+}
+
+/// A connection to a worker: plain or TLS.
+pub type WorkerStream = MaybeHttpsStream<TokioIo<TcpStream>>;
+
+/// Opens worker connections: TCP for `http://`, TCP then TLS for
+/// `https://`, the whole within the connect timeout.
+#[derive(Clone)]
+pub struct WorkerConnector {
+    tcp: HttpConnector,
+    tls: TlsConnector,
+    timeout: Duration,
+    stats: Arc<TlsStats>,
+}
+
+/// A worker's TLS handshake failed; shown in the attempt's log line.
+#[derive(Debug, thiserror::Error)]
+#[error("TLS handshake with {host} failed ({}): {detail}", reason.as_str())]
+struct HandshakeError {
+    host: String,
+    reason: Failure,
+    detail: String,
+}
+
+impl tower_service::Service<Uri> for WorkerConnector {
+    type Response = WorkerStream;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<WorkerStream, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.tcp.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let host = uri.host().unwrap_or_default().to_owned();
+        let tls = (uri.scheme() == Some(&Scheme::HTTPS)).then(|| self.tls.clone());
+        let connecting = self.tcp.call(uri);
+        let (timeout, stats) = (self.timeout, self.stats.clone());
+        Box::pin(async move {
+            let started = Instant::now();
+            let deadline = started + timeout;
+            let tcp = connecting.await?;
+            let Some(tls) = tls else {
+                stats.worker_connected(false, started.elapsed());
+                return Ok(MaybeHttpsStream::Http(tcp));
+            };
+            // An IP literal is checked against the certificate's IP names.
+            let name = ServerName::try_from(host.trim_matches(['[', ']']).to_owned())?;
+            let failure = |reason: Failure, detail: String| {
+                stats.handshake_failed(Side::Worker, reason);
+                let error = HandshakeError {
+                    host: host.clone(),
+                    reason,
+                    detail,
+                };
+                tracing::warn!(%error, "worker connection failed");
+                Err(error.into())
+            };
+            match tokio::time::timeout_at(deadline, tls.connect(name, TokioIo::new(tcp))).await {
+                Ok(Ok(stream)) => {
+                    stats.handshake(Side::Worker);
+                    stats.worker_connected(true, started.elapsed());
+                    Ok(MaybeHttpsStream::Https(TokioIo::new(stream)))
+                }
+                Ok(Err(error)) => failure(Failure::of(&error), error.to_string()),
+                Err(_) => failure(
+                    Failure::Timeout,
+                    format!("no answer within the connect timeout of {timeout:?}"),
+                ),
+            }
+        })
+    }
+}
