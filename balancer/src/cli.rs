@@ -200,6 +200,10 @@ pub struct LaunchArgs {
     /// Callers must present a certificate signed by a CA of this PEM bundle.
     #[arg(long, value_name = "PATH", requires = "tls_cert_path")]
     pub tls_client_ca_path: Option<PathBuf>,
+    /// How often the TLS files are checked for a change, in seconds; 0:
+    /// only SIGHUP reloads them.
+    #[arg(long, default_value_t = 2)]
+    pub tls_watch_interval_secs: u64,
     /// Trust these PEM CA certificates for `https://` workers instead of the
     /// system's.
     #[arg(long, value_name = "PATH")]
@@ -621,6 +625,8 @@ impl LaunchArgs {
                     cert_path,
                     key_path,
                     client_ca_path: self.tls_client_ca_path.clone(),
+                    watch_interval: (self.tls_watch_interval_secs > 0)
+                        .then(|| Duration::from_secs(self.tls_watch_interval_secs)),
                 }),
             worker_tls: WorkerTlsConfig {
                 ca_path: self.worker_ca_path.clone(),

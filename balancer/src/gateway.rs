@@ -330,7 +330,7 @@ impl Gateway {
             Duration::from_secs(1),
         ));
         if let Some(tls) = serving_tls {
-            listeners.spawn(tls.watch(stop));
+            listeners.spawn(tls.watch(stop).context("cannot handle SIGHUP")?);
         }
 
         let workers = registry.fleet().workers.len();

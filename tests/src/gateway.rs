@@ -99,23 +99,7 @@ pub async fn harness_with_urls(
     urls: &[String],
     configure: impl FnOnce(&mut GatewayConfig),
 ) -> Harness {
-    let workers = Vec::new();
-    let mut config = GatewayConfig::with_worker_urls(urls);
-    config.listen = SocketAddr::from(([127, 0, 0, 1], 0));
-    config.metrics_listen = config.listen;
-    config.admin_listen = config.listen;
-    configure(&mut config);
-    let clock = Arc::new(ManualClock::new());
-    let gw = Gateway::start_with_clock(config, clock.clone())
-        .await
-        .expect("gateway starts");
-    let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
-    let h = Harness {
-        gw,
-        workers,
-        clock,
-        client,
-    };
+    let h = harness_unprobed(urls, configure).await;
     // Models are learned from /v1/models in the background; wait for them so
     // that model-based selection is what the tests exercise.
     let fleet_ready = || {
@@ -127,6 +111,31 @@ pub async fn harness_with_urls(
     };
     eventually("models learned", || std::future::ready(fleet_ready())).await;
     h
+}
+
+/// [`harness_with_urls`] without waiting for the workers' models: for
+/// workers that cannot answer.
+pub async fn harness_unprobed(
+    urls: &[String],
+    configure: impl FnOnce(&mut GatewayConfig),
+) -> Harness {
+    let workers = Vec::new();
+    let mut config = GatewayConfig::with_worker_urls(urls);
+    config.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+    config.metrics_listen = config.listen;
+    config.admin_listen = config.listen;
+    configure(&mut config);
+    let clock = Arc::new(ManualClock::new());
+    let gw = Gateway::start_with_clock(config, clock.clone())
+        .await
+        .expect("gateway starts");
+    let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    Harness {
+        gw,
+        workers,
+        clock,
+        client,
+    }
 }
 
 pub async fn eventually<F, Fut>(what: &str, mut check: F)

@@ -5,7 +5,8 @@
 //! L4 services written straight into the maps ([`l4`]), raw HTTP/1.1
 //! exchanges ([`http1`]), the namespace topologies of both forwarding modes
 //! ([`topology`]), and the namespace scenario both modes pass with what the
-//! namespace tests drive a gateway with ([`l4e2e`]). Helpers never assert on
+//! namespace tests drive a gateway with ([`l4e2e`]), and certificates and
+//! TLS peers ([`tls`]). Helpers never assert on
 //! behalf of a test they do not know; they return what they saw.
 pub mod capture;
 pub mod etcd;
@@ -53,4 +54,43 @@ pub mod l4e2e;
 pub mod netns;
 pub mod ns_runtime;
 pub mod packet;
+pub mod tls;
 pub mod topology;
+
+/// The `balancer` binary, for tests that run the agent as a process; `flag`
+/// is one of `balancer launch` that the test needs, so that a stale binary
+/// fails with a clear error rather than an unknown-flag exit.
+///
+/// This crate uses `balancer` as a library, so Cargo sets no
+/// `CARGO_BIN_EXE_balancer` for its tests; the binary is where a build of
+/// the workspace (or `cargo build -p balancer`) puts it: beside the `deps`
+/// folder this test runs from (`target/<profile>/`). `cargo xtask test`
+/// builds it first.
+pub fn balancer_binary(flag: &str) -> anyhow::Result<PathBuf> {
+    use anyhow::{Context, ensure};
+    use std::path::Path;
+    let exe = std::env::current_exe().context("locating the test executable")?;
+    let beside = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(|profile| profile.join("balancer"));
+    let fallback = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/balancer");
+    let binary = beside
+        .into_iter()
+        .chain([fallback])
+        .find(|path| path.is_file())
+        .context(
+            "no balancer binary beside the test executable or in target/debug: build it \
+             first (`cargo build -p balancer --bin balancer`)",
+        )?;
+    let help = netns::run(
+        binary.to_str().context("non-UTF-8 binary path")?,
+        &["launch", "--help"],
+    )?;
+    ensure!(
+        help.contains(flag),
+        "{} predates {flag}: rebuild it (`cargo build -p balancer --bin balancer`)",
+        binary.display()
+    );
+    Ok(binary)
+}

@@ -43,11 +43,11 @@ use balancer_dataplane::LoadOptions;
 use balancer_dataplane::pin::{self, PinDir};
 use balancer_dataplane::status;
 use balancer_mock_worker::MockWorker;
-use balancer_tests::ebpf_prerequisites;
 use balancer_tests::l4e2e::{self, Driver, Metrics, NewConnections, Tally};
 use balancer_tests::netns::{self, run};
 use balancer_tests::ns_runtime::NsRuntime;
 use balancer_tests::topology::{Layout, Mode, Topology, WORKERS};
+use balancer_tests::{balancer_binary, ebpf_prerequisites};
 
 /// Keep-alive connections held across every step.
 const LONG_LIVED: usize = 5;
@@ -315,7 +315,7 @@ impl Env<'_> {
     /// Runs `balancer l4 status` (the binary) on the pinned state, which
     /// must show every interface, the connections and the isolated worker.
     fn status_command(&self, isolated: usize) -> Result<()> {
-        let binary = balancer_binary()?;
+        let binary = balancer_binary("--bpffs-dir")?;
         let dir = self.dir.to_str().context("non-UTF-8 bpffs folder")?;
         let report = run(
             binary.to_str().context("non-UTF-8 binary path")?,
@@ -500,39 +500,6 @@ impl Env<'_> {
 // ---------------------------------------------------------------------------
 // The agent as a process.
 
-/// The `balancer` binary, for the agent process and `balancer l4 status`.
-///
-/// This crate uses `balancer` as a library, so Cargo sets no
-/// `CARGO_BIN_EXE_balancer` for its tests; the binary is where a build of
-/// the workspace (or `cargo build -p balancer`) puts it: beside the `deps`
-/// folder this test runs from (`target/<profile>/`).
-fn balancer_binary() -> Result<PathBuf> {
-    let exe = std::env::current_exe().context("locating the test executable")?;
-    let beside = exe
-        .parent()
-        .and_then(Path::parent)
-        .map(|profile| profile.join("balancer"));
-    let fallback = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/balancer");
-    let binary = beside
-        .into_iter()
-        .chain([fallback])
-        .find(|path| path.is_file())
-        .context(
-            "no balancer binary beside the test executable or in target/debug: build it \
-             first (`cargo build -p balancer --bin balancer`)",
-        )?;
-    let help = run(
-        binary.to_str().context("non-UTF-8 binary path")?,
-        &["launch", "--help"],
-    )?;
-    ensure!(
-        help.contains("--bpffs-dir"),
-        "{} predates --bpffs-dir: rebuild it (`cargo build -p balancer --bin balancer`)",
-        binary.display()
-    );
-    Ok(binary)
-}
-
 /// `balancer launch` in the balancer's namespace, with the in-process
 /// gateway's workers, service and map sizes, pinning in the same folder.
 struct AgentProcess {
@@ -542,7 +509,7 @@ struct AgentProcess {
 
 impl AgentProcess {
     fn spawn(env: &Env) -> Result<Self> {
-        let binary = balancer_binary()?;
+        let binary = balancer_binary("--bpffs-dir")?;
         let log = std::env::temp_dir().join(format!(
             "balancer-l4-restart-{}-{}.log",
             std::process::id(),

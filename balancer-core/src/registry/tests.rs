@@ -252,6 +252,8 @@ fn https_workers_default_to_port_443_and_keep_their_scheme() {
     let plain = WorkerAddress::parse("http://127.0.0.1").unwrap();
     assert!(!plain.is_tls());
     assert_eq!(plain.resolve(), Some("127.0.0.1:80".parse().unwrap()));
-    let error = WorkerAddress::parse("ftp://127.0.0.1").unwrap_err().to_string();
+    let error = WorkerAddress::parse("ftp://127.0.0.1")
+        .unwrap_err()
+        .to_string();
     assert!(error.contains("http:// or https://"), "{error}");
 }

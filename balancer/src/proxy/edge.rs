@@ -365,7 +365,10 @@ mod tests {
             out[X_FORWARDED_FOR], "127.0.0.9",
             "a forged chain is replaced"
         );
-        assert_eq!(out[X_FORWARDED_PROTO], "https", "the scheme the client spoke");
+        assert_eq!(
+            out[X_FORWARDED_PROTO], "https",
+            "the scheme the client spoke"
+        );
         let trusted = forward_headers(h, Some(peer), "http", 1);
         assert_eq!(trusted[X_FORWARDED_FOR], "6.6.6.6, 127.0.0.9");
     }

@@ -14,8 +14,8 @@ use std::time::{Duration, SystemTime};
 
 use arc_swap::ArcSwap;
 use rustls::ServerConfig;
-use rustls::server::{ProducesTickets, ServerSessionMemoryCache, StoresServerSessions};
 use rustls::server::WebPkiClientVerifier;
+use rustls::server::{ProducesTickets, ServerSessionMemoryCache, StoresServerSessions};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
@@ -23,11 +23,6 @@ use tokio_rustls::server::TlsStream;
 
 use super::stats::{Failure, Side, TlsStats};
 use super::{TlsError, key_pair, pair_rejected, provider, roots};
-
-/// How often the files are looked at for a change. A stat of three files
-/// each time: cheap, and no inotify watch to lose when a directory is
-/// swapped (as Kubernetes does with secrets).
-const POLL: Duration = Duration::from_secs(2);
 
 /// TLS sessions kept for resumption across every serving thread.
 const SESSIONS: usize = 4096;
@@ -42,6 +37,11 @@ pub struct ServingTlsConfig {
     /// PEM CA bundle: when set, every caller must present a certificate it
     /// signed.
     pub client_ca_path: Option<PathBuf>,
+    /// `--tls-watch-interval-secs`: how often the files are looked at for a
+    /// change (a stat of each: cheap, and no inotify watch to lose when a
+    /// directory is swapped, as Kubernetes does with secrets); `None`: only
+    /// SIGHUP reloads.
+    pub watch_interval: Option<Duration>,
 }
 
 impl ServingTlsConfig {
@@ -75,10 +75,11 @@ impl ServingTls {
     /// Loads the files, or fails naming the one that cannot be used.
     pub fn load(files: ServingTlsConfig, stats: Arc<TlsStats>) -> Result<Arc<Self>, TlsError> {
         let sessions: Arc<dyn StoresServerSessions> = ServerSessionMemoryCache::new(SESSIONS);
-        let tickets = rustls::crypto::ring::Ticketer::new().map_err(|source| TlsError::Rejected {
-            context: "session tickets".to_owned(),
-            source,
-        })?;
+        let tickets =
+            rustls::crypto::ring::Ticketer::new().map_err(|source| TlsError::Rejected {
+                context: "session tickets".to_owned(),
+                source,
+            })?;
         let config = build(&files, &sessions, &tickets)?;
         stats.certificate_loaded(true);
         Ok(Arc::new(Self {
@@ -127,45 +128,46 @@ impl ServingTls {
         Err(failure)
     }
 
-    /// Reloads on SIGHUP and whenever a file changes, until `stop` flips.
-    pub async fn watch(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
-        let mut hangup =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
-                Ok(s) => Some(s),
-                Err(error) => {
-                    tracing::warn!(%error, "no SIGHUP handler: TLS files are reloaded when they change only");
-                    None
-                }
-            };
-        let mut seen: Vec<Stamp> = self.files.paths().map(stamp).collect();
-        let mut poll = tokio::time::interval(POLL);
-        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            let signalled = async {
-                match hangup.as_mut() {
-                    Some(h) => h.recv().await,
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                _ = signalled => {
-                    tracing::info!("SIGHUP: reloading the TLS certificate");
-                    seen = self.files.paths().map(stamp).collect();
-                    self.reload();
-                }
-                _ = poll.tick() => {
-                    let now: Vec<Stamp> = self.files.paths().map(stamp).collect();
-                    if now != seen {
-                        seen = now;
+    /// The task that reloads on SIGHUP and whenever a file changes, until
+    /// `stop` flips. The SIGHUP handler is in place when this returns, so a
+    /// signal sent once the gateway listens is never the default action
+    /// (which ends the process).
+    pub fn watch(
+        self: Arc<Self>,
+        mut stop: watch::Receiver<bool>,
+    ) -> std::io::Result<impl Future<Output = ()> + Send + 'static> {
+        let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+        Ok(async move {
+            let mut seen: Vec<Stamp> = self.files.paths().map(stamp).collect();
+            // Without file watching the tick never comes.
+            let mut poll = tokio::time::interval(
+                self.files
+                    .watch_interval
+                    .unwrap_or(Duration::from_secs(u32::MAX.into())),
+            );
+            poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            poll.reset();
+            loop {
+                tokio::select! {
+                    _ = hangup.recv() => {
+                        tracing::info!("SIGHUP: reloading the TLS certificate");
+                        seen = self.files.paths().map(stamp).collect();
                         self.reload();
                     }
+                    _ = poll.tick() => {
+                        let now: Vec<Stamp> = self.files.paths().map(stamp).collect();
+                        if now != seen {
+                            seen = now;
+                            self.reload();
+                        }
+                    }
+                    _ = stop.changed() => return,
                 }
-                _ = stop.changed() => return,
+                if *stop.borrow() {
+                    return;
+                }
             }
-            if *stop.borrow() {
-                return;
-            }
-        }
+        })
     }
 }
 

@@ -7,12 +7,15 @@
 //! Owns connection set-up only: TCP, then TLS for `https://`, both within
 //! one connect timeout, so a handshake that stalls or fails is a connect
 //! failure to the caller (the attempt loop charges it to the worker as one).
-//! One client configuration serves every pool, so its session cache resumes
-//! sessions whichever serving thread connects next.
+//! Every pool shares one session cache per worker, so a session is resumed
+//! whichever serving thread (or probe) connects next; per worker, because
+//! rustls keys sessions by server name alone and workers on one host differ
+//! by port only.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -21,9 +24,9 @@ use http::uri::Scheme;
 use hyper_rustls::MaybeHttpsStream;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioIo;
-use rustls::ClientConfig;
-use rustls::RootCertStore;
+use rustls::client::Resumption;
 use rustls::pki_types::ServerName;
+use rustls::{ClientConfig, RootCertStore};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tokio_rustls::TlsConnector;
@@ -43,9 +46,21 @@ pub struct WorkerTlsConfig {
     pub client_key_path: Option<std::path::PathBuf>,
 }
 
+/// Sessions kept per worker for resumption: one per pool and probe is
+/// plenty.
+const SESSIONS_PER_WORKER: usize = 32;
+
+/// Workers whose sessions are kept apart; past this (a fleet that churns
+/// through addresses) the caches start over, costing one full handshake
+/// each.
+const MAX_SESSION_CACHES: usize = 4096;
+
 /// The client side of TLS to workers, shared by every pool.
 pub struct WorkerTls {
-    config: Arc<ClientConfig>,
+    config: ClientConfig,
+    /// The connector of each worker (`host:port`), with its own sessions.
+    /// Locked when a connection is opened, never per request.
+    per_worker: Mutex<HashMap<String, TlsConnector>>,
     stats: Arc<TlsStats>,
 }
 
@@ -77,13 +92,33 @@ impl WorkerTls {
         // The upstream pools speak HTTP/1.1.
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
         Ok(Self {
-            config: Arc::new(config),
+            config,
+            per_worker: Mutex::new(HashMap::new()),
             stats,
         })
     }
 
+    /// The TLS connector of the worker at `authority`.
+    fn for_worker(&self, authority: &str) -> TlsConnector {
+        let mut connectors = self
+            .per_worker
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(connector) = connectors.get(authority) {
+            return connector.clone();
+        }
+        if connectors.len() >= MAX_SESSION_CACHES {
+            connectors.clear();
+        }
+        let mut config = self.config.clone();
+        config.resumption = Resumption::in_memory_sessions(SESSIONS_PER_WORKER);
+        let connector = TlsConnector::from(Arc::new(config));
+        connectors.insert(authority.to_owned(), connector.clone());
+        connector
+    }
+
     /// A connector for one pool, TCP and TLS within `connect_timeout`.
-    pub fn connector(&self, connect_timeout: Duration) -> WorkerConnector {
+    pub fn connector(self: &Arc<Self>, connect_timeout: Duration) -> WorkerConnector {
         let mut tcp = HttpConnector::new();
         tcp.set_connect_timeout(Some(connect_timeout));
         tcp.set_nodelay(true);
@@ -91,9 +126,8 @@ impl WorkerTls {
         tcp.enforce_http(false);
         WorkerConnector {
             tcp,
-            tls: TlsConnector::from(self.config.clone()),
+            tls: self.clone(),
             timeout: connect_timeout,
-            stats: self.stats.clone(),
         }
     }
 }
@@ -122,9 +156,8 @@ pub type WorkerStream = MaybeHttpsStream<TokioIo<TcpStream>>;
 #[derive(Clone)]
 pub struct WorkerConnector {
     tcp: HttpConnector,
-    tls: TlsConnector,
+    tls: Arc<WorkerTls>,
     timeout: Duration,
-    stats: Arc<TlsStats>,
 }
 
 /// A worker's TLS handshake failed; shown in the attempt's log line.
@@ -147,9 +180,12 @@ impl tower_service::Service<Uri> for WorkerConnector {
 
     fn call(&mut self, uri: Uri) -> Self::Future {
         let host = uri.host().unwrap_or_default().to_owned();
-        let tls = (uri.scheme() == Some(&Scheme::HTTPS)).then(|| self.tls.clone());
+        let tls = (uri.scheme() == Some(&Scheme::HTTPS)).then(|| {
+            self.tls
+                .for_worker(uri.authority().map_or("", |a| a.as_str()))
+        });
         let connecting = self.tcp.call(uri);
-        let (timeout, stats) = (self.timeout, self.stats.clone());
+        let (timeout, stats) = (self.timeout, self.tls.stats.clone());
         Box::pin(async move {
             let started = Instant::now();
             let deadline = started + timeout;
