@@ -301,7 +301,7 @@ async fn a_worker_the_gateway_cannot_verify_or_satisfy_is_charged_a_connect_fail
     // Trusted, but asked for a client certificate the gateway does not have.
     let trusted = tls_workers(&dir, &ca).await?;
     let url = trusted.mutual.url();
-    let h = harness_unprobed(&[url.clone()], |c| {
+    let h = harness_unprobed(std::slice::from_ref(&url), |c| {
         quiet(c);
         c.proxy.retry.max_attempts = 1;
         c.worker_tls.ca_path = Some(ca.pem.clone());
