@@ -17,7 +17,9 @@ use std::time::Duration;
 
 use balancer::config::GatewayConfig;
 use balancer::gateway::Gateway;
+use balancer::tls::ServingTlsConfig;
 use balancer_mock_worker::{MockWorker, MockWorkerConfig};
+use balancer_tests::tls::{Ca, Leaf, Scratch};
 use serde_json::Value;
 use tokio::process::Command;
 use tokio::time::Instant;
@@ -29,13 +31,15 @@ const SCRIPT_WITHIN: Duration = Duration::from_secs(60);
 const LOCK_WITHIN: Duration = Duration::from_secs(60 + 180 + 30);
 const BOUND: Duration = Duration::from_secs(10);
 
-/// Run as `python -c SCRIPT BASE_URL`; prints one JSON line for the Rust
-/// side to check the exact values.
+/// Run as `python -c SCRIPT BASE_URL [CA_FILE]`; prints one JSON line for
+/// the Rust side to check the exact values. With a CA file the client
+/// trusts that CA alone (HTTPS).
 const SCRIPT: &str = r#"
 import json, sys
 import openai
 
-client = openai.OpenAI(base_url=sys.argv[1], api_key="x", max_retries=0, timeout=20.0)
+tls = {"http_client": openai.DefaultHttpxClient(verify=sys.argv[2])} if len(sys.argv) > 2 else {}
+client = openai.OpenAI(base_url=sys.argv[1], api_key="x", max_retries=0, timeout=20.0, **tls)
 messages = [{"role": "user", "content": "hi"}]
 
 reply = client.chat.completions.create(model="demo-model", messages=messages, max_tokens=5)
@@ -80,6 +84,22 @@ print(json.dumps({
 
 #[tokio::test]
 async fn openai_client_completes_and_streams_through_the_gateway() {
+    completes_and_streams(None).await;
+}
+
+#[tokio::test]
+async fn openai_client_completes_and_streams_over_https() {
+    let dir = Scratch::new("openai").expect("scratch dir");
+    let ca = Ca::new(&dir, "edge").expect("CA");
+    let leaf = ca
+        .issue(&dir, "gateway", &["127.0.0.1", "localhost"])
+        .expect("certificate");
+    completes_and_streams(Some((&ca, &leaf))).await;
+}
+
+/// The client's checks through a gateway before two demo workers, over
+/// HTTPS with `tls` (the CA the client trusts, the gateway's certificate).
+async fn completes_and_streams(tls: Option<(&Ca, &Leaf)>) {
     let Some(python) = client_python().await else {
         return;
     };
@@ -100,6 +120,12 @@ async fn openai_client_completes_and_streams_through_the_gateway() {
     config.metrics_listen = config.listen;
     config.admin_listen = config.listen;
     config.health_check.enabled = false;
+    config.tls = tls.map(|(_, leaf)| ServingTlsConfig {
+        cert_path: leaf.cert.clone(),
+        key_path: leaf.key.clone(),
+        client_ca_path: None,
+        watch_interval: None,
+    });
     let gw = Gateway::start(config).await.expect("gateway starts");
 
     // Requests for "demo-model" are routed once the workers' /v1/models
@@ -117,15 +143,15 @@ async fn openai_client_completes_and_streams_through_the_gateway() {
     }
     workers.iter().for_each(MockWorker::reset);
 
-    let output = bounded(
-        Command::new(&python)
-            .arg("-c")
-            .arg(SCRIPT)
-            .arg(format!("http://{}/v1", gw.addr)),
-        SCRIPT_WITHIN,
-    )
-    .await
-    .expect("the client script runs");
+    let mut script = Command::new(&python);
+    script.arg("-c").arg(SCRIPT);
+    match tls {
+        Some((ca, _)) => script.arg(format!("https://{}/v1", gw.addr)).arg(&ca.pem),
+        None => script.arg(format!("http://{}/v1", gw.addr)),
+    };
+    let output = bounded(&mut script, SCRIPT_WITHIN)
+        .await
+        .expect("the client script runs");
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
