@@ -15,6 +15,11 @@
 //! starting one further) so that noise from other work on the machine is
 //! spread over all of them; the table shows medians over the rounds.
 //!
+//! The HTTPS row runs a second balancer and a TLS server of the same nginx
+//! on one self-signed certificate (made here with rcgen), both proxying to
+//! the workers in plain HTTP; wrk keeps its connections, so the row is the
+//! cost of TLS records rather than handshakes.
+//!
 //! Every child is stopped by its PID when the bench ends, however it ends
 //! (see [`Lab`]); Ctrl-C reaches them directly, as they share the terminal's
 //! process group.
@@ -98,6 +103,9 @@ const INSTALL_WITHIN: Duration = Duration::from_secs(240);
 const STOP_GRACE: Duration = Duration::from_secs(3);
 /// The row the ratios are relative to.
 const GATEWAY: &str = "balancer";
+/// The gateway serving HTTPS, in the HTTPS row.
+const GATEWAY_TLS: &str = "balancer https";
+const NGINX_TLS: &str = "nginx https";
 
 fn l7(args: &L7) -> Result<()> {
     let started = Instant::now();
@@ -165,6 +173,38 @@ fn l7(args: &L7) -> Result<()> {
     lab.await_ready(GATEWAY, gateway)?;
     targets.push(Target::new(GATEWAY, gateway, lab.pid(GATEWAY)?));
 
+    let certificate = Certificate::new(&lab.dir)?;
+    let gateway_tls = free_addr()?;
+    lab.start(
+        GATEWAY_TLS,
+        Command::new(&balancer)
+            .arg("launch")
+            .args(["--host", "127.0.0.1", "--port"])
+            .arg(gateway_tls.port().to_string())
+            .arg("--prometheus-port")
+            .arg(free_addr()?.port().to_string())
+            .arg("--admin-port")
+            .arg(free_addr()?.port().to_string())
+            .arg("--tls-cert-path")
+            .arg(&certificate.cert)
+            .arg("--tls-key-path")
+            .arg(&certificate.key)
+            .args([
+                "--policy",
+                "round_robin",
+                "--log-level",
+                "warn",
+                "--worker-urls",
+            ])
+            .args(&urls),
+    )?;
+    lab.await_answer(GATEWAY_TLS, gateway_tls, post_status_tls)?;
+    let mut https = vec![Target::tls(
+        GATEWAY_TLS,
+        gateway_tls,
+        lab.pid(GATEWAY_TLS)?,
+    )];
+
     let mut nginx_stream = None;
     if let Some(nginx) = nginx {
         let addr = free_addr()?;
@@ -173,8 +213,15 @@ fn l7(args: &L7) -> Result<()> {
         // nginx's defaults).
         let stream_addr = free_addr()?;
         nginx_stream = Some(stream_addr);
+        let tls_addr = free_addr()?;
         let conf = lab.dir.join("nginx.conf");
-        fs::write(&conf, nginx_conf(&lab.dir, addr, stream_addr, &workers))?;
+        let listen = NginxListen {
+            plain: addr,
+            stream: stream_addr,
+            tls: tls_addr,
+            certificate: &certificate,
+        };
+        fs::write(&conf, nginx_conf(&lab.dir, &listen, &workers))?;
         lab.start(
             "nginx",
             Command::new(nginx)
@@ -187,6 +234,9 @@ fn l7(args: &L7) -> Result<()> {
                 .args(["-g", "daemon off;"]),
         )?;
         optional(&mut lab, &mut targets, &mut left_out, "nginx", addr);
+        if let Some(nginx) = targets.iter().find(|t| t.name == "nginx") {
+            https.push(Target::tls(NGINX_TLS, tls_addr, nginx.pid));
+        }
     }
 
     if let Some(smg) = smg {
@@ -228,7 +278,7 @@ fn l7(args: &L7) -> Result<()> {
     );
 
     for target in &targets {
-        wrk.run(target.addr, WARMUP_SECS)
+        wrk.run(target, WARMUP_SECS)
             .with_context(|| format!("warming up {}", target.name))?;
     }
     let count = targets.len();
@@ -264,23 +314,23 @@ fn l7(args: &L7) -> Result<()> {
             Target::new(t.name, addr, t.pid)
         })
         .collect();
-    for round in 0..args.rounds {
-        for offset in 0..streams.len() {
-            let index = (round as usize + offset) % streams.len();
-            let target = &mut streams[index];
-            let sample = measure(&stream_wrk, target, args.duration_secs)?;
-            eprintln!(
-                "stream round {}/{}: {:<16} {:>9.0} chunks/s  CPU {:>6.2} us/chunk  errors {}",
-                round + 1,
-                args.rounds,
-                target.name,
-                sample.rps * STREAM_CHUNKS,
-                sample.cpu_us / STREAM_CHUNKS,
-                sample.errors,
-            );
-            target.samples.push(sample);
-        }
+    let stream = Pass {
+        label: "stream",
+        unit: "chunk",
+        per_request: STREAM_CHUNKS,
+    };
+    stream.alternate(&stream_wrk, &mut streams, args)?;
+    // The HTTPS row: the gateway and nginx serving TLS, alternating.
+    for target in &https {
+        wrk.run(target, WARMUP_SECS)
+            .with_context(|| format!("warming up {}", target.name))?;
     }
+    let tls = Pass {
+        label: "https",
+        unit: "req",
+        per_request: 1.0,
+    };
+    tls.alternate(&wrk, &mut https, args)?;
 
     let busy_after = other_cpu_use();
     let mut idle = Vec::new();
@@ -291,7 +341,20 @@ fn l7(args: &L7) -> Result<()> {
         }
     }
     println!("\n{}", table(&targets));
-    println!("\n{}", stream_table(&streams));
+    println!(
+        "\n{}",
+        stream.table(
+            "streaming (SSE chunks per response, nginx with proxy_buffering off)",
+            &streams
+        )
+    );
+    println!(
+        "\n{}",
+        tls.table(
+            "HTTPS (TLS 1.3, one ECDSA P-256 certificate; workers in plain HTTP)",
+            &https
+        )
+    );
     println!(
         "\nmemory (resident set of the process tree) with {IDLE_CONNECTIONS} idle client \
          connections open:"
@@ -357,6 +420,8 @@ struct Target {
     /// The server's process, whose tree's CPU time each round charges to
     /// the requests it served.
     pid: u32,
+    /// Served over HTTPS.
+    tls: bool,
     samples: Vec<Sample>,
 }
 
@@ -366,7 +431,15 @@ impl Target {
             name,
             addr,
             pid,
+            tls: false,
             samples: Vec::new(),
+        }
+    }
+
+    fn tls(name: &'static str, addr: SocketAddr, pid: u32) -> Self {
+        Self {
+            tls: true,
+            ..Self::new(name, addr, pid)
         }
     }
 
@@ -450,7 +523,7 @@ fn table(targets: &[Target]) -> String {
 fn measure(wrk: &Wrk, target: &Target, secs: u64) -> Result<Sample> {
     let cpu_before = tree_cpu(target.pid);
     let mut sample = wrk
-        .run(target.addr, secs)
+        .run(target, secs)
         .with_context(|| format!("measuring {}", target.name))?;
     let cpu = tree_cpu(target.pid).saturating_sub(cpu_before);
     let served = sample.rps * secs as f64;
@@ -458,34 +531,78 @@ fn measure(wrk: &Wrk, target: &Target, secs: u64) -> Result<Sample> {
     Ok(sample)
 }
 
-/// The streaming row: chunks relayed per second and CPU per chunk.
-fn stream_table(streams: &[Target]) -> String {
-    let mut out = format!(
-        "streaming ({STREAM_CHUNKS} SSE chunks per response, nginx with proxy_buffering off):\n\
-         {:<16} {:>12} {:>13} {:>9} {:>7}\n",
-        "target", "chunks/s", "CPU us/chunk", "p99", "errors"
-    );
-    for target in streams {
-        out.push_str(&format!(
-            "{:<16} {:>12.0} {:>13.2} {:>9} {:>7}\n",
-            target.name,
-            target.median(|s| s.rps) * STREAM_CHUNKS,
-            target.median(|s| s.cpu_us) / STREAM_CHUNKS,
-            show(Duration::from_secs_f64(
-                target.median(|s| s.p99.as_secs_f64())
-            )),
-            target.samples.iter().map(|s| s.errors).sum::<u64>(),
-        ));
+/// A pass of its own over a few targets (the streaming row, the HTTPS
+/// row): rounds alternating the targets, and a table with the ratio of the
+/// gateway to nginx.
+struct Pass {
+    label: &'static str,
+    /// What is counted: `chunk`, `req`.
+    unit: &'static str,
+    /// Units per request.
+    per_request: f64,
+}
+
+impl Pass {
+    fn alternate(&self, wrk: &Wrk, targets: &mut [Target], args: &L7) -> Result<()> {
+        let count = targets.len();
+        for round in 0..args.rounds {
+            for offset in 0..count {
+                let target = &mut targets[(round as usize + offset) % count];
+                let sample = measure(wrk, target, args.duration_secs)?;
+                eprintln!(
+                    "{} round {}/{}: {:<16} {:>9.0} {}s/s  CPU {:>6.2} us/{}  errors {}",
+                    self.label,
+                    round + 1,
+                    args.rounds,
+                    target.name,
+                    sample.rps * self.per_request,
+                    self.unit,
+                    sample.cpu_us / self.per_request,
+                    self.unit,
+                    sample.errors,
+                );
+                target.samples.push(sample);
+            }
+        }
+        Ok(())
     }
-    if let [gateway, nginx] = streams {
-        let ratio = |f: &dyn Fn(&Sample) -> f64| gateway.median(f) / nginx.median(f);
-        out.push_str(&format!(
-            "{GATEWAY} / nginx: chunks/s {:.2}x, CPU per chunk {:.2}x",
-            ratio(&|s| s.rps),
-            ratio(&|s| s.cpu_us),
-        ));
+
+    /// The pass's table under `title`; the first target over the second.
+    fn table(&self, title: &str, targets: &[Target]) -> String {
+        let unit = self.unit;
+        let mut out = format!(
+            "{title}:\n{:<16} {:>12} {:>13} {:>9} {:>7}\n",
+            "target",
+            format!("{unit}s/s"),
+            format!("CPU us/{unit}"),
+            "p99",
+            "errors"
+        );
+        for target in targets {
+            out.push_str(&format!(
+                "{:<16} {:>12.0} {:>13.2} {:>9} {:>7}\n",
+                target.name,
+                target.median(|s| s.rps) * self.per_request,
+                target.median(|s| s.cpu_us) / self.per_request,
+                show(Duration::from_secs_f64(
+                    target.median(|s| s.p99.as_secs_f64())
+                )),
+                target.samples.iter().map(|s| s.errors).sum::<u64>(),
+            ));
+        }
+        if let [gateway, nginx] = targets {
+            let ratio = |f: &dyn Fn(&Sample) -> f64| gateway.median(f) / nginx.median(f);
+            out.push_str(&format!(
+                "{} / {}: {unit}s/s {:.2}x, CPU per {unit} {:.2}x, p99 {:.2}x",
+                gateway.name,
+                nginx.name,
+                ratio(&|s| s.rps),
+                ratio(&|s| s.cpu_us),
+                ratio(&|s| s.p99.as_secs_f64()),
+            ));
+        }
+        out
     }
-    out
 }
 
 /// `root` and every process below it, from /proc.
@@ -672,7 +789,8 @@ impl Wrk {
         })
     }
 
-    fn run(&self, addr: SocketAddr, secs: u64) -> Result<Sample> {
+    fn run(&self, target: &Target, secs: u64) -> Result<Sample> {
+        let scheme = if target.tls { "https" } else { "http" };
         let mut command = Command::new(&self.binary);
         command
             .arg(format!("-t{WRK_THREADS}"))
@@ -680,7 +798,7 @@ impl Wrk {
             .arg(format!("-d{secs}s"))
             .args(["--latency", "--timeout", "5s", "-s"])
             .arg(&self.script)
-            .arg(format!("http://{addr}{PATH}"))
+            .arg(format!("{scheme}://{}{PATH}", target.addr))
             .stdout(File::create(&self.report)?);
         bounded(&mut command, Duration::from_secs(secs + 15))?;
         let text = fs::read_to_string(&self.report)?;
@@ -737,12 +855,22 @@ fn parse_latency(text: &str) -> Result<Duration> {
     ))
 }
 
-fn nginx_conf(
-    dir: &Path,
-    listen: SocketAddr,
-    stream_listen: SocketAddr,
-    workers: &[SocketAddr],
-) -> String {
+/// The addresses nginx serves the rows on.
+struct NginxListen<'a> {
+    plain: SocketAddr,
+    /// The streaming row's: unbuffered.
+    stream: SocketAddr,
+    /// The HTTPS row's.
+    tls: SocketAddr,
+    certificate: &'a Certificate,
+}
+
+fn nginx_conf(dir: &Path, listen: &NginxListen<'_>, workers: &[SocketAddr]) -> String {
+    let (plain, stream_listen, tls) = (listen.plain, listen.stream, listen.tls);
+    let (cert, key) = (
+        listen.certificate.cert.display(),
+        listen.certificate.key.display(),
+    );
     let servers: String = workers
         .iter()
         .map(|addr| format!("        server {addr};\n"))
@@ -767,7 +895,7 @@ http {{
 {servers}        keepalive 64;
     }}
     server {{
-        listen {listen};
+        listen {plain};
         location / {{
             proxy_pass http://workers;
             proxy_http_version 1.1;
@@ -783,9 +911,37 @@ http {{
             proxy_buffering off;
         }}
     }}
+    server {{
+        listen {tls} ssl;
+        ssl_certificate {cert};
+        ssl_certificate_key {key};
+        location / {{
+            proxy_pass http://workers;
+            proxy_http_version 1.1;
+            proxy_set_header Connection \"\";
+        }}
+    }}
 }}
 "
     )
+}
+
+/// The HTTPS row's self-signed certificate for 127.0.0.1, as PEM files in
+/// the scratch folder.
+struct Certificate {
+    cert: PathBuf,
+    key: PathBuf,
+}
+
+impl Certificate {
+    fn new(dir: &Path) -> Result<Self> {
+        let made = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()])
+            .context("making the HTTPS row's certificate")?;
+        let (cert, key) = (dir.join("tls-cert.pem"), dir.join("tls-key.pem"));
+        fs::write(&cert, made.cert.pem())?;
+        fs::write(&key, made.signing_key.serialize_pem())?;
+        Ok(Self { cert, key })
+    }
 }
 
 /// The `smg` launcher from a venv under target/, installed on first use.
@@ -902,6 +1058,21 @@ fn post_status(addr: SocketAddr) -> Result<u16> {
         .with_context(|| format!("not an HTTP/1.1 status line: {head:?}"))
 }
 
+/// [`post_status`] over HTTPS, through curl (the certificate is not
+/// checked: it is the bench's own).
+fn post_status_tls(addr: SocketAddr) -> Result<u16> {
+    let output = Command::new("curl")
+        .args(["-sk", "--max-time", "5", "-o", "/dev/null", "-w", "%{http_code}"])
+        .args(["-H", "Content-Type: application/json", "-d", BODY])
+        .arg(format!("https://{addr}{PATH}"))
+        .output()
+        .context("running curl")?;
+    let code = String::from_utf8_lossy(&output.stdout);
+    code.trim()
+        .parse()
+        .with_context(|| format!("curl printed {code:?}"))
+}
+
 /// The scratch folder (wrk script, nginx config, logs) and the processes the
 /// bench started. Dropping it stops them by PID and removes the folder, on
 /// every way out: success, error or panic.
@@ -960,6 +1131,16 @@ impl Lab {
     /// Waits until the server `name` answers a chat completion on `addr`
     /// with 200.
     fn await_ready(&mut self, name: &str, addr: SocketAddr) -> Result<()> {
+        self.await_answer(name, addr, post_status)
+    }
+
+    /// [`Lab::await_ready`], asking with `probe`.
+    fn await_answer(
+        &mut self,
+        name: &str,
+        addr: SocketAddr,
+        probe: fn(SocketAddr) -> Result<u16>,
+    ) -> Result<()> {
         let deadline = Instant::now() + READY_WITHIN;
         let proc = self
             .procs
@@ -967,7 +1148,7 @@ impl Lab {
             .find(|p| p.name == name)
             .with_context(|| format!("{name} was never started"))?;
         loop {
-            let last = match post_status(addr) {
+            let last = match probe(addr) {
                 Ok(200) => return Ok(()),
                 Ok(status) => format!("HTTP {status}"),
                 Err(error) => format!("{error:#}"),
