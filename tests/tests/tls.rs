@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use balancer::tls::{ServingTlsConfig, WorkerTlsConfig};
+use balancer_core::selection::Policy;
 use balancer_mock_worker::{MockWorker, MockWorkerConfig};
 use balancer_tests::balancer_binary;
 use balancer_tests::gateway::{
@@ -19,6 +20,7 @@ use balancer_tests::gateway::{
 use balancer_tests::tls::{
     Ca, Leaf, Scratch, TlsFront, answered, client_config, open, post, sample,
 };
+use http::Method;
 use http_body_util::BodyExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -211,7 +213,6 @@ async fn workers_behind_tls_and_mutual_tls_are_probed_and_served_with_resumed_se
     let ca = Ca::new(&dir, "fleet")?;
     let identity = ca.issue(&dir, "gateway-client", &["gateway.example"])?;
     let fleet = tls_workers(&dir, &ca).await?;
-    let urls = [fleet.plain.url(), fleet.mutual.url()];
     let worker_tls = WorkerTlsConfig {
         ca_path: Some(ca.pem.clone()),
         client_cert_path: Some(identity.cert.clone()),
@@ -219,9 +220,30 @@ async fn workers_behind_tls_and_mutual_tls_are_probed_and_served_with_resumed_se
     };
     // Models are learned over TLS (the harness waits for them): model
     // discovery shares the request path's TLS client.
-    let h = harness_with_urls(&urls, |c| {
+    let h = harness_with_urls(&[fleet.plain.url()], |c| {
         quiet(c);
+        // Both workers take requests.
+        c.policy = Policy::RoundRobin;
         c.worker_tls = worker_tls;
+    })
+    .await;
+    // An https:// worker added through the admin API.
+    let mutual = fleet.mutual.url();
+    let added = h
+        .admin(
+            Method::POST,
+            "/workers",
+            &format!(r#"{{"url":"{mutual}"}}"#),
+        )
+        .await;
+    assert_eq!(added.status, 201, "{}", added.text());
+    eventually("the added worker's models learned over mutual TLS", || {
+        let known =
+            h.gw.registry
+                .fleet()
+                .get(&mutual)
+                .is_some_and(|w| !w.models().is_empty());
+        std::future::ready(known)
     })
     .await;
     for _ in 0..20 {

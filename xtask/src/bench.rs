@@ -199,11 +199,7 @@ fn l7(args: &L7) -> Result<()> {
             .args(&urls),
     )?;
     lab.await_answer(GATEWAY_TLS, gateway_tls, post_status_tls)?;
-    let mut https = vec![Target::tls(
-        GATEWAY_TLS,
-        gateway_tls,
-        lab.pid(GATEWAY_TLS)?,
-    )];
+    let mut https = vec![Target::tls(GATEWAY_TLS, gateway_tls, lab.pid(GATEWAY_TLS)?)];
 
     let mut nginx_stream = None;
     if let Some(nginx) = nginx {
@@ -317,6 +313,7 @@ fn l7(args: &L7) -> Result<()> {
     let stream = Pass {
         label: "stream",
         unit: "chunk",
+        rate: "chunks/s",
         per_request: STREAM_CHUNKS,
     };
     stream.alternate(&stream_wrk, &mut streams, args)?;
@@ -328,6 +325,7 @@ fn l7(args: &L7) -> Result<()> {
     let tls = Pass {
         label: "https",
         unit: "req",
+        rate: "req/s",
         per_request: 1.0,
     };
     tls.alternate(&wrk, &mut https, args)?;
@@ -538,6 +536,8 @@ struct Pass {
     label: &'static str,
     /// What is counted: `chunk`, `req`.
     unit: &'static str,
+    /// Its rate: `chunks/s`, `req/s`.
+    rate: &'static str,
     /// Units per request.
     per_request: f64,
 }
@@ -550,13 +550,13 @@ impl Pass {
                 let target = &mut targets[(round as usize + offset) % count];
                 let sample = measure(wrk, target, args.duration_secs)?;
                 eprintln!(
-                    "{} round {}/{}: {:<16} {:>9.0} {}s/s  CPU {:>6.2} us/{}  errors {}",
+                    "{} round {}/{}: {:<16} {:>9.0} {}  CPU {:>6.2} us/{}  errors {}",
                     self.label,
                     round + 1,
                     args.rounds,
                     target.name,
                     sample.rps * self.per_request,
-                    self.unit,
+                    self.rate,
                     sample.cpu_us / self.per_request,
                     self.unit,
                     sample.errors,
@@ -569,11 +569,11 @@ impl Pass {
 
     /// The pass's table under `title`; the first target over the second.
     fn table(&self, title: &str, targets: &[Target]) -> String {
-        let unit = self.unit;
+        let (unit, rate) = (self.unit, self.rate);
         let mut out = format!(
             "{title}:\n{:<16} {:>12} {:>13} {:>9} {:>7}\n",
             "target",
-            format!("{unit}s/s"),
+            rate,
             format!("CPU us/{unit}"),
             "p99",
             "errors"
@@ -593,7 +593,7 @@ impl Pass {
         if let [gateway, nginx] = targets {
             let ratio = |f: &dyn Fn(&Sample) -> f64| gateway.median(f) / nginx.median(f);
             out.push_str(&format!(
-                "{} / {}: {unit}s/s {:.2}x, CPU per {unit} {:.2}x, p99 {:.2}x",
+                "{} / {}: {rate} {:.2}x, CPU per {unit} {:.2}x, p99 {:.2}x",
                 gateway.name,
                 nginx.name,
                 ratio(&|s| s.rps),
@@ -1062,7 +1062,15 @@ fn post_status(addr: SocketAddr) -> Result<u16> {
 /// checked: it is the bench's own).
 fn post_status_tls(addr: SocketAddr) -> Result<u16> {
     let output = Command::new("curl")
-        .args(["-sk", "--max-time", "5", "-o", "/dev/null", "-w", "%{http_code}"])
+        .args([
+            "-sk",
+            "--max-time",
+            "5",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+        ])
         .args(["-H", "Content-Type: application/json", "-d", BODY])
         .arg(format!("https://{addr}{PATH}"))
         .output()
