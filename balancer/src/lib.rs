@@ -8,7 +8,8 @@
 //!
 //! Layers, bottom up: [`bodies`] names the body types; [`config`] is the typed description of an agent and
 //! [`cli`] maps flags and TOML onto it; [`discovery`] says where workers come
-//! from; [`tls`] holds the certificates of both edges; [`proxy`] is the
+//! from; [`tls`] holds the certificates of both edges; [`h1`] is the
+//! HTTP/1.1 client of the fast path to plain-HTTP workers; [`proxy`] is the
 //! request path, phase by phase; [`server`] accepts connections; [`admin`] and [`metrics`] face the operator; [`gateway`]
 //! wires them together. It must not contain `unsafe` (the dataplane crate
 //! holds all of it) nor the demo worker (its own crate, used by the binary
@@ -24,6 +25,7 @@ pub mod discovery;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod gateway;
+pub mod h1;
 pub mod metrics;
 pub mod proxy;
 pub mod server;

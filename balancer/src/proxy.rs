@@ -44,6 +44,7 @@ pub use edge::Routes;
 pub use probe::{HealthCheckConfig, Prober};
 pub use stats::GatewayStats;
 
+use crate::h1::H1Pool;
 use crate::server::Peer;
 use crate::tls::{WorkerConnector, WorkerTls};
 use answer::json_response;
@@ -53,13 +54,22 @@ use route::{
     MAX_MODEL_LEN, Outgoing, inference_model, model_in_prefix, request_model, with_usage_requested,
 };
 
+/// How long an idle connection to a worker is kept for the next request.
+const UPSTREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+
 /// Names the fallback a response took: `requested->served`.
 pub const FALLBACK_HEADER: &str = "x-balancer-fallback";
 
-/// A connection pool to the workers. Each serving thread has its own, so a
-/// request and its upstream connection are polled on the same thread and no
-/// lock or wake-up crosses threads on the request path.
-pub type UpstreamClient = Client<WorkerConnector, UpstreamBody>;
+/// The connection pools to the workers. Each serving thread has its own, so
+/// a request and its upstream connection are polled on the same thread and
+/// no lock or wake-up crosses threads on the request path.
+pub struct UpstreamClient {
+    /// The fast path: plain-HTTP workers, bodies the gateway holds whole.
+    h1: H1Pool,
+    /// Everything else: `https://` workers, streamed request bodies, host
+    /// names not resolved yet.
+    hyper: Client<WorkerConnector, UpstreamBody>,
+}
 
 /// What the request path is told at start.
 #[derive(Debug, Clone, PartialEq)]
@@ -133,13 +143,16 @@ impl Proxy {
         &self.tokens
     }
 
-    /// A new connection pool to the workers, for one serving thread.
+    /// New connection pools to the workers, for one serving thread.
     pub fn client(&self) -> UpstreamClient {
-        Client::builder(TokioExecutor::new())
-            // A request is never resent behind the retry loop's back.
-            .retry_canceled_requests(false)
-            .pool_idle_timeout(Duration::from_secs(90))
-            .build(self.worker_tls.connector(self.config.connect_timeout))
+        UpstreamClient {
+            h1: H1Pool::new(self.config.connect_timeout, UPSTREAM_IDLE_TIMEOUT),
+            hyper: Client::builder(TokioExecutor::new())
+                // A request is never resent behind the retry loop's back.
+                .retry_canceled_requests(false)
+                .pool_idle_timeout(UPSTREAM_IDLE_TIMEOUT)
+                .build(self.worker_tls.connector(self.config.connect_timeout)),
+        }
     }
 
     pub fn admission(&self) -> Option<&Admission> {

@@ -8,6 +8,7 @@
 
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use http::header::{self, HeaderMap};
 use http::{Request, Response, Uri};
 use http_body_util::Full;
@@ -21,8 +22,10 @@ use balancer_core::registry::Worker;
 use super::answer::ErrorCode;
 use super::body::{BodyError, RequestBody, boxed, chain};
 use super::relay::Completion;
+use super::relay::WorkerBody;
 use super::route::Outgoing;
-use super::{Proxy, ResponseBody, UpstreamBody, UpstreamClient};
+use super::{BoxError, Proxy, ResponseBody, UpstreamBody, UpstreamClient};
+use crate::h1::H1Request;
 
 /// Retry schedule, from the `--retry-*` flags.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -58,6 +61,13 @@ impl RetryPolicy {
 /// per-worker failure list: the document says `retryable_status_codes` does
 /// not change which responses the gateway retries.
 const RETRY_STATUSES: [u16; 6] = [408, 429, 500, 502, 503, 504];
+
+/// An attempt's request body: whole (kept for replay), or streamed from
+/// the client.
+enum Payload {
+    Whole(Bytes),
+    Streamed(UpstreamBody),
+}
 
 /// How an attempt ended, when it did not produce a response to relay. The
 /// cause is logged, never shown to the client.
@@ -104,16 +114,18 @@ impl Proxy {
             let worker = admitted.worker().clone();
             let attempt_started = Instant::now();
             tried.push(worker.breaker.id());
-            let upstream_body = match body.take() {
+            let payload = match body.take() {
                 Some(RequestBody::Replayable(b, lease)) => {
                     body = Some(RequestBody::Replayable(b.clone(), lease));
-                    boxed(Full::new(b))
+                    Payload::Whole(b)
                 }
-                Some(RequestBody::Streaming(prefix, rest)) => chain(prefix, rest),
+                Some(RequestBody::Streaming(prefix, rest)) => {
+                    Payload::Streamed(chain(prefix, rest))
+                }
                 None => unreachable!("a streaming body gets exactly one attempt"),
             };
             let classifier = worker.classifier();
-            let send = self.send(client, &worker, &req, upstream_body);
+            let send = self.send(client, &worker, &req, payload);
             let result = match classifier.slow_ttfb() {
                 None => send.await,
                 Some(budget) => {
@@ -227,21 +239,71 @@ impl Proxy {
         }
     }
 
+    /// One attempt's request, until the response head: on the fast path
+    /// when the worker is plain HTTP at a known address and the body is
+    /// whole, through hyper's client otherwise. Either way within the
+    /// request timeout; any failure before the head is `Unreachable`.
     async fn send(
         &self,
         client: &UpstreamClient,
         worker: &Worker,
         req: &Outgoing,
+        payload: Payload,
+    ) -> Result<Response<WorkerBody>, AttemptError> {
+        let address = &worker.address;
+        let fast = match &payload {
+            Payload::Whole(_) if !address.is_tls() && address.is_resolved() => address.resolve(),
+            _ => None,
+        };
+        let sending = async {
+            match (fast, payload) {
+                (Some(addr), Payload::Whole(body)) => {
+                    let request = H1Request {
+                        method: &req.method,
+                        path: &req.path,
+                        authority: address.authority.as_str(),
+                        headers: &req.headers,
+                        authorization: address.basic_auth.as_ref().map(|a| a.expose()),
+                        body,
+                    };
+                    let response = client.h1.send(addr, &request).await?;
+                    Ok(response.map(WorkerBody::H1))
+                }
+                (_, Payload::Whole(body)) => self
+                    .send_hyper(client, worker, req, boxed(Full::new(body)))
+                    .await
+                    .map(|r| r.map(WorkerBody::Hyper)),
+                (_, Payload::Streamed(body)) => self
+                    .send_hyper(client, worker, req, body)
+                    .await
+                    .map(|r| r.map(WorkerBody::Hyper)),
+            }
+        };
+        match tokio::time::timeout(self.config.request_timeout, sending).await {
+            Ok(Ok(response)) => Ok(response),
+            Ok(Err(e)) => {
+                tracing::debug!(worker = %worker.url, error = %error_chain(&*e), "attempt failed");
+                Err(AttemptError::Unreachable)
+            }
+            Err(_) => Err(AttemptError::Timeout),
+        }
+    }
+
+    /// [`Proxy::send`] through hyper's client.
+    async fn send_hyper(
+        &self,
+        client: &UpstreamClient,
+        worker: &Worker,
+        req: &Outgoing,
         body: UpstreamBody,
-    ) -> Result<Response<Incoming>, AttemptError> {
+    ) -> Result<Response<Incoming>, BoxError> {
         let uri = Uri::builder()
             .scheme(worker.address.scheme.clone())
             .authority(worker.address.authority.clone())
             .path_and_query(req.path.as_str())
             .build()
-            .map_err(|e| {
+            .inspect_err(|e| {
                 tracing::warn!(worker = %worker.url, error = %e, "cannot build the worker URI");
-                AttemptError::Unreachable
             })?;
         let mut upstream = Request::new(body);
         *upstream.method_mut() = req.method.clone();
@@ -253,14 +315,7 @@ impl Proxy {
         {
             upstream.headers_mut().insert(header::AUTHORIZATION, value);
         }
-        match tokio::time::timeout(self.config.request_timeout, client.request(upstream)).await {
-            Ok(Ok(response)) => Ok(response),
-            Ok(Err(e)) => {
-                tracing::debug!(worker = %worker.url, error = %error_chain(&e), "attempt failed");
-                Err(AttemptError::Unreachable)
-            }
-            Err(_) => Err(AttemptError::Timeout),
-        }
+        Ok(client.hyper.request(upstream).await?)
     }
 }
 

@@ -32,6 +32,7 @@ use super::body::boxed;
 use super::edge::HOP_BY_HOP;
 use super::stats::GatewayStats;
 use super::{BoxError, FALLBACK_HEADER, Proxy, ResponseBody};
+use crate::h1::H1Body;
 
 /// Everything that must happen exactly once when a response ends.
 pub struct Completion {
@@ -106,8 +107,45 @@ impl Tail {
     }
 }
 
+/// A worker's response body, from either client.
+pub enum WorkerBody {
+    Hyper(Incoming),
+    H1(H1Body),
+}
+
+impl Body for WorkerBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            WorkerBody::Hyper(b) => Pin::new(b)
+                .poll_frame(cx)
+                .map(|frame| frame.map(|r| r.map_err(Into::into))),
+            WorkerBody::H1(b) => Pin::new(b).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            WorkerBody::Hyper(b) => b.is_end_stream(),
+            WorkerBody::H1(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            WorkerBody::Hyper(b) => b.size_hint(),
+            WorkerBody::H1(b) => b.size_hint(),
+        }
+    }
+}
+
 pub struct RelayBody {
-    inner: Incoming,
+    inner: WorkerBody,
     idle: Pin<Box<Sleep>>,
     idle_timeout: Duration,
     sse: bool,
@@ -118,7 +156,12 @@ pub struct RelayBody {
 }
 
 impl RelayBody {
-    pub fn new(inner: Incoming, sse: bool, idle_timeout: Duration, completion: Completion) -> Self {
+    pub fn new(
+        inner: WorkerBody,
+        sse: bool,
+        idle_timeout: Duration,
+        completion: Completion,
+    ) -> Self {
         Self {
             inner,
             idle: Box::pin(tokio::time::sleep(idle_timeout)),
@@ -249,7 +292,7 @@ impl Drop for RelayBody {
 impl Proxy {
     pub(crate) fn relay(
         &self,
-        response: Response<Incoming>,
+        response: Response<WorkerBody>,
         completion: Completion,
         fallback: Option<String>,
     ) -> Response<ResponseBody> {

@@ -1,0 +1,326 @@
+//! The HTTP/1.1 client of the fast path: requests to plain-HTTP workers
+//! written and read by the request's own task, over a pool of keep-alive
+//! connections kept per serving thread.
+//!
+//! Why not hyper's client here: its connection lives in a task of its own,
+//! so every request and every body chunk crosses a channel and a wake-up
+//! between that task and the request's, and a streamed body reaches the
+//! client one chunk per write. Here the response body reads the socket
+//! itself ([`H1Body`]) when the server polls it, so whatever one read
+//! returns (many SSE events at once, under load) is handed on before the
+//! body goes pending, and the server writes it in one go.
+//!
+//! Owns connections, the request head's encoding, the response head's
+//! parsing (httparse, bounded in size and header count) and the body's
+//! framing (`Content-Length`, chunked, or until close). It knows nothing of
+//! breakers, retries or routes: an error is returned for the attempt loop
+//! to classify. HTTPS workers, streamed request bodies and host names that
+//! are not resolved yet take hyper's client instead.
+
+mod body;
+mod pool;
+
+use std::io::{self, IoSlice};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Response, StatusCode, Version};
+use tokio::net::TcpStream;
+
+pub use body::H1Body;
+pub use pool::H1Pool;
+
+use body::Framing;
+use pool::Conn;
+
+/// The largest response head read from a worker.
+const MAX_HEAD: usize = 64 * 1024;
+/// The most headers in a worker's response head.
+const MAX_HEADERS: usize = 100;
+/// What one read asks the kernel for, at least.
+const READ_CHUNK: usize = 16 * 1024;
+
+/// Why a request to a worker failed; the attempt loop decides what it
+/// means for the worker.
+#[derive(Debug, thiserror::Error)]
+pub enum H1Error {
+    #[error("connecting to {addr}: {source}")]
+    Connect { addr: SocketAddr, source: io::Error },
+    #[error("connecting to {addr}: no answer within {timeout:?}")]
+    ConnectTimeout { addr: SocketAddr, timeout: Duration },
+    #[error("the worker's connection failed: {0}")]
+    Io(#[from] io::Error),
+    #[error("the worker closed the connection before answering")]
+    Closed,
+    #[error("the worker's response head is malformed: {0}")]
+    Malformed(String),
+    #[error("the worker's response head is larger than {MAX_HEAD} bytes")]
+    HeadTooLarge,
+}
+
+/// The request as the proxy has it: nothing is copied into a new map.
+pub struct H1Request<'a> {
+    pub method: &'a Method,
+    /// Path and query.
+    pub path: &'a str,
+    /// `host[:port]` of the worker, for `Host`.
+    pub authority: &'a str,
+    /// The headers to forward: hop-by-hop ones, `Host` and
+    /// `Content-Length` already removed.
+    pub headers: &'a HeaderMap,
+    /// `Authorization` to add when the headers have none.
+    pub authorization: Option<&'a str>,
+    pub body: Bytes,
+}
+
+impl H1Request<'_> {
+    /// The request head, into `out`.
+    fn encode(&self, out: &mut BytesMut) {
+        out.reserve(256 + self.headers.len() * 48);
+        out.put_slice(self.method.as_str().as_bytes());
+        out.put_u8(b' ');
+        out.put_slice(self.path.as_bytes());
+        out.put_slice(b" HTTP/1.1\r\nhost: ");
+        out.put_slice(self.authority.as_bytes());
+        out.put_slice(b"\r\n");
+        for (name, value) in self.headers {
+            out.put_slice(name.as_str().as_bytes());
+            out.put_slice(b": ");
+            out.put_slice(value.as_bytes());
+            out.put_slice(b"\r\n");
+        }
+        if let Some(auth) = self.authorization
+            && !self.headers.contains_key(header::AUTHORIZATION)
+        {
+            out.put_slice(b"authorization: ");
+            out.put_slice(auth.as_bytes());
+            out.put_slice(b"\r\n");
+        }
+        // A body-less GET carries no length, as hyper sends it.
+        if !self.body.is_empty() || !matches!(*self.method, Method::GET | Method::HEAD) {
+            out.put_slice(b"content-length: ");
+            out.put_slice(self.body.len().to_string().as_bytes());
+            out.put_slice(b"\r\n");
+        }
+        out.put_slice(b"\r\n");
+    }
+}
+
+impl H1Pool {
+    /// Sends `request` to the worker at `addr`, on a pooled connection when
+    /// one is idle; returns when the response head is in.
+    ///
+    /// A pooled connection that turns out closed before any byte of the
+    /// answer (the worker's keep-alive timeout raced this request) is
+    /// replaced by a new one, once: that is the pool's doing, not the
+    /// worker's failure.
+    pub async fn send(
+        &self,
+        addr: SocketAddr,
+        request: &H1Request<'_>,
+    ) -> Result<Response<H1Body>, H1Error> {
+        let mut head = BytesMut::new();
+        request.encode(&mut head);
+        let head = head.freeze();
+        if let Some(conn) = self.checkout(addr) {
+            match exchange(conn, &head, request).await {
+                Err(Stale) => {}
+                Ok(result) => return result.map(|(parts, conn)| self.response(parts, conn)),
+            }
+        }
+        let conn = self.connect(addr).await?;
+        match exchange(conn, &head, request).await {
+            Err(Stale) => Err(H1Error::Closed),
+            Ok(result) => result.map(|(parts, conn)| self.response(parts, conn)),
+        }
+    }
+
+    fn response(
+        &self,
+        (parts, framing): (http::response::Parts, Framing),
+        conn: Conn,
+    ) -> Response<H1Body> {
+        Response::from_parts(parts, H1Body::new(conn, framing, self.clone()))
+    }
+}
+
+/// A reused connection was closed before it carried the request.
+struct Stale;
+
+type Exchanged = Result<((http::response::Parts, Framing), Conn), H1Error>;
+
+/// Writes the request and reads the response head. `Err(Stale)` when a
+/// reused connection ended before a single byte of the answer.
+async fn exchange(
+    mut conn: Conn,
+    head: &Bytes,
+    request: &H1Request<'_>,
+) -> Result<Exchanged, Stale> {
+    let reused = conn.reused;
+    let stale = |e: &H1Error| reused && conn_ended_early(e);
+    if let Err(e) = write_all(&conn.stream, &[head, &request.body]).await {
+        let e = H1Error::Io(e);
+        return if stale(&e) { Err(Stale) } else { Ok(Err(e)) };
+    }
+    match read_head(&mut conn, request.method).await {
+        Err(e) if stale(&e) && conn.buf.is_empty() => Err(Stale),
+        Err(e) => Ok(Err(e)),
+        Ok(parts) => Ok(Ok((parts, conn))),
+    }
+}
+
+/// Whether `error` is a connection that ended (rather than a worker that
+/// answered wrong).
+fn conn_ended_early(error: &H1Error) -> bool {
+    match error {
+        H1Error::Closed => true,
+        H1Error::Io(e) => matches!(
+            e.kind(),
+            io::ErrorKind::ConnectionReset
+                | io::ErrorKind::BrokenPipe
+                | io::ErrorKind::ConnectionAborted
+                | io::ErrorKind::UnexpectedEof
+        ),
+        _ => false,
+    }
+}
+
+/// Writes every buffer, vectored, waiting for the socket as needed.
+async fn write_all(stream: &TcpStream, buffers: &[&Bytes]) -> io::Result<()> {
+    let mut skip = 0;
+    let total: usize = buffers.iter().map(|b| b.len()).sum();
+    while skip < total {
+        let mut slices = Vec::with_capacity(buffers.len());
+        let mut offset = skip;
+        for b in buffers {
+            if offset >= b.len() {
+                offset -= b.len();
+                continue;
+            }
+            slices.push(IoSlice::new(&b[offset..]));
+            offset = 0;
+        }
+        match stream.try_write_vectored(&slices) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => skip += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => stream.writable().await?,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Reads more of the connection into its buffer; `Ok(0)` at the end.
+async fn fill(conn: &mut Conn) -> io::Result<usize> {
+    loop {
+        conn.buf.reserve(READ_CHUNK);
+        match conn.stream.try_read_buf(&mut conn.buf) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => conn.stream.readable().await?,
+            other => return other,
+        }
+    }
+}
+
+/// Reads and parses the response head (skipping `1xx` interim answers);
+/// the body's first bytes stay in the buffer.
+async fn read_head(
+    conn: &mut Conn,
+    method: &Method,
+) -> Result<(http::response::Parts, Framing), H1Error> {
+    loop {
+        if let Some(parsed) = parse_head(&mut conn.buf, method)? {
+            return Ok(parsed);
+        }
+        if conn.buf.len() >= MAX_HEAD {
+            return Err(H1Error::HeadTooLarge);
+        }
+        if fill(conn).await? == 0 {
+            return Err(H1Error::Closed);
+        }
+    }
+}
+
+/// A complete response head at the start of `buf`, taken out of it; `None`
+/// when more bytes are needed. Interim `1xx` heads are dropped.
+fn parse_head(
+    buf: &mut BytesMut,
+    method: &Method,
+) -> Result<Option<(http::response::Parts, Framing)>, H1Error> {
+    loop {
+        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut parsed = httparse::Response::new(&mut headers);
+        let len = match parsed.parse(buf) {
+            Ok(httparse::Status::Complete(len)) => len,
+            Ok(httparse::Status::Partial) => return Ok(None),
+            Err(e) => return Err(H1Error::Malformed(e.to_string())),
+        };
+        let code = parsed.code.unwrap_or(0);
+        let status =
+            StatusCode::from_u16(code).map_err(|_| H1Error::Malformed(format!("status {code}")))?;
+        if status.is_informational() && status != StatusCode::SWITCHING_PROTOCOLS {
+            let _ = buf.split_to(len);
+            continue;
+        }
+        let mut map = HeaderMap::with_capacity(parsed.headers.len());
+        let mut chunked = false;
+        let mut length = None;
+        let mut close = parsed.version == Some(0);
+        for h in parsed.headers.iter() {
+            let name = HeaderName::from_bytes(h.name.as_bytes())
+                .map_err(|_| H1Error::Malformed(format!("header name {:?}", h.name)))?;
+            let value = HeaderValue::from_bytes(h.value)
+                .map_err(|_| H1Error::Malformed(format!("value of {name}")))?;
+            if name == header::TRANSFER_ENCODING {
+                chunked = value
+                    .to_str()
+                    .ok()
+                    .and_then(|v| v.rsplit(',').next())
+                    .is_some_and(|last| last.trim().eq_ignore_ascii_case("chunked"));
+            } else if name == header::CONTENT_LENGTH {
+                let n: u64 = value
+                    .to_str()
+                    .ok()
+                    .and_then(|v| v.trim().parse().ok())
+                    .ok_or_else(|| H1Error::Malformed("content-length".to_owned()))?;
+                if length.is_some_and(|l| l != n) {
+                    return Err(H1Error::Malformed("two content-lengths".to_owned()));
+                }
+                length = Some(n);
+            } else if name == header::CONNECTION {
+                let v = value.as_bytes();
+                if v.eq_ignore_ascii_case(b"close") {
+                    close = true;
+                } else if v.eq_ignore_ascii_case(b"keep-alive") {
+                    close = false;
+                }
+            }
+            map.append(name, value);
+        }
+        let _ = buf.split_to(len);
+        let bodiless = *method == Method::HEAD
+            || status == StatusCode::NO_CONTENT
+            || status == StatusCode::NOT_MODIFIED;
+        let framing = if bodiless {
+            Framing::empty(close)
+        } else if chunked {
+            // Transfer-Encoding wins over a Content-Length (RFC 9112 6.3).
+            map.remove(header::CONTENT_LENGTH);
+            Framing::chunked(close)
+        } else if let Some(n) = length {
+            Framing::sized(n, close)
+        } else {
+            Framing::until_close()
+        };
+        let mut response = Response::new(());
+        *response.status_mut() = status;
+        *response.version_mut() = Version::HTTP_11;
+        *response.headers_mut() = map;
+        let (parts, ()) = response.into_parts();
+        return Ok(Some((parts, framing)));
+    }
+}
+
+#[cfg(test)]
+mod tests;

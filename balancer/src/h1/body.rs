@@ -1,0 +1,327 @@
+//! A worker's response body, read from the socket by whoever polls it.
+//!
+//! Owns the body's framing: a `Content-Length`, chunked coding (sizes,
+//! extensions and trailers bounded), or the rest of the connection. Every
+//! frame is the bytes one read brought, without a copy; all that is
+//! already buffered is handed on before the body waits for the socket. At
+//! the end the connection goes back to its pool, unless the worker asked
+//! to close it; a body dropped before its end closes it.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::{Buf, Bytes};
+use hyper::body::{Body, Frame, SizeHint};
+
+use super::pool::{Conn, H1Pool};
+use super::{H1Error, READ_CHUNK};
+use crate::bodies::BoxError;
+
+/// The longest chunk-size line or trailer line accepted.
+const MAX_LINE: usize = 4096;
+/// The most trailer bytes accepted (they are read and dropped).
+const MAX_TRAILERS: usize = 16 * 1024;
+
+/// How the body ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Framing {
+    kind: Kind,
+    /// The worker asked to close the connection after this response.
+    close: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Sized(u64),
+    /// Chunked, at this point of a chunk.
+    Chunked(Chunk),
+    UntilClose,
+    Done,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Chunk {
+    /// Expecting a chunk-size line.
+    Size,
+    /// This much chunk data left.
+    Data(u64),
+    /// Expecting the CRLF after a chunk's data.
+    DataEnd,
+    /// After the last chunk: trailer lines (this many bytes so far) up to
+    /// an empty line.
+    Trailers(usize),
+}
+
+impl Framing {
+    pub(super) fn empty(close: bool) -> Self {
+        Self {
+            kind: Kind::Done,
+            close,
+        }
+    }
+
+    pub(super) fn sized(length: u64, close: bool) -> Self {
+        Self {
+            kind: if length == 0 {
+                Kind::Done
+            } else {
+                Kind::Sized(length)
+            },
+            close,
+        }
+    }
+
+    pub(super) fn chunked(close: bool) -> Self {
+        Self {
+            kind: Kind::Chunked(Chunk::Size),
+            close,
+        }
+    }
+
+    pub(super) fn until_close() -> Self {
+        Self {
+            kind: Kind::UntilClose,
+            close: true,
+        }
+    }
+}
+
+/// What the buffer yields next.
+pub(super) enum Step {
+    Data(Bytes),
+    /// More bytes are needed.
+    More,
+    End,
+}
+
+/// Decodes what `buf` holds under `kind`: the next data, or that more is
+/// needed, or the end. Framing bytes (chunk sizes, CRLFs, trailers) are
+/// consumed on the way; with `data` false, decoding stops before any data
+/// (as if more were needed).
+pub(super) fn decode(
+    framing: &mut Framing,
+    buf: &mut bytes::BytesMut,
+    data: bool,
+) -> Result<Step, H1Error> {
+    let kind = &mut framing.kind;
+    loop {
+        match kind {
+            Kind::Done => return Ok(Step::End),
+            Kind::Sized(_) | Kind::UntilClose | Kind::Chunked(Chunk::Data(_)) if !data => {
+                return Ok(Step::More);
+            }
+            Kind::Sized(left) => {
+                if buf.is_empty() {
+                    return Ok(Step::More);
+                }
+                let take = usize::try_from(*left).unwrap_or(usize::MAX).min(buf.len());
+                *left -= take as u64;
+                if *left == 0 {
+                    *kind = Kind::Done;
+                }
+                return Ok(Step::Data(buf.split_to(take).freeze()));
+            }
+            Kind::UntilClose => {
+                if buf.is_empty() {
+                    return Ok(Step::More);
+                }
+                return Ok(Step::Data(buf.split().freeze()));
+            }
+            Kind::Chunked(chunk) => match chunk {
+                Chunk::Size => {
+                    let Some(line) = take_line(buf)? else {
+                        return Ok(Step::More);
+                    };
+                    let size = chunk_size(&line)?;
+                    *chunk = if size == 0 {
+                        Chunk::Trailers(0)
+                    } else {
+                        Chunk::Data(size)
+                    };
+                }
+                Chunk::Data(left) => {
+                    if buf.is_empty() {
+                        return Ok(Step::More);
+                    }
+                    let take = usize::try_from(*left).unwrap_or(usize::MAX).min(buf.len());
+                    *left -= take as u64;
+                    if *left == 0 {
+                        *chunk = Chunk::DataEnd;
+                    }
+                    return Ok(Step::Data(buf.split_to(take).freeze()));
+                }
+                Chunk::DataEnd => {
+                    if buf.len() < 2 {
+                        return Ok(Step::More);
+                    }
+                    if &buf[..2] != b"\r\n" {
+                        return Err(H1Error::Malformed("no CRLF after a chunk".to_owned()));
+                    }
+                    buf.advance(2);
+                    *chunk = Chunk::Size;
+                }
+                Chunk::Trailers(seen) => {
+                    let Some(line) = take_line(buf)? else {
+                        return Ok(Step::More);
+                    };
+                    if line.is_empty() {
+                        *kind = Kind::Done;
+                        return Ok(Step::End);
+                    }
+                    *seen += line.len() + 2;
+                    if *seen > MAX_TRAILERS {
+                        return Err(H1Error::Malformed("trailers too large".to_owned()));
+                    }
+                }
+            },
+        }
+    }
+}
+
+/// A CRLF-terminated line taken from the front of `buf` (without the
+/// CRLF); `None` while incomplete.
+fn take_line(buf: &mut bytes::BytesMut) -> Result<Option<bytes::BytesMut>, H1Error> {
+    match buf.windows(2).position(|w| w == b"\r\n") {
+        Some(end) if end <= MAX_LINE => {
+            let line = buf.split_to(end);
+            buf.advance(2);
+            Ok(Some(line))
+        }
+        Some(_) => Err(H1Error::Malformed("a chunk line is too long".to_owned())),
+        None if buf.len() > MAX_LINE => {
+            Err(H1Error::Malformed("a chunk line is too long".to_owned()))
+        }
+        None => Ok(None),
+    }
+}
+
+/// The size of a chunk-size line (hex, extensions after `;` ignored).
+fn chunk_size(line: &[u8]) -> Result<u64, H1Error> {
+    let digits = line.split(|&b| b == b';').next().unwrap_or_default();
+    let digits = std::str::from_utf8(digits)
+        .ok()
+        .map(|d| d.trim_matches([' ', '\t']))
+        .filter(|d| !d.is_empty() && d.len() <= 16)
+        .ok_or_else(|| H1Error::Malformed("a chunk size".to_owned()))?;
+    u64::from_str_radix(digits, 16).map_err(|_| H1Error::Malformed("a chunk size".to_owned()))
+}
+
+/// A worker's response body on a fast-path connection.
+pub struct H1Body {
+    /// `None` once the body ended (the connection went back or closed).
+    conn: Option<Conn>,
+    framing: Framing,
+    pool: H1Pool,
+    /// A framing error [`H1Body::settle`] found, for the next poll.
+    broken: Option<H1Error>,
+}
+
+impl H1Body {
+    pub(super) fn new(conn: Conn, framing: Framing, pool: H1Pool) -> Self {
+        let mut body = Self {
+            conn: Some(conn),
+            framing,
+            pool,
+            broken: None,
+        };
+        body.settle();
+        body
+    }
+
+    /// Consumes framing bytes already buffered (a last chunk's CRLF, the
+    /// final zero chunk, trailers), so that a body whose end is in the
+    /// buffer says so at once and its connection is free for the next
+    /// request.
+    fn settle(&mut self) {
+        let Some(conn) = self.conn.as_mut() else {
+            return;
+        };
+        match decode(&mut self.framing, &mut conn.buf, false) {
+            Ok(Step::End) => self.finish(),
+            Ok(_) => {}
+            Err(e) => self.broken = Some(e),
+        }
+    }
+
+    /// The body ended: the connection goes back to the pool, unless it must
+    /// close.
+    fn finish(&mut self) {
+        if let Some(conn) = self.conn.take()
+            && !self.framing.close
+        {
+            self.pool.checkin(conn);
+        }
+    }
+
+    fn fail(&mut self, error: H1Error) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.conn = None;
+        self.framing.kind = Kind::Done;
+        Poll::Ready(Some(Err(error.into())))
+    }
+}
+
+impl Body for H1Body {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        loop {
+            if let Some(e) = this.broken.take() {
+                return this.fail(e);
+            }
+            let Some(conn) = this.conn.as_mut() else {
+                return Poll::Ready(None);
+            };
+            match decode(&mut this.framing, &mut conn.buf, true) {
+                Ok(Step::Data(data)) => {
+                    this.settle();
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Ok(Step::End) => {
+                    this.finish();
+                    return Poll::Ready(None);
+                }
+                Err(e) => return this.fail(e),
+                Ok(Step::More) => {}
+            }
+            // Nothing buffered: read what the socket has.
+            loop {
+                conn.buf.reserve(READ_CHUNK);
+                match conn.stream.try_read_buf(&mut conn.buf) {
+                    Ok(0) if this.framing.kind == Kind::UntilClose => {
+                        this.framing.kind = Kind::Done;
+                        this.conn = None;
+                        return Poll::Ready(None);
+                    }
+                    Ok(0) => return this.fail(H1Error::Closed),
+                    Ok(_) => break,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        match conn.stream.poll_read_ready(cx) {
+                            Poll::Pending => return Poll::Pending,
+                            Poll::Ready(Ok(())) => {}
+                            Poll::Ready(Err(e)) => return this.fail(e.into()),
+                        }
+                    }
+                    Err(e) => return this.fail(e.into()),
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.conn.is_none() || self.framing.kind == Kind::Done
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.framing.kind {
+            Kind::Sized(left) => SizeHint::with_exact(left),
+            Kind::Done => SizeHint::with_exact(0),
+            _ => SizeHint::default(),
+        }
+    }
+}

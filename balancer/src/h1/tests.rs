@@ -1,0 +1,248 @@
+use std::time::Duration;
+
+use bytes::BytesMut;
+use http::{HeaderMap, Method};
+use http_body_util::BodyExt;
+use hyper::body::Body as _;
+use proptest::prelude::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+use super::body::Framing;
+use super::*;
+
+const SECOND: Duration = Duration::from_secs(1);
+
+fn request<'a>(headers: &'a HeaderMap, body: &'static str) -> H1Request<'a> {
+    H1Request {
+        method: &Method::POST,
+        path: "/v1/chat/completions?x=1",
+        authority: "10.0.0.1:8000",
+        headers,
+        authorization: Some("Basic dTpw"),
+        body: Bytes::from_static(body.as_bytes()),
+    }
+}
+
+#[test]
+fn the_request_head_carries_host_length_and_the_forwarded_headers() {
+    let mut headers = HeaderMap::new();
+    headers.insert("content-type", HeaderValue::from_static("application/json"));
+    let mut out = BytesMut::new();
+    request(&headers, "{}").encode(&mut out);
+    assert_eq!(
+        &out[..],
+        b"POST /v1/chat/completions?x=1 HTTP/1.1\r\nhost: 10.0.0.1:8000\r\n\
+          content-type: application/json\r\nauthorization: Basic dTpw\r\n\
+          content-length: 2\r\n\r\n"
+    );
+    // The client's own Authorization wins.
+    headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer k"));
+    let mut out = BytesMut::new();
+    request(&headers, "{}").encode(&mut out);
+    let text = String::from_utf8_lossy(&out);
+    assert!(
+        text.contains("authorization: Bearer k\r\n") && !text.contains("Basic"),
+        "{text}"
+    );
+}
+
+#[test]
+fn response_heads_are_parsed_with_their_framing() {
+    let cases: [(&[u8], Option<Framing>); 6] = [
+        (
+            b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello",
+            Some(Framing::sized(5, false)),
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 9\r\n\r\n",
+            Some(Framing::chunked(false)),
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 1\r\n\r\n",
+            Some(Framing::sized(1, true)),
+        ),
+        (
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No Content\r\n\r\n",
+            Some(Framing::empty(false)),
+        ),
+        (b"HTTP/1.0 200 OK\r\n\r\n", Some(Framing::until_close())),
+        (b"HTTP/1.1 200 OK\r\ncontent-le", None),
+    ];
+    for (head, expected) in cases {
+        let mut buf = BytesMut::from(head);
+        let parsed = parse_head(&mut buf, &Method::POST).unwrap();
+        assert_eq!(
+            parsed.map(|(_, f)| f),
+            expected,
+            "{}",
+            String::from_utf8_lossy(head)
+        );
+    }
+    for bad in [
+        &b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n"[..],
+        b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n",
+        b"SMTP ready\r\n\r\n",
+    ] {
+        let mut buf = BytesMut::from(bad);
+        assert!(parse_head(&mut buf, &Method::POST).is_err(), "{bad:?}");
+    }
+}
+
+/// A one-connection server answering each request with the next of
+/// `answers` (written in pieces of `piece` bytes), then closing.
+async fn server(answers: Vec<Vec<u8>>, piece: usize) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        for answer in answers {
+            let mut seen = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = socket.read(&mut buf).await.unwrap();
+                if n == 0 {
+                    return;
+                }
+                seen.extend_from_slice(&buf[..n]);
+            }
+            for part in answer.chunks(piece.max(1)) {
+                socket.write_all(part).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+    });
+    addr
+}
+
+async fn body_of(response: Response<H1Body>) -> Bytes {
+    tokio::time::timeout(SECOND * 5, response.into_body().collect())
+        .await
+        .expect("bounded")
+        .expect("a whole body")
+        .to_bytes()
+}
+
+#[tokio::test]
+async fn sized_and_chunked_bodies_arrive_whole_and_the_connection_is_reused() {
+    let answers = vec![
+        b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello".to_vec(),
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5;ext=1\r\nhello\r\n7\r\n, world\r\n0\r\nx-trailer: 1\r\n\r\n".to_vec(),
+        b"HTTP/1.1 503 Busy\r\ncontent-length: 0\r\n\r\n".to_vec(),
+    ];
+    let addr = server(answers, 3).await;
+    let pool = H1Pool::new(SECOND, SECOND * 90);
+    let headers = HeaderMap::new();
+    let first = pool.send(addr, &request(&headers, "{}")).await.unwrap();
+    assert_eq!(first.status(), 200);
+    assert_eq!(body_of(first).await, "hello");
+    assert_eq!(pool.idle_count(), 1, "back in the pool");
+    let second = pool.send(addr, &request(&headers, "{}")).await.unwrap();
+    assert_eq!(body_of(second).await, "hello, world");
+    let third = pool.send(addr, &request(&headers, "{}")).await.unwrap();
+    assert_eq!(third.status(), 503);
+    assert!(third.body().is_end_stream());
+    assert_eq!(pool.idle_count(), 1, "one connection carried all three");
+}
+
+#[tokio::test]
+async fn a_pooled_connection_the_worker_closed_is_replaced_unseen() {
+    // The first connection answers once and closes; the second answers.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        for _ in 0..2 {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut buf = [0u8; 4096];
+            let _ = socket.read(&mut buf).await;
+            socket
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                .await
+                .unwrap();
+            // Keep-alive promised, then the worker's idle timeout: closed.
+            drop(socket);
+        }
+    });
+    let pool = H1Pool::new(SECOND, SECOND * 90);
+    let headers = HeaderMap::new();
+    let first = pool.send(addr, &request(&headers, "{}")).await.unwrap();
+    assert_eq!(body_of(first).await, "ok");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let second = pool.send(addr, &request(&headers, "{}")).await.unwrap();
+    assert_eq!(body_of(second).await, "ok");
+}
+
+#[tokio::test]
+async fn a_body_cut_short_is_an_error_and_its_connection_is_not_reused() {
+    let addr = server(
+        vec![b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhalf".to_vec()],
+        64,
+    )
+    .await;
+    let pool = H1Pool::new(SECOND, SECOND * 90);
+    let headers = HeaderMap::new();
+    let response = pool.send(addr, &request(&headers, "{}")).await.unwrap();
+    let collected = tokio::time::timeout(SECOND * 5, response.into_body().collect())
+        .await
+        .expect("bounded");
+    assert!(collected.is_err(), "a short body passed as whole");
+    assert_eq!(pool.idle_count(), 0);
+}
+
+#[tokio::test]
+async fn a_refused_connection_is_a_connect_error() {
+    let addr = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap()
+    };
+    let pool = H1Pool::new(SECOND, SECOND * 90);
+    let headers = HeaderMap::new();
+    let Err(error) = pool.send(addr, &request(&headers, "{}")).await else {
+        panic!("connected to a closed port");
+    };
+    assert!(matches!(error, H1Error::Connect { .. }), "{error}");
+}
+
+fn chunked(pieces: &[Vec<u8>]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for p in pieces {
+        out.extend_from_slice(format!("{:x}\r\n", p.len()).as_bytes());
+        out.extend_from_slice(p);
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"0\r\n\r\n");
+    out
+}
+
+proptest! {
+    /// However a chunked body is split across reads, the data is exactly
+    /// the chunks', and the end is found.
+    #[test]
+    fn chunked_decoding_does_not_depend_on_read_boundaries(
+        pieces in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 1..40), 0..8),
+        cuts in proptest::collection::vec(1usize..17, 1..64),
+    ) {
+        let wire = chunked(&pieces);
+        let mut kind = Framing::chunked(false);
+        let mut buf = BytesMut::new();
+        let mut data = Vec::new();
+        let mut fed = 0;
+        let mut cut = cuts.iter().cycle();
+        let mut ended = false;
+        while !ended {
+            match body::decode(&mut kind, &mut buf, true).unwrap() {
+                body::Step::Data(d) => data.extend_from_slice(&d),
+                body::Step::End => ended = true,
+                body::Step::More => {
+                    prop_assert!(fed < wire.len(), "more wanted past the end");
+                    let n = (*cut.next().unwrap()).min(wire.len() - fed);
+                    buf.extend_from_slice(&wire[fed..fed + n]);
+                    fed += n;
+                }
+            }
+        }
+        prop_assert_eq!(data, pieces.concat());
+        prop_assert_eq!(fed, wire.len());
+        prop_assert!(buf.is_empty());
+    }
+}
