@@ -19,6 +19,13 @@ use super::{H1Error, READ_CHUNK};
 /// Idle connections kept per worker; more are closed when they come back.
 const MAX_IDLE_PER_WORKER: usize = 256;
 
+/// A connection idle at least this long is checked for the worker's close
+/// before reuse. Sooner, no worker's keep-alive timeout (seconds, in every
+/// server of note) can have closed it, and the check would cost a read per
+/// request under load; a close that races anyway is retried unseen
+/// ([`super::H1Pool::send`]).
+const CHECK_AFTER: Duration = Duration::from_millis(500);
+
 /// A connection to a worker and what was read from it but not used yet.
 pub(crate) struct Conn {
     pub(super) stream: TcpStream,
@@ -78,7 +85,8 @@ impl H1Pool {
         let mut idle = self.idle();
         let list = idle.get_mut(&addr)?;
         while let Some((mut conn, since)) = list.pop() {
-            if since.elapsed() < self.0.idle_timeout && conn.alive() {
+            let idle = since.elapsed();
+            if idle < self.0.idle_timeout && (idle < CHECK_AFTER || conn.alive()) {
                 conn.reused = true;
                 return Some(conn);
             }

@@ -146,7 +146,12 @@ impl Body for WorkerBody {
 
 pub struct RelayBody {
     inner: WorkerBody,
-    idle: Pin<Box<Sleep>>,
+    /// Armed only when the worker keeps the body waiting: most responses
+    /// are whole in their first frames and never need a timer.
+    idle: Option<Pin<Box<Sleep>>>,
+    /// When the stream counts as stalled: the idle timeout after the last
+    /// frame.
+    deadline: Instant,
     idle_timeout: Duration,
     sse: bool,
     done: bool,
@@ -164,7 +169,8 @@ impl RelayBody {
     ) -> Self {
         Self {
             inner,
-            idle: Box::pin(tokio::time::sleep(idle_timeout)),
+            idle: None,
+            deadline: Instant::now() + idle_timeout,
             idle_timeout,
             sse,
             done: false,
@@ -185,6 +191,18 @@ impl RelayBody {
             };
             c.finish(outcome, first_byte, &self.tail);
         }
+    }
+
+    /// The idle timer, set to the current deadline.
+    fn idle_timer(&mut self) -> Pin<&mut Sleep> {
+        let deadline = self.deadline;
+        let timer = self
+            .idle
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if timer.deadline() != deadline {
+            timer.as_mut().reset(deadline);
+        }
+        timer.as_mut()
     }
 
     fn observe_chunk(&mut self, data: &Bytes) {
@@ -243,8 +261,7 @@ impl Body for RelayBody {
                     this.complete(Outcome::Success);
                     this.done = true;
                 } else {
-                    let deadline = Instant::now() + this.idle_timeout;
-                    this.idle.as_mut().reset(deadline);
+                    this.deadline = Instant::now() + this.idle_timeout;
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
@@ -258,7 +275,7 @@ impl Body for RelayBody {
                 this.done = true;
                 Poll::Ready(None)
             }
-            Poll::Pending => match this.idle.as_mut().poll(cx) {
+            Poll::Pending => match this.idle_timer().poll(cx) {
                 Poll::Ready(()) => this.cut(
                     FailureReason::Stall,
                     "upstream_stream_stalled",
