@@ -1,6 +1,6 @@
 //! Entry points for the cargo-fuzz targets in `fuzz/`: the parsers that
 //! take untrusted input (request bodies and paths, the config file, admin
-//! bodies), exposed so that a fuzzer links them. Not an API: nothing here is
+//! bodies, workers' answers), exposed so that a fuzzer links them. Not an API: nothing here is
 //! meant to be called by anything but a fuzz target, and every function
 //! must only return (never panic), whatever its input.
 
@@ -42,4 +42,10 @@ pub fn admin_body(body: &[u8]) {
         let _ = patch.validate();
         let _ = Resilience::default().merged(&patch).validate();
     }
+}
+
+/// A worker's answer on the fast path: its head and its body's framing
+/// (sizes, chunks, trailers).
+pub fn worker_response(wire: &[u8]) {
+    let _ = crate::h1::read_answer(wire);
 }

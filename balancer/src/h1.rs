@@ -322,5 +322,18 @@ fn parse_head(
     }
 }
 
+/// A worker's answer as bytes, read as the fast path reads it: the head,
+/// then the body under its framing. The fuzz target's entry
+/// ([`crate::fuzzing::worker_response`]); it must only return.
+pub(crate) fn read_answer(wire: &[u8]) -> Option<(StatusCode, usize)> {
+    let mut buf = BytesMut::from(wire);
+    let (parts, mut framing) = parse_head(&mut buf, &Method::POST).ok()??;
+    let mut data = 0;
+    while let Ok(body::Step::Data(bytes)) = body::decode(&mut framing, &mut buf, true) {
+        data += bytes.len();
+    }
+    Some((parts.status, data))
+}
+
 #[cfg(test)]
 mod tests;

@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 use crate::shell::run;
 
 /// The targets, as `fuzz/Cargo.toml` names them.
-const TARGETS: [&str; 3] = ["request", "config_toml", "admin_body"];
+const TARGETS: [&str; 4] = ["request", "config_toml", "admin_body", "worker_response"];
 
 pub fn fuzz(root: &Path, seconds: u64) -> Result<()> {
     let installed = Command::new("cargo")

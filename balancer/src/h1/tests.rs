@@ -246,3 +246,13 @@ proptest! {
         prop_assert!(buf.is_empty());
     }
 }
+
+#[test]
+fn an_answer_is_read_as_the_fuzz_target_reads_it() {
+    let answer = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n";
+    assert_eq!(read_answer(answer), Some((StatusCode::OK, 3)));
+    assert_eq!(
+        read_answer(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n"),
+        None
+    );
+}
