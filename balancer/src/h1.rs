@@ -14,26 +14,32 @@
 //! parsing (httparse, bounded in size and header count) and the body's
 //! framing (`Content-Length`, chunked, or until close). It knows nothing of
 //! breakers, retries or routes: an error is returned for the attempt loop
-//! to classify. HTTPS workers, streamed request bodies and host names that
-//! are not resolved yet take hyper's client instead.
+//! to classify. `https://` workers take it too, over the same TLS client
+//! configuration as hyper's (sessions resumed per worker); streamed request
+//! bodies and host names that are not resolved yet take hyper's client.
 
 mod body;
 mod pool;
 
+use std::future::poll_fn;
 use std::io::{self, IoSlice};
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Response, StatusCode, Version};
-use tokio::net::TcpStream;
+use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio_util::io::poll_read_buf;
+
+use crate::bodies::BoxError;
 
 pub use body::H1Body;
 pub use pool::H1Pool;
 
 use body::Framing;
-use pool::Conn;
+use pool::{Conn, Key, Stream};
 
 /// The largest response head read from a worker.
 const MAX_HEAD: usize = 64 * 1024;
@@ -50,6 +56,8 @@ pub enum H1Error {
     Connect { addr: SocketAddr, source: io::Error },
     #[error("connecting to {addr}: no answer within {timeout:?}")]
     ConnectTimeout { addr: SocketAddr, timeout: Duration },
+    #[error("{0}")]
+    Tls(BoxError),
     #[error("the worker's connection failed: {0}")]
     Io(#[from] io::Error),
     #[error("the worker closed the connection before answering")]
@@ -65,8 +73,10 @@ pub struct H1Request<'a> {
     pub method: &'a Method,
     /// Path and query.
     pub path: &'a str,
-    /// `host[:port]` of the worker, for `Host`.
+    /// `host[:port]` of the worker, for `Host` (and the TLS server name).
     pub authority: &'a str,
+    /// The worker is `https://`.
+    pub tls: bool,
     /// The headers to forward: hop-by-hop ones, `Host` and
     /// `Content-Length` already removed.
     pub headers: &'a HeaderMap,
@@ -124,13 +134,17 @@ impl H1Pool {
         let mut head = BytesMut::new();
         request.encode(&mut head);
         let head = head.freeze();
-        if let Some(conn) = self.checkout(addr) {
+        let key = Key {
+            addr,
+            tls: request.tls,
+        };
+        if let Some(conn) = self.checkout(key) {
             match exchange(conn, &head, request).await {
                 Err(Stale) => {}
                 Ok(result) => return result.map(|(parts, conn)| self.response(parts, conn)),
             }
         }
-        let conn = self.connect(addr).await?;
+        let conn = self.connect(key, request.authority).await?;
         match exchange(conn, &head, request).await {
             Err(Stale) => Err(H1Error::Closed),
             Ok(result) => result.map(|(parts, conn)| self.response(parts, conn)),
@@ -160,7 +174,7 @@ async fn exchange(
 ) -> Result<Exchanged, Stale> {
     let reused = conn.reused;
     let stale = |e: &H1Error| reused && conn_ended_early(e);
-    if let Err(e) = write_all(&conn.stream, &[head, &request.body]).await {
+    if let Err(e) = write_all(&mut conn.stream, head, &request.body).await {
         let e = H1Error::Io(e);
         return if stale(&e) { Err(Stale) } else { Ok(Err(e)) };
     }
@@ -187,40 +201,31 @@ fn conn_ended_early(error: &H1Error) -> bool {
     }
 }
 
-/// Writes every buffer, vectored, waiting for the socket as needed.
-async fn write_all(stream: &TcpStream, buffers: &[&Bytes]) -> io::Result<()> {
-    let mut skip = 0;
-    let total: usize = buffers.iter().map(|b| b.len()).sum();
-    while skip < total {
-        let mut slices = Vec::with_capacity(buffers.len());
-        let mut offset = skip;
-        for b in buffers {
-            if offset >= b.len() {
-                offset -= b.len();
-                continue;
-            }
-            slices.push(IoSlice::new(&b[offset..]));
-            offset = 0;
+/// Writes the head and the body, vectored (one syscall on a plain
+/// connection when the socket takes it all), then flushes (TLS).
+async fn write_all(stream: &mut Stream, head: &[u8], body: &[u8]) -> io::Result<()> {
+    let total = head.len() + body.len();
+    let mut written = 0;
+    while written < total {
+        let n = if written < head.len() {
+            let slices = [IoSlice::new(&head[written..]), IoSlice::new(body)];
+            poll_fn(|cx| Pin::new(&mut *stream).poll_write_vectored(cx, &slices)).await?
+        } else {
+            let slices = [IoSlice::new(&body[written - head.len()..])];
+            poll_fn(|cx| Pin::new(&mut *stream).poll_write_vectored(cx, &slices)).await?
+        };
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
         }
-        match stream.try_write_vectored(&slices) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => skip += n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => stream.writable().await?,
-            Err(e) => return Err(e),
-        }
+        written += n;
     }
-    Ok(())
+    stream.flush().await
 }
 
 /// Reads more of the connection into its buffer; `Ok(0)` at the end.
 async fn fill(conn: &mut Conn) -> io::Result<usize> {
-    loop {
-        conn.buf.reserve(READ_CHUNK);
-        match conn.stream.try_read_buf(&mut conn.buf) {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => conn.stream.readable().await?,
-            other => return other,
-        }
-    }
+    conn.buf.reserve(READ_CHUNK);
+    poll_fn(|cx| poll_read_buf(Pin::new(&mut conn.stream), cx, &mut conn.buf)).await
 }
 
 /// Reads and parses the response head (skipping `1xx` interim answers);

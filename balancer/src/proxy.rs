@@ -64,10 +64,11 @@ pub const FALLBACK_HEADER: &str = "x-balancer-fallback";
 /// a request and its upstream connection are polled on the same thread and
 /// no lock or wake-up crosses threads on the request path.
 pub struct UpstreamClient {
-    /// The fast path: plain-HTTP workers, bodies the gateway holds whole.
+    /// The fast path: bodies the gateway holds whole, to workers at a known
+    /// address.
     h1: H1Pool,
-    /// Everything else: `https://` workers, streamed request bodies, host
-    /// names not resolved yet.
+    /// Everything else: streamed request bodies, host names not resolved
+    /// yet.
     hyper: Client<WorkerConnector, UpstreamBody>,
 }
 
@@ -146,7 +147,11 @@ impl Proxy {
     /// New connection pools to the workers, for one serving thread.
     pub fn client(&self) -> UpstreamClient {
         UpstreamClient {
-            h1: H1Pool::new(self.config.connect_timeout, UPSTREAM_IDLE_TIMEOUT),
+            h1: H1Pool::new(
+                self.config.connect_timeout,
+                UPSTREAM_IDLE_TIMEOUT,
+                self.worker_tls.clone(),
+            ),
             hyper: Client::builder(TokioExecutor::new())
                 // A request is never resent behind the retry loop's back.
                 .retry_canceled_requests(false)

@@ -34,7 +34,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 use tokio::time::Instant;
-use tokio_rustls::server::TlsStream;
+use tokio_util::either::Either;
 
 use crate::bodies::{BoxError, ResponseBody};
 use crate::tls::ServingTls;
@@ -168,10 +168,12 @@ pub async fn serve<H, F>(
         let handshake = limits.header_read_timeout;
         tokio::spawn(async move {
             let serving = async {
+                // The socket, or TLS over it; the watchdog sees the socket's
+                // writes either way.
                 let transport = match tls {
-                    None => Transport::Plain(watched),
+                    None => Either::Left(watched),
                     Some(tls) => match tls.accept(watched, handshake).await {
-                        Ok(stream) => Transport::Tls(Box::new(stream)),
+                        Ok(stream) => Either::Right(Box::new(stream)),
                         Err(why) => {
                             tracing::debug!(%peer, reason = why.as_str(), "TLS handshake failed");
                             return;
@@ -381,71 +383,6 @@ impl AsyncWrite for Watched {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-}
-
-/// A client connection as hyper reads it: the socket, or TLS over it. The
-/// watchdog sees the socket's writes either way.
-enum Transport {
-    Plain(Watched),
-    Tls(Box<TlsStream<Watched>>),
-}
-
-impl AsyncRead for Transport {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Transport::Plain(s) => Pin::new(s).poll_read(cx, buf),
-            Transport::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
-        }
-    }
-}
-
-impl AsyncWrite for Transport {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Transport::Plain(s) => Pin::new(s).poll_write(cx, buf),
-            Transport::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
-        }
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Transport::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-            Transport::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
-        }
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        match self {
-            Transport::Plain(s) => s.is_write_vectored(),
-            Transport::Tls(s) => s.is_write_vectored(),
-        }
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Transport::Plain(s) => Pin::new(s).poll_flush(cx),
-            Transport::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
-        }
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Transport::Plain(s) => Pin::new(s).poll_shutdown(cx),
-            Transport::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
-        }
     }
 }
 

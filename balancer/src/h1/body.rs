@@ -7,12 +7,12 @@
 //! the end the connection goes back to its pool, unless the worker asked
 //! to close it; a body dropped before its end closes it.
 
-use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::{Buf, Bytes};
 use hyper::body::{Body, Frame, SizeHint};
+use tokio_util::io::poll_read_buf;
 
 use super::pool::{Conn, H1Pool};
 use super::{H1Error, READ_CHUNK};
@@ -289,26 +289,18 @@ impl Body for H1Body {
                 Err(e) => return this.fail(e),
                 Ok(Step::More) => {}
             }
-            // Nothing buffered: read what the socket has.
-            loop {
-                conn.buf.reserve(READ_CHUNK);
-                match conn.stream.try_read_buf(&mut conn.buf) {
-                    Ok(0) if this.framing.kind == Kind::UntilClose => {
-                        this.framing.kind = Kind::Done;
-                        this.conn = None;
-                        return Poll::Ready(None);
-                    }
-                    Ok(0) => return this.fail(H1Error::Closed),
-                    Ok(_) => break,
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                        match conn.stream.poll_read_ready(cx) {
-                            Poll::Pending => return Poll::Pending,
-                            Poll::Ready(Ok(())) => {}
-                            Poll::Ready(Err(e)) => return this.fail(e.into()),
-                        }
-                    }
-                    Err(e) => return this.fail(e.into()),
+            // Nothing buffered: read what the connection has.
+            conn.buf.reserve(READ_CHUNK);
+            match poll_read_buf(Pin::new(&mut conn.stream), cx, &mut conn.buf) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Ok(0)) if this.framing.kind == Kind::UntilClose => {
+                    this.framing.kind = Kind::Done;
+                    this.conn = None;
+                    return Poll::Ready(None);
                 }
+                Poll::Ready(Ok(0)) => return this.fail(H1Error::Closed),
+                Poll::Ready(Ok(_)) => {}
+                Poll::Ready(Err(e)) => return this.fail(e.into()),
             }
         }
     }

@@ -7,14 +7,20 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Waker};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::BytesMut;
 use tokio::net::TcpStream;
+use tokio::time::Instant;
+use tokio_rustls::client::TlsStream;
+use tokio_util::either::Either;
+use tokio_util::io::poll_read_buf;
 
 use super::{H1Error, READ_CHUNK};
+use crate::tls::WorkerTls;
 
 /// Idle connections kept per worker; more are closed when they come back.
 const MAX_IDLE_PER_WORKER: usize = 256;
@@ -26,10 +32,20 @@ const MAX_IDLE_PER_WORKER: usize = 256;
 /// ([`super::H1Pool::send`]).
 const CHECK_AFTER: Duration = Duration::from_millis(500);
 
+/// A connection to a worker: plain, or TLS for `https://` workers.
+pub(crate) type Stream = Either<TcpStream, Box<TlsStream<TcpStream>>>;
+
+/// What the pool keys connections by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Key {
+    pub(super) addr: SocketAddr,
+    pub(super) tls: bool,
+}
+
 /// A connection to a worker and what was read from it but not used yet.
 pub(crate) struct Conn {
-    pub(super) stream: TcpStream,
-    pub(super) addr: SocketAddr,
+    pub(super) stream: Stream,
+    pub(super) key: Key,
     pub(super) buf: BytesMut,
     /// It carried a request before: a failure before any answer may be the
     /// worker's keep-alive timeout, not the worker.
@@ -37,23 +53,27 @@ pub(crate) struct Conn {
 }
 
 impl Conn {
+    fn tcp(&self) -> &TcpStream {
+        match &self.stream {
+            Either::Left(tcp) => tcp,
+            Either::Right(tls) => tls.get_ref().0,
+        }
+    }
+
     /// Whether the worker left the idle connection alone. The reactor's
     /// readiness answers without a syscall when nothing arrived; when
     /// something did (or a finished response left the readiness set), one
-    /// read tells an end or stray bytes from nothing.
-    fn alive(&self) -> bool {
+    /// read through the stream tells nothing (alive; TLS session tickets
+    /// are taken in on the way) from an end or stray bytes.
+    fn alive(&mut self) -> bool {
         let mut cx = Context::from_waker(Waker::noop());
-        match self.stream.poll_read_ready(&mut cx) {
-            Poll::Pending => true,
-            Poll::Ready(Err(_)) => false,
-            Poll::Ready(Ok(())) => {
-                let mut probe = [0u8; 1];
-                matches!(
-                    self.stream.try_read(&mut probe),
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock
-                )
-            }
+        match self.tcp().poll_read_ready(&mut cx) {
+            Poll::Pending => return true,
+            Poll::Ready(Err(_)) => return false,
+            Poll::Ready(Ok(())) => {}
         }
+        self.buf.reserve(READ_CHUNK);
+        poll_read_buf(Pin::new(&mut self.stream), &mut cx, &mut self.buf).is_pending()
     }
 }
 
@@ -61,29 +81,34 @@ impl Conn {
 #[derive(Clone)]
 pub struct H1Pool(Arc<Inner>);
 
+type Idle = HashMap<Key, Vec<(Conn, Instant)>>;
+
 struct Inner {
-    idle: Mutex<HashMap<SocketAddr, Vec<(Conn, Instant)>>>,
+    idle: Mutex<Idle>,
     connect_timeout: Duration,
     idle_timeout: Duration,
+    /// The handshake of `https://` workers, shared with hyper's client.
+    tls: Arc<WorkerTls>,
 }
 
 impl H1Pool {
-    pub fn new(connect_timeout: Duration, idle_timeout: Duration) -> Self {
+    pub fn new(connect_timeout: Duration, idle_timeout: Duration, tls: Arc<WorkerTls>) -> Self {
         Self(Arc::new(Inner {
             idle: Mutex::new(HashMap::new()),
             connect_timeout,
             idle_timeout,
+            tls,
         }))
     }
 
-    fn idle(&self) -> std::sync::MutexGuard<'_, HashMap<SocketAddr, Vec<(Conn, Instant)>>> {
+    fn idle(&self) -> std::sync::MutexGuard<'_, Idle> {
         self.0.idle.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The most recently used live idle connection to `addr`.
-    pub(super) fn checkout(&self, addr: SocketAddr) -> Option<Conn> {
+    /// The most recently used live idle connection for `key`.
+    pub(super) fn checkout(&self, key: Key) -> Option<Conn> {
         let mut idle = self.idle();
-        let list = idle.get_mut(&addr)?;
+        let list = idle.get_mut(&key)?;
         while let Some((mut conn, since)) = list.pop() {
             let idle = since.elapsed();
             if idle < self.0.idle_timeout && (idle < CHECK_AFTER || conn.alive()) {
@@ -104,7 +129,7 @@ impl H1Pool {
         }
         let timeout = self.0.idle_timeout;
         let mut idle = self.idle();
-        let list = idle.entry(conn.addr).or_default();
+        let list = idle.entry(conn.key).or_default();
         // The oldest are at the front: drop those past the idle timeout.
         let expired = list
             .iter()
@@ -116,18 +141,31 @@ impl H1Pool {
         }
     }
 
-    /// A new connection to `addr`, within the connect timeout.
-    pub(super) async fn connect(&self, addr: SocketAddr) -> Result<Conn, H1Error> {
-        let timeout = self.0.connect_timeout;
-        let stream = match tokio::time::timeout(timeout, TcpStream::connect(addr)).await {
+    /// A new connection for `key`, TCP and (for TLS) the handshake with the
+    /// worker at `authority` within the connect timeout.
+    pub(super) async fn connect(&self, key: Key, authority: &str) -> Result<Conn, H1Error> {
+        let (addr, timeout) = (key.addr, self.0.connect_timeout);
+        let started = Instant::now();
+        let deadline = started + timeout;
+        let tcp = match tokio::time::timeout_at(deadline, TcpStream::connect(addr)).await {
             Ok(Ok(stream)) => stream,
             Ok(Err(source)) => return Err(H1Error::Connect { addr, source }),
             Err(_) => return Err(H1Error::ConnectTimeout { addr, timeout }),
         };
-        let _ = stream.set_nodelay(true);
+        let _ = tcp.set_nodelay(true);
+        let stream = if key.tls {
+            let tls = self.0.tls.handshake(authority, tcp, deadline).await;
+            Either::Right(Box::new(tls.map_err(H1Error::Tls)?))
+        } else {
+            Either::Left(tcp)
+        };
+        self.0
+            .tls
+            .stats()
+            .worker_connected(key.tls, started.elapsed());
         Ok(Conn {
             stream,
-            addr,
+            key,
             buf: BytesMut::with_capacity(READ_CHUNK),
             reused: false,
         })

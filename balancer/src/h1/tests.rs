@@ -10,14 +10,21 @@ use tokio::net::TcpListener;
 
 use super::body::Framing;
 use super::*;
+use crate::tls::{WorkerTls, WorkerTlsConfig};
 
 const SECOND: Duration = Duration::from_secs(1);
+
+fn pool() -> H1Pool {
+    let tls = WorkerTls::load(&WorkerTlsConfig::default(), Default::default()).unwrap();
+    H1Pool::new(SECOND, SECOND * 90, std::sync::Arc::new(tls))
+}
 
 fn request<'a>(headers: &'a HeaderMap, body: &'static str) -> H1Request<'a> {
     H1Request {
         method: &Method::POST,
         path: "/v1/chat/completions?x=1",
         authority: "10.0.0.1:8000",
+        tls: false,
         headers,
         authorization: Some("Basic dTpw"),
         body: Bytes::from_static(body.as_bytes()),
@@ -131,7 +138,7 @@ async fn sized_and_chunked_bodies_arrive_whole_and_the_connection_is_reused() {
         b"HTTP/1.1 503 Busy\r\ncontent-length: 0\r\n\r\n".to_vec(),
     ];
     let addr = server(answers, 3).await;
-    let pool = H1Pool::new(SECOND, SECOND * 90);
+    let pool = pool();
     let headers = HeaderMap::new();
     let first = pool.send(addr, &request(&headers, "{}")).await.unwrap();
     assert_eq!(first.status(), 200);
@@ -163,7 +170,7 @@ async fn a_pooled_connection_the_worker_closed_is_replaced_unseen() {
             drop(socket);
         }
     });
-    let pool = H1Pool::new(SECOND, SECOND * 90);
+    let pool = pool();
     let headers = HeaderMap::new();
     let first = pool.send(addr, &request(&headers, "{}")).await.unwrap();
     assert_eq!(body_of(first).await, "ok");
@@ -179,7 +186,7 @@ async fn a_body_cut_short_is_an_error_and_its_connection_is_not_reused() {
         64,
     )
     .await;
-    let pool = H1Pool::new(SECOND, SECOND * 90);
+    let pool = pool();
     let headers = HeaderMap::new();
     let response = pool.send(addr, &request(&headers, "{}")).await.unwrap();
     let collected = tokio::time::timeout(SECOND * 5, response.into_body().collect())
@@ -195,7 +202,7 @@ async fn a_refused_connection_is_a_connect_error() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.local_addr().unwrap()
     };
-    let pool = H1Pool::new(SECOND, SECOND * 90);
+    let pool = pool();
     let headers = HeaderMap::new();
     let Err(error) = pool.send(addr, &request(&headers, "{}")).await else {
         panic!("connected to a closed port");

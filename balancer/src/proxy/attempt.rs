@@ -240,8 +240,8 @@ impl Proxy {
     }
 
     /// One attempt's request, until the response head: on the fast path
-    /// when the worker is plain HTTP at a known address and the body is
-    /// whole, through hyper's client otherwise. Either way within the
+    /// when the worker's address is known and the body is whole, through
+    /// hyper's client otherwise. Either way within the
     /// request timeout; any failure before the head is `Unreachable`.
     async fn send(
         &self,
@@ -252,7 +252,7 @@ impl Proxy {
     ) -> Result<Response<WorkerBody>, AttemptError> {
         let address = &worker.address;
         let fast = match &payload {
-            Payload::Whole(_) if !address.is_tls() && address.is_resolved() => address.resolve(),
+            Payload::Whole(_) if address.is_resolved() => address.resolve(),
             _ => None,
         };
         let sending = async {
@@ -262,6 +262,7 @@ impl Proxy {
                         method: &req.method,
                         path: &req.path,
                         authority: address.authority.as_str(),
+                        tls: address.is_tls(),
                         headers: &req.headers,
                         authorization: address.basic_auth.as_ref().map(|a| a.expose()),
                         body,

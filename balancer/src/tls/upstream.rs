@@ -169,6 +169,54 @@ struct HandshakeError {
     detail: String,
 }
 
+impl WorkerTls {
+    /// The TLS handshake with the worker at `authority` (`host:port`) over
+    /// `io`, by `deadline`; counted, and logged when it fails. An IP
+    /// literal host is checked against the certificate's IP names.
+    pub async fn handshake<IO>(
+        &self,
+        authority: &str,
+        io: IO,
+        deadline: Instant,
+    ) -> Result<tokio_rustls::client::TlsStream<IO>, BoxError>
+    where
+        IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    {
+        let host = match authority.rsplit_once(':') {
+            Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
+            _ => authority,
+        }
+        .trim_matches(['[', ']']);
+        let name = ServerName::try_from(host.to_owned())?;
+        let connector = self.for_worker(authority);
+        let failure = match tokio::time::timeout_at(deadline, connector.connect(name, io)).await {
+            Ok(Ok(stream)) => {
+                self.stats.handshake(Side::Worker);
+                return Ok(stream);
+            }
+            Ok(Err(error)) => (Failure::of(&error), error.to_string()),
+            Err(_) => (
+                Failure::Timeout,
+                "no answer within the connect timeout".to_owned(),
+            ),
+        };
+        let (reason, detail) = failure;
+        self.stats.handshake_failed(Side::Worker, reason);
+        let error = HandshakeError {
+            host: host.to_owned(),
+            reason,
+            detail,
+        };
+        tracing::warn!(%error, "worker connection failed");
+        Err(error.into())
+    }
+
+    /// The TLS series, for the fast path's connections.
+    pub fn stats(&self) -> &TlsStats {
+        &self.stats
+    }
+}
+
 impl tower_service::Service<Uri> for WorkerConnector {
     type Response = WorkerStream;
     type Error = BoxError;
@@ -179,45 +227,23 @@ impl tower_service::Service<Uri> for WorkerConnector {
     }
 
     fn call(&mut self, uri: Uri) -> Self::Future {
-        let host = uri.host().unwrap_or_default().to_owned();
-        let tls = (uri.scheme() == Some(&Scheme::HTTPS)).then(|| {
-            self.tls
-                .for_worker(uri.authority().map_or("", |a| a.as_str()))
-        });
+        let authority = uri.authority().map(|a| a.as_str().to_owned());
+        let https = uri.scheme() == Some(&Scheme::HTTPS);
         let connecting = self.tcp.call(uri);
-        let (timeout, stats) = (self.timeout, self.tls.stats.clone());
+        let (timeout, tls) = (self.timeout, self.tls.clone());
         Box::pin(async move {
             let started = Instant::now();
-            let deadline = started + timeout;
             let tcp = connecting.await?;
-            let Some(tls) = tls else {
-                stats.worker_connected(false, started.elapsed());
+            if !https {
+                tls.stats.worker_connected(false, started.elapsed());
                 return Ok(MaybeHttpsStream::Http(tcp));
-            };
-            // An IP literal is checked against the certificate's IP names.
-            let name = ServerName::try_from(host.trim_matches(['[', ']']).to_owned())?;
-            let failure = |reason: Failure, detail: String| {
-                stats.handshake_failed(Side::Worker, reason);
-                let error = HandshakeError {
-                    host: host.clone(),
-                    reason,
-                    detail,
-                };
-                tracing::warn!(%error, "worker connection failed");
-                Err(error.into())
-            };
-            match tokio::time::timeout_at(deadline, tls.connect(name, TokioIo::new(tcp))).await {
-                Ok(Ok(stream)) => {
-                    stats.handshake(Side::Worker);
-                    stats.worker_connected(true, started.elapsed());
-                    Ok(MaybeHttpsStream::Https(TokioIo::new(stream)))
-                }
-                Ok(Err(error)) => failure(Failure::of(&error), error.to_string()),
-                Err(_) => failure(
-                    Failure::Timeout,
-                    format!("no answer within the connect timeout of {timeout:?}"),
-                ),
             }
+            let authority = authority.unwrap_or_default();
+            let stream = tls
+                .handshake(&authority, TokioIo::new(tcp), started + timeout)
+                .await?;
+            tls.stats.worker_connected(true, started.elapsed());
+            Ok(MaybeHttpsStream::Https(TokioIo::new(stream)))
         })
     }
 }
