@@ -469,3 +469,26 @@ async fn a_client_that_stops_reading_is_disconnected_at_the_send_timeout() {
     drop(s);
     h.stop().await;
 }
+
+#[tokio::test]
+async fn a_worker_answer_past_the_head_bound_is_a_bad_gateway_and_the_next_request_is_served() {
+    // 70 KiB of headers: past the 64 KiB the fast path reads of a head.
+    let worker = CaptureWorker::start(Answer {
+        status: 200,
+        headers: vec![("x-huge".into(), "a".repeat(70 * 1024))],
+        body: "{}".into(),
+    })
+    .await;
+    let h = harness_with_urls(&[worker.url()], |c| {
+        quiet(c);
+        c.proxy.retry.max_attempts = 1;
+    })
+    .await;
+    for _ in 0..2 {
+        let r = h.chat(CHAT).await;
+        assert_eq!(r.status, StatusCode::BAD_GATEWAY, "{}", r.text());
+        assert_eq!(r.code(), "upstream_unreachable");
+    }
+    assert_eq!(worker.heads().len(), 2, "each attempt reached the worker");
+    h.stop().await;
+}
