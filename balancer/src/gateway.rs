@@ -115,7 +115,10 @@ fn serving_thread(
                 let lane = Arc::new((proxy, client));
                 let handler = move |req| {
                     let lane = lane.clone();
-                    async move { lane.0.handle(&lane.1, req).await }
+                    // Boxed: the request's future is large, and unboxed it
+                    // would be copied at every hand-over on its way into
+                    // hyper's dispatcher.
+                    Box::pin(async move { lane.0.handle(&lane.1, req).await })
                 };
                 serve(listener, handler, limits, tls, stop, grace).await;
             });
