@@ -151,25 +151,7 @@ fn l7(args: &L7) -> Result<()> {
     )];
 
     let gateway = free_addr()?;
-    lab.start(
-        GATEWAY,
-        Command::new(&balancer)
-            .arg("launch")
-            .args(["--host", "127.0.0.1", "--port"])
-            .arg(gateway.port().to_string())
-            .arg("--prometheus-port")
-            .arg(free_addr()?.port().to_string())
-            .arg("--admin-port")
-            .arg(free_addr()?.port().to_string())
-            .args([
-                "--policy",
-                "round_robin",
-                "--log-level",
-                "warn",
-                "--worker-urls",
-            ])
-            .args(&urls),
-    )?;
+    lab.start(GATEWAY, &mut launch(&balancer, gateway, &urls)?)?;
     lab.await_ready(GATEWAY, gateway)?;
     targets.push(Target::new(GATEWAY, gateway, lab.pid(GATEWAY)?));
 
@@ -177,26 +159,11 @@ fn l7(args: &L7) -> Result<()> {
     let gateway_tls = free_addr()?;
     lab.start(
         GATEWAY_TLS,
-        Command::new(&balancer)
-            .arg("launch")
-            .args(["--host", "127.0.0.1", "--port"])
-            .arg(gateway_tls.port().to_string())
-            .arg("--prometheus-port")
-            .arg(free_addr()?.port().to_string())
-            .arg("--admin-port")
-            .arg(free_addr()?.port().to_string())
+        launch(&balancer, gateway_tls, &urls)?
             .arg("--tls-cert-path")
             .arg(&certificate.cert)
             .arg("--tls-key-path")
-            .arg(&certificate.key)
-            .args([
-                "--policy",
-                "round_robin",
-                "--log-level",
-                "warn",
-                "--worker-urls",
-            ])
-            .args(&urls),
+            .arg(&certificate.key),
     )?;
     lab.await_answer(GATEWAY_TLS, gateway_tls, post_status_tls)?;
     let mut https = vec![Target::tls(GATEWAY_TLS, gateway_tls, lab.pid(GATEWAY_TLS)?)];
@@ -374,7 +341,29 @@ fn l7(args: &L7) -> Result<()> {
     Ok(())
 }
 
-/// Adds a target that may fail to start, saying loudly when it does.
+/// `balancer launch` on `addr` before `urls`, round robin, its operator
+/// listeners on free ports.
+fn launch(balancer: &Path, addr: SocketAddr, urls: &[String]) -> Result<Command> {
+    let mut command = Command::new(balancer);
+    command
+        .arg("launch")
+        .args(["--host", "127.0.0.1", "--port"])
+        .arg(addr.port().to_string())
+        .arg("--prometheus-port")
+        .arg(free_addr()?.port().to_string())
+        .arg("--admin-port")
+        .arg(free_addr()?.port().to_string())
+        .args([
+            "--policy",
+            "round_robin",
+            "--log-level",
+            "warn",
+            "--worker-urls",
+        ])
+        .args(urls);
+    Ok(command)
+}
+
 /// Builds the agent in release mode; returns the binary.
 pub(crate) fn release_balancer() -> Result<PathBuf> {
     run(Command::new("cargo")
@@ -390,6 +379,7 @@ pub(crate) fn release_balancer() -> Result<PathBuf> {
     Ok(target_dir().join("release/balancer"))
 }
 
+/// Adds a target that may fail to start, saying loudly when it does.
 fn optional(
     lab: &mut Lab,
     targets: &mut Vec<Target>,
