@@ -268,16 +268,16 @@ impl Proxy {
                         body,
                     };
                     let response = client.h1.send(addr, &request).await?;
-                    Ok(response.map(WorkerBody::H1))
+                    Ok::<_, BoxError>(response.map(WorkerBody::H1))
                 }
-                (_, Payload::Whole(body)) => self
-                    .send_hyper(client, worker, req, boxed(Full::new(body)))
-                    .await
-                    .map(|r| r.map(WorkerBody::Hyper)),
-                (_, Payload::Streamed(body)) => self
-                    .send_hyper(client, worker, req, body)
-                    .await
-                    .map(|r| r.map(WorkerBody::Hyper)),
+                (_, payload) => {
+                    let body = match payload {
+                        Payload::Whole(body) => boxed(Full::new(body)),
+                        Payload::Streamed(body) => body,
+                    };
+                    let response = self.send_hyper(client, worker, req, body).await?;
+                    Ok(response.map(WorkerBody::Hyper))
+                }
             }
         };
         match tokio::time::timeout(self.config.request_timeout, sending).await {
