@@ -8,9 +8,10 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 
 use arc_swap::ArcSwap;
+use memchr::memmem;
 
 use crate::clock::Nanos;
 use crate::metrics::{MetricsSource, Writer};
@@ -38,20 +39,28 @@ impl Usage {
 /// completion or an SSE stream) and reads its two counts. Tolerant by design:
 /// a body without usage yields `None` and is simply not counted.
 pub fn find_usage(tail: &[u8]) -> Option<Usage> {
-    let text = std::str::from_utf8(tail)
-        .ok()
-        .or_else(|| std::str::from_utf8(&tail[tail.len().saturating_sub(1024)..]).ok())?;
-    let at = text.rfind("\"usage\"")?;
-    let object = &text[at..];
-    let number = |key: &str| -> Option<u64> {
-        let start = object.find(key)? + key.len();
-        let rest = object[start..].trim_start().strip_prefix(':')?.trim_start();
-        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-        digits.parse().ok()
+    // Bytes, not text: every key is ASCII, and a tail cut inside a UTF-8
+    // character must still be read. The searchers are built once: building
+    // one costs more than searching a chunk.
+    static USAGE: LazyLock<memmem::FinderRev<'static>> =
+        LazyLock::new(|| memmem::FinderRev::new(b"\"usage\""));
+    static PROMPT: LazyLock<memmem::Finder<'static>> =
+        LazyLock::new(|| memmem::Finder::new(b"\"prompt_tokens\""));
+    static COMPLETION: LazyLock<memmem::Finder<'static>> =
+        LazyLock::new(|| memmem::Finder::new(b"\"completion_tokens\""));
+    let object = &tail[USAGE.rfind(tail)?..];
+    let number = |key: &memmem::Finder<'_>| -> Option<u64> {
+        let rest = &object[key.find(object)? + key.needle().len()..];
+        let rest = rest
+            .trim_ascii_start()
+            .strip_prefix(b":")?
+            .trim_ascii_start();
+        let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+        std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
     };
     Some(Usage {
-        prompt: number("\"prompt_tokens\"").unwrap_or(0),
-        completion: number("\"completion_tokens\"")?,
+        prompt: number(&PROMPT).unwrap_or(0),
+        completion: number(&COMPLETION)?,
     })
 }
 
@@ -262,6 +271,25 @@ data: [DONE]
             })
         );
         assert_eq!(find_usage(b"data: [DONE]\n\n"), None);
+    }
+
+    #[test]
+    fn usage_is_read_from_bytes_whatever_precedes_it() {
+        // A chunk boundary can cut a UTF-8 character: the tail starts with
+        // its last byte.
+        let mut tail = vec![0x9f];
+        tail.extend_from_slice(r#"é","usage": {"completion_tokens" : 3}}"#.as_bytes());
+        assert_eq!(
+            find_usage(&tail),
+            Some(Usage {
+                prompt: 0,
+                completion: 3
+            })
+        );
+        // The last usage object counts; a count past u64 is no count.
+        let two = br#"{"usage":{"completion_tokens":1}} {"usage":{"completion_tokens":99999999999999999999}}"#;
+        assert_eq!(find_usage(two), None);
+        assert_eq!(find_usage(br#"{"usage":{"completion_tokens":}}"#), None);
     }
 
     #[test]

@@ -113,12 +113,12 @@ fn serving_thread(
                 };
                 let client = proxy.client();
                 let lane = Arc::new((proxy, client));
-                let handler = move |req| {
+                let handler = move |req, peer| {
                     let lane = lane.clone();
                     // Boxed: the request's future is large, and unboxed it
                     // would be copied at every hand-over on its way into
                     // hyper's dispatcher.
-                    Box::pin(async move { lane.0.handle(&lane.1, req).await })
+                    Box::pin(async move { lane.0.handle(&lane.1, req, peer).await })
                 };
                 serve(listener, handler, limits, tls, stop, grace).await;
             });
@@ -300,7 +300,7 @@ impl Gateway {
 
         listeners.spawn(serve(
             metrics,
-            move |_req| {
+            move |_req, _peer| {
                 let mut r = Response::new(
                     Full::new(Bytes::from(exposition.render()))
                         .map_err(|never| match never {})
@@ -326,7 +326,7 @@ impl Gateway {
         });
         listeners.spawn(serve(
             admin,
-            move |req| admin_api.clone().handle(req),
+            move |req, _peer| admin_api.clone().handle(req),
             operator(),
             None,
             stop.clone(),

@@ -144,7 +144,10 @@ impl H1Pool {
                 Ok(result) => return result.map(|(parts, conn)| self.response(parts, conn)),
             }
         }
-        let conn = self.connect(key, request.authority).await?;
+        // Boxed: a connect (and its TLS handshake) is a large future, needed
+        // only when no pooled connection is there; unboxed, every request's
+        // future would carry its size.
+        let conn = Box::pin(self.connect(key, request.authority)).await?;
         match exchange(conn, &head, request).await {
             Err(Stale) => Err(H1Error::Closed),
             Ok(result) => result.map(|(parts, conn)| self.response(parts, conn)),

@@ -175,6 +175,7 @@ impl Proxy {
         &self,
         client: &UpstreamClient,
         req: Request<Incoming>,
+        peer: Peer,
     ) -> Response<ResponseBody> {
         let started = Instant::now();
         if req.method() == Method::GET {
@@ -205,13 +206,7 @@ impl Proxy {
                 );
             }
         };
-        let peer = req.extensions().get::<Peer>();
-        let proto = if peer.is_some_and(|p| p.tls) {
-            "https"
-        } else {
-            "http"
-        };
-        let peer = peer.map(|p| p.addr.ip());
+        let proto = if peer.tls { "https" } else { "http" };
         let (parts, body) = req.into_parts();
         // Read before admission, under the stall deadline: a client that
         // sends half a body never holds a permit.
@@ -267,7 +262,12 @@ impl Proxy {
             .headers
             .get(&self.config.routing_key_header)
             .map(|v| hash_key(v.as_bytes()));
-        let headers = forward_headers(parts.headers, peer, proto, self.config.trusted_proxy_hops);
+        let headers = forward_headers(
+            parts.headers,
+            peer.addr.ip(),
+            proto,
+            self.config.trusted_proxy_hops,
+        );
         let path = match parts.uri.query() {
             Some(query) => format!("{path}?{query}"),
             None => path,

@@ -9,7 +9,7 @@
 //! send timeout of a client that stops reading, HTTP/2 keep-alive pings, the
 //! TLS handshake of an HTTPS listener (within the header-read timeout, in
 //! the connection's own task so a slow one holds up no other), and the peer
-//! each request carries ([`Peer`]). What a request means is the handler's
+//! each request is handed with ([`Peer`]). What a request means is the handler's
 //! business; the certificates are [`crate::tls`]'s.
 
 use std::convert::Infallible;
@@ -39,7 +39,8 @@ use tokio_util::either::Either;
 use crate::bodies::{BoxError, ResponseBody};
 use crate::tls::ServingTls;
 
-/// The client, in every request's extensions.
+/// The client, handed to the handler with each request (a value, not an
+/// extension: extensions cost a map and a box per request).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Peer {
     pub addr: SocketAddr,
@@ -96,7 +97,7 @@ pub async fn serve<H, F>(
     mut shutdown: watch::Receiver<bool>,
     grace: Duration,
 ) where
-    H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
+    H: Fn(Request<Incoming>, Peer) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ResponseBody>> + Send + 'static,
 {
     let graceful = GracefulShutdown::new();
@@ -147,10 +148,9 @@ pub async fn serve<H, F>(
             addr: peer,
             tls: tls.is_some(),
         };
-        let service = service_fn(move |mut req: Request<Incoming>| {
-            req.extensions_mut().insert(client);
+        let service = service_fn(move |req: Request<Incoming>| {
             let busy = Busy::new(&in_service);
-            let fut = handler(req);
+            let fut = handler(req, client);
             async move {
                 let response = fut.await;
                 // In flight until the response body is done or dropped.

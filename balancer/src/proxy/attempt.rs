@@ -275,7 +275,9 @@ impl Proxy {
                         Payload::Whole(body) => boxed(Full::new(body)),
                         Payload::Streamed(body) => body,
                     };
-                    let response = self.send_hyper(client, worker, req, body).await?;
+                    // Boxed for the same reason as a fast-path connect:
+                    // hyper's request future is large and off the fast path.
+                    let response = Box::pin(self.send_hyper(client, worker, req, body)).await?;
                     Ok(response.map(WorkerBody::Hyper))
                 }
             }

@@ -15,7 +15,7 @@ use http::Method;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
 /// Headers that describe one hop, not the message.
-pub(crate) const HOP_BY_HOP: [HeaderName; 7] = [
+const HOP_BY_HOP: [HeaderName; 7] = [
     header::CONNECTION,
     header::PROXY_AUTHENTICATE,
     header::PROXY_AUTHORIZATION,
@@ -203,53 +203,59 @@ fn decode_unreserved(path: &str) -> Option<String> {
 /// `proto`, the scheme the client spoke (kept as a trusted proxy set it).
 pub(crate) fn forward_headers(
     mut headers: HeaderMap,
-    peer: Option<IpAddr>,
+    peer: IpAddr,
     proto: &'static str,
     trusted_hops: u32,
 ) -> HeaderMap {
-    let proxy_connection = HeaderName::from_static("proxy-connection");
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
-        .chain(headers.get_all(&proxy_connection))
+        .chain(headers.get_all(PROXY_CONNECTION))
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
         .collect();
-    for name in named {
-        headers.remove(name);
-    }
-    for h in HOP_BY_HOP {
-        headers.remove(h);
-    }
-    headers.remove(proxy_connection);
-    headers.remove(HeaderName::from_static("keep-alive"));
-    // The worker's authority comes from the URI; hyper sets Host from it.
-    headers.remove(header::HOST);
-    // The body may be rewritten (a fallback's model); hyper sets the length
-    // of the body actually sent.
-    headers.remove(header::CONTENT_LENGTH);
+    strip(&mut headers, |name| {
+        is_hop_by_hop(name)
+            // The worker's authority comes from the URI, and the body may be
+            // rewritten (a fallback's model): the client's Host and length
+            // are not the worker's.
+            || name == header::HOST
+            || name == header::CONTENT_LENGTH
+            || named.contains(name)
+    });
     forwarded_for(&mut headers, peer, proto, trusted_hops);
     headers
 }
 
+/// Whether a header describes one hop rather than the message: the
+/// standard ones, and `Proxy-Connection` and `Keep-Alive` of old clients.
+pub(crate) fn is_hop_by_hop(name: &HeaderName) -> bool {
+    HOP_BY_HOP.contains(name) || name == PROXY_CONNECTION || name == KEEP_ALIVE
+}
+
+/// Removes every header `doomed` picks. A removal by name hashes the name
+/// whether or not it is there, and a message carries a handful of headers:
+/// one pass over the names present is cheaper than a removal per name that
+/// might be.
+pub(crate) fn strip(headers: &mut HeaderMap, doomed: impl Fn(&HeaderName) -> bool) {
+    let present: Vec<HeaderName> = headers.keys().filter(|n| doomed(n)).cloned().collect();
+    for name in present {
+        headers.remove(name);
+    }
+}
+
+const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
+const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
-fn forwarded_for(
-    headers: &mut HeaderMap,
-    peer: Option<IpAddr>,
-    proto: &'static str,
-    trusted_hops: u32,
-) {
-    let peer = peer.map(|ip| ip.to_string());
+fn forwarded_for(headers: &mut HeaderMap, peer: IpAddr, proto: &'static str, trusted_hops: u32) {
     if trusted_hops == 0 {
-        // Nothing the client says about itself is trusted.
-        headers.remove(X_FORWARDED_FOR);
+        // Nothing the client says about itself is trusted: an insert
+        // replaces every value the client sent.
         headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static(proto));
-        if let Some(v) = peer.and_then(|p| HeaderValue::try_from(p).ok()) {
-            headers.insert(X_FORWARDED_FOR, v);
-        }
+        headers.insert(X_FORWARDED_FOR, ip_value(peer));
         return;
     }
     let chain: Vec<&str> = headers
@@ -258,21 +264,47 @@ fn forwarded_for(
         .filter_map(|v| v.to_str().ok())
         .collect();
     let mut joined = chain.join(", ");
-    if let Some(p) = peer {
-        if !joined.is_empty() {
-            joined.push_str(", ");
-        }
-        joined.push_str(&p);
+    if !joined.is_empty() {
+        joined.push_str(", ");
     }
-    headers.remove(X_FORWARDED_FOR);
-    if let Ok(v) = HeaderValue::try_from(joined)
-        && !v.is_empty()
-    {
-        headers.insert(X_FORWARDED_FOR, v);
-    }
+    joined.push_str(&peer.to_string());
+    match HeaderValue::try_from(joined) {
+        Ok(v) => headers.insert(X_FORWARDED_FOR, v),
+        Err(_) => headers.insert(X_FORWARDED_FOR, ip_value(peer)),
+    };
     if !headers.contains_key(X_FORWARDED_PROTO) {
         headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static(proto));
     }
+}
+
+/// The peer's address as a header value. IPv4, every request's case, is
+/// written digit by digit: the formatting machinery costs more than the
+/// rest of the header work.
+fn ip_value(ip: IpAddr) -> HeaderValue {
+    let IpAddr::V4(v4) = ip else {
+        return HeaderValue::try_from(ip.to_string()).expect("an IP address is a header value");
+    };
+    let mut text = [0u8; 15];
+    let mut len = 0;
+    for (i, octet) in v4.octets().into_iter().enumerate() {
+        if i > 0 {
+            text[len] = b'.';
+            len += 1;
+        }
+        let digits = [octet / 100, octet / 10 % 10, octet % 10];
+        let skip = if octet >= 100 {
+            0
+        } else if octet >= 10 {
+            1
+        } else {
+            2
+        };
+        for d in &digits[skip..] {
+            text[len] = b'0' + d;
+            len += 1;
+        }
+    }
+    HeaderValue::from_bytes(&text[..len]).expect("digits and dots are a header value")
 }
 
 #[cfg(test)]
@@ -344,6 +376,22 @@ mod tests {
     }
 
     #[test]
+    fn peer_addresses_are_written_as_std_writes_them() {
+        for ip in [
+            "0.0.0.0",
+            "9.10.99.100",
+            "127.0.0.1",
+            "255.255.255.255",
+            "10.200.3.45",
+            "::1",
+            "2001:db8::8a2e:370:7334",
+        ] {
+            let ip: IpAddr = ip.parse().unwrap();
+            assert_eq!(ip_value(ip).to_str().unwrap(), ip.to_string());
+        }
+    }
+
+    #[test]
     fn connection_named_headers_are_stripped_and_forwarded_for_is_the_peers() {
         let mut h = HeaderMap::new();
         h.insert(
@@ -356,7 +404,7 @@ mod tests {
         h.insert("x-kept", HeaderValue::from_static("1"));
         h.insert(X_FORWARDED_FOR, HeaderValue::from_static("6.6.6.6"));
         let peer: IpAddr = "127.0.0.9".parse().unwrap();
-        let out = forward_headers(h.clone(), Some(peer), "https", 0);
+        let out = forward_headers(h.clone(), peer, "https", 0);
         for gone in ["x-secret", "x-other", "proxy-connection", "connection"] {
             assert!(!out.contains_key(gone), "{gone}");
         }
@@ -369,7 +417,7 @@ mod tests {
             out[X_FORWARDED_PROTO], "https",
             "the scheme the client spoke"
         );
-        let trusted = forward_headers(h, Some(peer), "http", 1);
+        let trusted = forward_headers(h, peer, "http", 1);
         assert_eq!(trusted[X_FORWARDED_FOR], "6.6.6.6, 127.0.0.9");
     }
 }

@@ -25,11 +25,11 @@ use balancer_core::clock::Clock;
 use balancer_core::registry::Attempt;
 use balancer_core::tokens::{Tokens, find_usage};
 use http::Response;
-use http::header::{self, HeaderName, HeaderValue};
+use http::header::{self, HeaderValue};
 
 use super::answer::sse_error_event;
 use super::body::boxed;
-use super::edge::HOP_BY_HOP;
+use super::edge::{is_hop_by_hop, strip};
 use super::stats::GatewayStats;
 use super::{BoxError, FALLBACK_HEADER, Proxy, ResponseBody};
 use crate::h1::H1Body;
@@ -317,10 +317,7 @@ impl Proxy {
         if let Some(v) = fallback.and_then(|f| HeaderValue::try_from(f).ok()) {
             parts.headers.insert(FALLBACK_HEADER, v);
         }
-        for h in HOP_BY_HOP {
-            parts.headers.remove(h);
-        }
-        parts.headers.remove(HeaderName::from_static("keep-alive"));
+        strip(&mut parts.headers, is_hop_by_hop);
         let sse = parts
             .headers
             .get(header::CONTENT_TYPE)
