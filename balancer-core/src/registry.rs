@@ -14,11 +14,14 @@ mod metrics;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use arc_swap::ArcSwap;
+// Model names are looked up on every request; the keys are the models
+// workers declare, not a client's.
+use foldhash::HashMap;
 use tokio::sync::broadcast;
 
 use crate::breaker::{
@@ -273,7 +276,7 @@ impl Fleet {
     }
 
     fn build(workers: Vec<Arc<Worker>>, with_rings: bool) -> Self {
-        let mut by_model: HashMap<String, Vec<Arc<Worker>>> = HashMap::new();
+        let mut by_model: HashMap<String, Vec<Arc<Worker>>> = HashMap::default();
         for w in &workers {
             for m in w.models().iter() {
                 by_model.entry(m.clone()).or_default().push(w.clone());

@@ -6,11 +6,14 @@
 //! a model up without a lock; the only lock is per budgeted model, taken once
 //! per request to read or add to its minute.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 
 use arc_swap::ArcSwap;
+// Looked up several times per request by model name; the keys are the
+// configured and declared models plus `other`, never a client's invention,
+// so a fast hash is safe.
+use foldhash::HashMap;
 use memchr::memmem;
 
 use crate::clock::Nanos;

@@ -5,7 +5,6 @@
 //! timeout or after the worker closed it. The lock is per serving thread,
 //! so it is never contended, and taken twice per request (out and back in).
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -13,6 +12,8 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::BytesMut;
+// Keyed by worker address, looked up twice per request.
+use foldhash::HashMap;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tokio_rustls::client::TlsStream;
@@ -94,7 +95,7 @@ struct Inner {
 impl H1Pool {
     pub fn new(connect_timeout: Duration, idle_timeout: Duration, tls: Arc<WorkerTls>) -> Self {
         Self(Arc::new(Inner {
-            idle: Mutex::new(HashMap::new()),
+            idle: Mutex::new(HashMap::default()),
             connect_timeout,
             idle_timeout,
             tls,
