@@ -1,5 +1,6 @@
 //! `cargo xtask bench ...`: load measured on loopback (`l7`, below) and
-//! across network namespaces (`l4`, in [`l4`]).
+//! across network namespaces (`l4`, in [`l4`]), and instructions per
+//! request counted by callgrind (`instructions`, in [`instructions`]).
 //!
 //! `bench l7` drives wrk at four targets in front of the same two demo
 //! workers: one worker directly (the ceiling), this gateway, nginx as a plain
@@ -35,6 +36,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use clap::{Args, Subcommand};
 
+mod instructions;
 mod l4;
 
 use crate::shell::{display, run};
@@ -52,6 +54,9 @@ pub enum Which {
     /// The breaker's hot path (admit + record, one and two threads) and
     /// worker selection at 8, 512 and 4096 workers (criterion).
     Breaker,
+    /// User-space instructions per proxied request of this gateway and of
+    /// nginx, counted by callgrind: steady where CPU time is noisy.
+    Instructions(instructions::Instructions),
 }
 
 #[derive(Args)]
@@ -71,6 +76,7 @@ pub fn bench(which: Which) -> Result<()> {
     match which {
         Which::L7(args) => l7(&args),
         Which::L4(args) => l4::l4(&args),
+        Which::Instructions(args) => instructions::instructions(&args),
         Which::Breaker => run(Command::new("cargo")
             .args([
                 "bench",
