@@ -167,11 +167,22 @@ pub(crate) async fn read_body(
     let mut lease = Lease::new(&limits.budget);
     let mut buf = BytesMut::new();
     loop {
-        let frame = match tokio::time::timeout(limits.stall, body.frame()).await {
-            Err(_) => return Err(BodyError::Stalled),
-            Ok(None) => break,
-            Ok(Some(Err(_))) => return Err(BodyError::Aborted),
-            Ok(Some(Ok(frame))) => frame,
+        // A body usually comes with its head: the stall timer is armed only
+        // when a frame is not already there, which spares a timer
+        // registration and its removal on almost every request.
+        let mut next = body.frame();
+        let frame = match std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut next).poll(cx))).await
+        {
+            Poll::Ready(frame) => frame,
+            Poll::Pending => match tokio::time::timeout(limits.stall, next).await {
+                Err(_) => return Err(BodyError::Stalled),
+                Ok(frame) => frame,
+            },
+        };
+        let frame = match frame {
+            None => break,
+            Some(Err(_)) => return Err(BodyError::Aborted),
+            Some(Ok(frame)) => frame,
         };
         let Ok(data) = frame.into_data() else {
             continue;
