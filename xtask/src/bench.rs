@@ -138,17 +138,7 @@ fn l7(args: &L7) -> Result<()> {
         STREAM_BODY,
     )?;
 
-    let workers = [free_addr()?, free_addr()?];
-    for (number, addr) in workers.iter().enumerate() {
-        let name = format!("worker{}", number + 1);
-        lab.start(
-            &name,
-            Command::new(&balancer)
-                .args(["mock-worker", "--model", "demo-model", "--listen"])
-                .arg(addr.to_string()),
-        )?;
-        lab.await_ready(&name, *addr)?;
-    }
+    let workers = lab.start_workers(&balancer)?;
     let urls = workers.map(|addr| format!("http://{addr}"));
     let mut targets = vec![Target::new(
         "worker (direct)",
@@ -867,14 +857,8 @@ fn nginx_conf(dir: &Path, listen: &NginxListen<'_>, workers: &[SocketAddr]) -> S
         listen.certificate.cert.display(),
         listen.certificate.key.display(),
     );
-    let servers: String = workers
-        .iter()
-        .map(|addr| format!("        server {addr};\n"))
-        .collect();
+    let upstream = nginx_upstream(dir, workers);
     let dir = dir.display();
-    // Temp paths point into the scratch folder so that nothing outside it is
-    // written; `Connection ""` with HTTP/1.1 is what makes upstream
-    // keepalive work.
     format!(
         "worker_processes 2;
 worker_rlimit_nofile 32768;
@@ -884,26 +868,17 @@ events {{
     worker_connections 16384;
 }}
 http {{
-    access_log off;
-    client_body_temp_path {dir}/nginx-body;
-    proxy_temp_path {dir}/nginx-proxy;
-    upstream workers {{
-{servers}        keepalive 64;
-    }}
+{upstream}
     server {{
         listen {plain};
         location / {{
-            proxy_pass http://workers;
-            proxy_http_version 1.1;
-            proxy_set_header Connection \"\";
+{PROXY_TO_WORKERS}
         }}
     }}
     server {{
         listen {stream_listen};
         location / {{
-            proxy_pass http://workers;
-            proxy_http_version 1.1;
-            proxy_set_header Connection \"\";
+{PROXY_TO_WORKERS}
             proxy_buffering off;
         }}
     }}
@@ -912,15 +887,38 @@ http {{
         ssl_certificate {cert};
         ssl_certificate_key {key};
         location / {{
-            proxy_pass http://workers;
-            proxy_http_version 1.1;
-            proxy_set_header Connection \"\";
+{PROXY_TO_WORKERS}
         }}
     }}
 }}
 "
     )
 }
+
+/// What every nginx of the benches has in its `http` block: no access log,
+/// temp paths in the scratch folder (so that nothing outside it is
+/// written), and the demo workers as an upstream with idle connections kept.
+fn nginx_upstream(dir: &Path, workers: &[SocketAddr]) -> String {
+    let servers: String = workers
+        .iter()
+        .map(|addr| format!("        server {addr};\n"))
+        .collect();
+    let dir = dir.display();
+    format!(
+        "    access_log off;
+    client_body_temp_path {dir}/nginx-body;
+    proxy_temp_path {dir}/nginx-proxy;
+    upstream workers {{
+{servers}        keepalive 64;
+    }}"
+    )
+}
+
+/// A location's proxying to [`nginx_upstream`]: `Connection ""` with
+/// HTTP/1.1 is what makes upstream keepalive work.
+const PROXY_TO_WORKERS: &str = "            proxy_pass http://workers;
+            proxy_http_version 1.1;
+            proxy_set_header Connection \"\";";
 
 /// The HTTPS row's self-signed certificate for 127.0.0.1, as PEM files in
 /// the scratch folder.
@@ -1121,6 +1119,23 @@ impl Lab {
             log,
         });
         Ok(())
+    }
+
+    /// The two demo workers (`worker1`, `worker2`), answering; their
+    /// addresses.
+    fn start_workers(&mut self, balancer: &Path) -> Result<[SocketAddr; 2]> {
+        let workers = [free_addr()?, free_addr()?];
+        for (number, addr) in workers.iter().enumerate() {
+            let name = format!("worker{}", number + 1);
+            self.start(
+                &name,
+                Command::new(balancer)
+                    .args(["mock-worker", "--model", "demo-model", "--listen"])
+                    .arg(addr.to_string()),
+            )?;
+            self.await_ready(&name, *addr)?;
+        }
+        Ok(workers)
     }
 
     /// The PID of process `name`.

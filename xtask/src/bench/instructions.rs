@@ -25,7 +25,10 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail, ensure};
 use clap::Args;
 
-use super::{BODY, Lab, PATH, ensure_tool, free_addr, launch, release_balancer};
+use super::{
+    BODY, Lab, PATH, PROXY_TO_WORKERS, ensure_tool, free_addr, launch, nginx_upstream,
+    release_balancer,
+};
 use crate::shell::display;
 
 #[derive(Args)]
@@ -50,17 +53,7 @@ pub fn instructions(args: &Instructions) -> Result<()> {
     let nginx = ensure_tool("nginx", "nginx-light")?;
     let mut lab = Lab::new()?;
 
-    let workers = [free_addr()?, free_addr()?];
-    for (number, addr) in workers.iter().enumerate() {
-        let name = format!("worker{}", number + 1);
-        lab.start(
-            &name,
-            Command::new(&balancer)
-                .args(["mock-worker", "--model", "demo-model", "--listen"])
-                .arg(addr.to_string()),
-        )?;
-        lab.await_ready(&name, *addr)?;
-    }
+    let workers = lab.start_workers(&balancer)?;
     let urls = workers.map(|addr| format!("http://{addr}"));
 
     let gateway = Counted {
@@ -175,10 +168,7 @@ fn total_of(text: &str) -> Option<u64> {
 /// nginx as one process (no master, one worker), so callgrind sees every
 /// instruction of the proxy in the process it was started with.
 fn nginx_conf(dir: &Path, listen: SocketAddr, workers: &[SocketAddr]) -> String {
-    let servers: String = workers
-        .iter()
-        .map(|addr| format!("        server {addr};\n"))
-        .collect();
+    let upstream = nginx_upstream(dir, workers);
     let dir = dir.display();
     format!(
         "master_process off;
@@ -190,21 +180,14 @@ events {{
     worker_connections 1024;
 }}
 http {{
-    access_log off;
+{upstream}
     # One client connection carries every request (nginx closes it after
     # 1,000 by default).
     keepalive_requests 1000000;
-    client_body_temp_path {dir}/nginx-body;
-    proxy_temp_path {dir}/nginx-proxy;
-    upstream workers {{
-{servers}        keepalive 64;
-    }}
     server {{
         listen {listen};
         location / {{
-            proxy_pass http://workers;
-            proxy_http_version 1.1;
-            proxy_set_header Connection \"\";
+{PROXY_TO_WORKERS}
         }}
     }}
 }}
