@@ -10,7 +10,7 @@
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::{Buf, Bytes};
+use bytes::{Buf, Bytes, BytesMut};
 use hyper::body::{Body, Frame, SizeHint};
 use tokio_util::io::poll_read_buf;
 
@@ -101,7 +101,7 @@ pub(super) enum Step {
 /// (as if more were needed).
 pub(super) fn decode(
     framing: &mut Framing,
-    buf: &mut bytes::BytesMut,
+    buf: &mut BytesMut,
     data: bool,
 ) -> Result<Step, H1Error> {
     let kind = &mut framing.kind;
@@ -115,12 +115,11 @@ pub(super) fn decode(
                 if buf.is_empty() {
                     return Ok(Step::More);
                 }
-                let take = usize::try_from(*left).unwrap_or(usize::MAX).min(buf.len());
-                *left -= take as u64;
+                let data = take_counted(left, buf);
                 if *left == 0 {
                     *kind = Kind::Done;
                 }
-                return Ok(Step::Data(buf.split_to(take).freeze()));
+                return Ok(Step::Data(data));
             }
             Kind::UntilClose => {
                 if buf.is_empty() {
@@ -144,12 +143,11 @@ pub(super) fn decode(
                     if buf.is_empty() {
                         return Ok(Step::More);
                     }
-                    let take = usize::try_from(*left).unwrap_or(usize::MAX).min(buf.len());
-                    *left -= take as u64;
+                    let data = take_counted(left, buf);
                     if *left == 0 {
                         *chunk = Chunk::DataEnd;
                     }
-                    return Ok(Step::Data(buf.split_to(take).freeze()));
+                    return Ok(Step::Data(data));
                 }
                 Chunk::DataEnd => {
                     if buf.len() < 2 {
@@ -181,7 +179,7 @@ pub(super) fn decode(
 
 /// A CRLF-terminated line taken from the front of `buf` (without the
 /// CRLF); `None` while incomplete.
-fn take_line(buf: &mut bytes::BytesMut) -> Result<Option<bytes::BytesMut>, H1Error> {
+fn take_line(buf: &mut BytesMut) -> Result<Option<BytesMut>, H1Error> {
     match buf.windows(2).position(|w| w == b"\r\n") {
         Some(end) if end <= MAX_LINE => {
             let line = buf.split_to(end);
@@ -194,6 +192,14 @@ fn take_line(buf: &mut bytes::BytesMut) -> Result<Option<bytes::BytesMut>, H1Err
         }
         None => Ok(None),
     }
+}
+
+/// As much of `buf` as `left` still allows, counted off `left`: the data
+/// of a sized body or of one chunk.
+fn take_counted(left: &mut u64, buf: &mut BytesMut) -> Bytes {
+    let take = usize::try_from(*left).unwrap_or(usize::MAX).min(buf.len());
+    *left -= take as u64;
+    buf.split_to(take).freeze()
 }
 
 /// The size of a chunk-size line (hex, extensions after `;` ignored).
