@@ -15,7 +15,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full, Limited};
-use hyper::body::Incoming;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -23,6 +22,7 @@ use balancer_core::breaker::FailureReason;
 use balancer_core::registry::{Registry, RegistryError, Worker};
 use balancer_core::spec::{Resilience, WorkerSpec};
 
+use crate::bodies::Inbound;
 use crate::proxy::{ErrorCode, ResponseBody, error_response};
 
 /// Called for each worker the API adds.
@@ -67,7 +67,7 @@ struct Patch {
 }
 
 impl Admin {
-    pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<ResponseBody> {
+    pub async fn handle(self: Arc<Self>, req: Request<Inbound>) -> Response<ResponseBody> {
         if let Some(token) = &self.token {
             let presented = req
                 .headers()
@@ -221,7 +221,7 @@ fn registry_error(e: RegistryError) -> Response<ResponseBody> {
 }
 
 async fn read_json<T: serde::de::DeserializeOwned>(
-    req: Request<Incoming>,
+    req: Request<Inbound>,
 ) -> Result<T, Response<ResponseBody>> {
     let bytes = Limited::new(req.into_body(), MAX_BODY)
         .collect()

@@ -25,7 +25,6 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::header::HeaderName;
 use http::{Method, Request, Response, StatusCode};
-use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
@@ -36,7 +35,7 @@ use balancer_core::ring::hash_key;
 use balancer_core::selection::Selector;
 use balancer_core::tokens::Tokens;
 
-pub use crate::bodies::{BoxError, ResponseBody, UpstreamBody};
+pub use crate::bodies::{BoxError, Inbound, ResponseBody, UpstreamBody};
 pub use answer::{ErrorCode, error_response};
 pub use attempt::RetryPolicy;
 pub use body::BufferBudget;
@@ -174,7 +173,7 @@ impl Proxy {
     pub async fn handle(
         &self,
         client: &UpstreamClient,
-        req: Request<Incoming>,
+        req: Request<Inbound>,
         peer: Peer,
     ) -> Response<ResponseBody> {
         let started = Instant::now();

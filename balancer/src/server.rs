@@ -3,14 +3,17 @@
 //! meets and graceful shutdown.
 //!
 //! Owns sockets and connection tasks only: the connection cap (at the cap,
-//! accept waits), the time a request head may take (hyper's header-read
+//! accept waits), the time a request head may take (the header-read
 //! timeout, which also closes a keep-alive connection whose next head
 //! stalls), the idle timeout of a connection with nothing in flight, the
 //! send timeout of a client that stops reading, HTTP/2 keep-alive pings, the
 //! TLS handshake of an HTTPS listener (within the header-read timeout, in
 //! the connection's own task so a slow one holds up no other), and the peer
-//! each request is handed with ([`Peer`]). What a request means is the handler's
-//! business; the certificates are [`crate::tls`]'s.
+//! each request is handed with ([`Peer`]). An HTTP/1.1 connection starts on
+//! the fast path ([`fast`]), which serves plain requests itself and hands
+//! the connection to hyper at the first that is not; HTTP/2 goes to hyper
+//! at once. What a request means is the handler's business; the
+//! certificates are [`crate::tls`]'s.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -36,8 +39,10 @@ use tokio::sync::{Semaphore, watch};
 use tokio::time::Instant;
 use tokio_util::either::Either;
 
-use crate::bodies::{BoxError, ResponseBody};
+use crate::bodies::{BoxError, Inbound, ResponseBody};
 use crate::tls::ServingTls;
+
+mod fast;
 
 /// The client, handed to the handler with each request (a value, not an
 /// extension: extensions cost a map and a box per request).
@@ -97,7 +102,7 @@ pub async fn serve<H, F>(
     mut shutdown: watch::Receiver<bool>,
     grace: Duration,
 ) where
-    H: Fn(Request<Incoming>, Peer) -> F + Clone + Send + Sync + 'static,
+    H: Fn(Request<Inbound>, Peer) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<ResponseBody>> + Send + 'static,
 {
     let graceful = GracefulShutdown::new();
@@ -148,9 +153,10 @@ pub async fn serve<H, F>(
             addr: peer,
             tls: tls.is_some(),
         };
+        let for_hyper = handler.clone();
         let service = service_fn(move |req: Request<Incoming>| {
             let busy = Busy::new(&in_service);
-            let fut = handler(req, client);
+            let fut = for_hyper(req.map(Inbound::Streamed), client);
             async move {
                 let response = fut.await;
                 // In flight until the response body is done or dropped.
@@ -165,14 +171,15 @@ pub async fn serve<H, F>(
         };
         let (builder, watcher, tls) = (builder.clone(), graceful.watcher(), tls.clone());
         let (idle, send) = (limits.idle_timeout, limits.send_timeout);
-        let handshake = limits.header_read_timeout;
+        let header_read = limits.header_read_timeout;
+        let mut shutdown = shutdown.clone();
         tokio::spawn(async move {
             let serving = async {
                 // The socket, or TLS over it; the watchdog sees the socket's
                 // writes either way.
-                let transport = match tls {
+                let mut transport = match tls {
                     None => Either::Left(watched),
-                    Some(tls) => match tls.accept(watched, handshake).await {
+                    Some(tls) => match tls.accept(watched, header_read).await {
                         Ok(stream) => Either::Right(Box::new(stream)),
                         Err(why) => {
                             tracing::debug!(%peer, reason = why.as_str(), "TLS handshake failed");
@@ -180,7 +187,23 @@ pub async fn serve<H, F>(
                         }
                     },
                 };
-                let conn = builder.serve_connection_with_upgrades(TokioIo::new(transport), service);
+                // HTTP/1.1 starts on the fast path; HTTP/2 (by ALPN here, by
+                // its preface there) and the unusual go to hyper.
+                let h2 = matches!(&transport, Either::Right(tls) if tls.get_ref().1.alpn_protocol() == Some(b"h2"));
+                let read = if h2 {
+                    Bytes::new()
+                } else {
+                    let fast = fast::Fast::new(&mut transport);
+                    match fast
+                        .serve(&handler, client, &activity, header_read, &mut shutdown)
+                        .await
+                    {
+                        fast::End::Closed => return,
+                        fast::End::HandOver(read) => read,
+                    }
+                };
+                let io = TokioIo::new(fast::Prefixed::new(read, transport));
+                let conn = builder.serve_connection_with_upgrades(io, service);
                 // How a connection ended is the client's business.
                 let _ = watcher.watch(conn.into_owned()).await;
             };

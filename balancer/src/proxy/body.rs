@@ -22,10 +22,10 @@ use http::HeaderMap;
 use http::header::CONTENT_LENGTH;
 use http_body_util::BodyExt;
 use http_body_util::combinators::UnsyncBoxBody;
-use hyper::body::{Frame, Incoming};
+use hyper::body::Frame;
 use tokio::time::{Instant, Sleep};
 
-use super::{BoxError, UpstreamBody};
+use super::{BoxError, Inbound, UpstreamBody};
 
 /// What a client's body did wrong; never a worker's fault.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -154,7 +154,7 @@ where
 /// limit, otherwise up to there (the rest streams to the worker).
 pub(crate) async fn read_body(
     headers: &HeaderMap,
-    mut body: Incoming,
+    mut body: Inbound,
     limits: &BodyLimits,
 ) -> Result<RequestBody, BodyError> {
     let declared = headers
@@ -212,7 +212,7 @@ pub(crate) async fn read_body(
 /// payload and stall bounds; a fault ends it with an error and is recorded
 /// in [`ClientBody::fault`].
 pub(crate) struct ClientBody {
-    inner: Incoming,
+    inner: Inbound,
     read: u64,
     max_payload: u64,
     stall: Duration,
@@ -223,7 +223,7 @@ pub(crate) struct ClientBody {
 }
 
 impl ClientBody {
-    fn new(inner: Incoming, limits: &BodyLimits, read: u64, lease: Lease) -> Self {
+    fn new(inner: Inbound, limits: &BodyLimits, read: u64, lease: Lease) -> Self {
         Self {
             inner,
             read,

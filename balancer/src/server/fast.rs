@@ -1,0 +1,768 @@
+//! The HTTP/1.1 fast path of a connection: plain requests read, handed to
+//! the handler and answered by the connection's own loop, with no
+//! dispatcher between the socket and the handler.
+//!
+//! Owns what "plain" means and the wire format of those exchanges. A plain
+//! request is HTTP/1.1, `GET`, `POST`, `PUT`, `DELETE` or `PATCH` to an
+//! origin-form target, its head (httparse) at most [`MAX_HEAD`] bytes and
+//! [`MAX_HEADERS`] headers, framed by at most one all-digit
+//! `Content-Length` and free of `Transfer-Encoding`, `Expect` and
+//! `Upgrade`, and its whole body is already read when its head is. The
+//! first request that is not plain, and everything after it on its
+//! connection, goes to hyper with the bytes read so far ([`End::HandOver`]):
+//! the rules of the unusual (400 and 431, `100-continue`, chunked and slow
+//! uploads and their stall timeout, HTTP/1.0, HTTP/2, upgrades) stay
+//! hyper's. Framing is never ambiguous between the two parsers: a request
+//! either has one plain `Content-Length` or hyper reads it.
+//!
+//! The loop keeps hyper's behaviour towards clients: the header-read
+//! timeout (for the first head and every next one), a client that closes
+//! while its request is in flight cancels it (hyper's default, no
+//! half-close), responses framed by `Content-Length` when their size is
+//! known and chunked otherwise, each frame written as soon as the body has
+//! nothing more ready (streams go out frame by frame, and the socket's
+//! backpressure holds the body), `Date` added, a broken body aborting the
+//! connection, and graceful shutdown between requests. What a request means
+//! stays the handler's; the idle and send timeouts stay the watchdog's.
+
+use std::future::{Future, poll_fn};
+use std::io;
+use std::mem::MaybeUninit;
+use std::ops::Range;
+use std::pin::{Pin, pin};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime};
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, Response, StatusCode, Uri, Version};
+use hyper::body::{Body, Frame};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::sync::watch;
+use tokio::time::{Instant, Sleep};
+use tokio_util::io::poll_read_buf;
+
+use super::{Activity, Busy, Peer, stopped};
+use crate::bodies::{BoxError, Inbound, ResponseBody};
+
+/// The largest head the fast path parses; a larger one goes to hyper,
+/// which answers 431 past its own limit.
+const MAX_HEAD: usize = 16 * 1024;
+/// The most headers the fast path parses; more go to hyper.
+const MAX_HEADERS: usize = 64;
+/// The largest request (head and body) the fast path holds; a larger one
+/// streams through hyper.
+const MAX_REQUEST: usize = 256 * 1024;
+/// What the read buffer grows by, and the spare room below which it grows.
+const READ_CHUNK: usize = 8 * 1024;
+const MIN_SPARE: usize = 1024;
+/// Response bytes gathered before they are written even though the body
+/// has more ready, and the frame size past which a frame is written
+/// straight from its own buffer rather than copied.
+const WRITE_BATCH: usize = 64 * 1024;
+const COPY_LIMIT: usize = 16 * 1024;
+
+/// How the fast path left a connection.
+pub(super) enum End {
+    /// Closed, or to be closed: nothing more is read from it.
+    Closed,
+    /// A request that is not plain: hyper serves the connection from here,
+    /// starting with these bytes.
+    HandOver(Bytes),
+}
+
+/// One connection's fast path.
+pub(super) struct Fast<'a, IO> {
+    io: &'a mut IO,
+    /// Read from the client, not yet consumed.
+    buf: BytesMut,
+    /// The response bytes not yet written.
+    out: BytesMut,
+    /// The header-read deadline, kept across requests so that waiting for
+    /// a head costs no allocation.
+    timer: Option<Pin<Box<Sleep>>>,
+}
+
+impl<'a, IO> Fast<'a, IO>
+where
+    IO: AsyncRead + AsyncWrite + Unpin,
+{
+    pub(super) fn new(io: &'a mut IO) -> Self {
+        Self {
+            io,
+            buf: BytesMut::new(),
+            out: BytesMut::new(),
+            timer: None,
+        }
+    }
+
+    /// Serves plain requests until the connection ends or a request that is
+    /// not plain arrives.
+    pub(super) async fn serve<H, F>(
+        mut self,
+        handler: &H,
+        peer: Peer,
+        activity: &Arc<Activity>,
+        header_read_timeout: Duration,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> End
+    where
+        H: Fn(Request<Inbound>, Peer) -> F,
+        F: Future<Output = Response<ResponseBody>>,
+    {
+        loop {
+            let (request, close) = match self.next_request(header_read_timeout, shutdown).await {
+                Next::Request(request, close) => (request, close),
+                Next::Closed => return End::Closed,
+                Next::Unusual => return End::HandOver(self.buf.freeze()),
+            };
+            let busy = Busy::new(activity);
+            let Some(response) = self.answer(handler(request, peer)).await else {
+                // The client left: dropping the handler's future cancels the
+                // request.
+                return End::Closed;
+            };
+            let close = close || *shutdown.borrow();
+            let wrote = self.respond(response, close).await;
+            drop(busy);
+            if !wrote || close {
+                let _ = self.io.shutdown().await;
+                return End::Closed;
+            }
+        }
+    }
+
+    /// The next plain request, read within the header-read timeout.
+    async fn next_request(
+        &mut self,
+        header_read_timeout: Duration,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> Next {
+        let mut deadline = None;
+        loop {
+            let mut ranges = [Ranges::default(); MAX_HEADERS];
+            match scan(&self.buf, &mut ranges) {
+                Scan::Unusual => return Next::Unusual,
+                Scan::Plain(plain) if self.buf.len() >= plain.len() => {
+                    return self.take(&plain, &ranges[..plain.headers]);
+                }
+                Scan::Plain(_) => {
+                    // The body has not all come with the head. What the
+                    // socket holds already is taken; if that is not enough,
+                    // hyper reads the rest under the body's stall timeout.
+                    if !self.drain_ready() {
+                        return Next::Closed;
+                    }
+                    match scan(&self.buf, &mut ranges) {
+                        Scan::Plain(plain) if self.buf.len() >= plain.len() => {
+                            return self.take(&plain, &ranges[..plain.headers]);
+                        }
+                        _ => return Next::Unusual,
+                    }
+                }
+                Scan::Partial if self.buf.len() >= MAX_HEAD => return Next::Unusual,
+                Scan::Partial => {}
+            }
+            if !self
+                .read_head(&mut deadline, header_read_timeout, shutdown)
+                .await
+            {
+                return Next::Closed;
+            }
+        }
+    }
+
+    /// Room for the next read. Grown only when little is left: the buffer
+    /// is shared with the previous requests' header values, and growing it
+    /// while they live would copy it.
+    fn spare(&mut self) {
+        if self.buf.capacity() - self.buf.len() < MIN_SPARE {
+            self.buf.reserve(READ_CHUNK);
+        }
+    }
+
+    /// Reads more of a head; false when the connection is over: the client
+    /// closed it, the header-read timeout passed (counted from the first
+    /// wait for this head), or the gateway is shutting down and no request
+    /// has begun.
+    async fn read_head(
+        &mut self,
+        deadline: &mut Option<Instant>,
+        header_read_timeout: Duration,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> bool {
+        self.spare();
+        let mut stopping = pin!(stopped(shutdown));
+        let idle = self.buf.is_empty();
+        let Self { io, buf, timer, .. } = self;
+        poll_fn(|cx| {
+            match poll_read_buf(Pin::new(&mut **io), cx, buf) {
+                Poll::Ready(Ok(n)) => return Poll::Ready(n > 0),
+                Poll::Ready(Err(_)) => return Poll::Ready(false),
+                Poll::Pending => {}
+            }
+            // Armed only when the head is not there yet.
+            let deadline = *deadline.get_or_insert_with(|| Instant::now() + header_read_timeout);
+            let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+            if timer.deadline() != deadline {
+                timer.as_mut().reset(deadline);
+            }
+            if timer.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(false);
+            }
+            if idle && stopping.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(false);
+            }
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Takes what the socket already holds, up to [`MAX_REQUEST`]; false
+    /// when the client closed or failed.
+    fn drain_ready(&mut self) -> bool {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        while self.buf.len() < MAX_REQUEST {
+            self.spare();
+            match poll_read_buf(Pin::new(&mut *self.io), &mut cx, &mut self.buf) {
+                Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return false,
+                Poll::Ready(Ok(_)) => {}
+                Poll::Pending => break,
+            }
+        }
+        true
+    }
+
+    /// Whether the client closed its connection (or it failed). Reads what
+    /// it pipelines meanwhile, up to [`MAX_REQUEST`]; past that nothing more
+    /// is read until this request is answered.
+    fn client_gone(&mut self, cx: &mut Context<'_>) -> bool {
+        while self.buf.len() < MAX_REQUEST {
+            self.spare();
+            match poll_read_buf(Pin::new(&mut *self.io), cx, &mut self.buf) {
+                Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return true,
+                Poll::Ready(Ok(_)) => {}
+                Poll::Pending => return false,
+            }
+        }
+        false
+    }
+
+    /// The request scanned as `plain`, taken out of the buffer. Values
+    /// share the buffer: nothing is copied.
+    fn take(&mut self, plain: &Plain, ranges: &[Ranges]) -> Next {
+        let head = self.buf.split_to(plain.head).freeze();
+        let body = self.buf.split_to(plain.body).freeze();
+        match build(&head, plain, ranges, body.clone()) {
+            Some(request) => Next::Request(request, plain.close),
+            None => {
+                // Not valid after all (a header value or the target): hyper
+                // answers it, from its first byte.
+                let mut whole = BytesMut::with_capacity(plain.len() + self.buf.len());
+                whole.extend_from_slice(&head);
+                whole.extend_from_slice(&body);
+                whole.extend_from_slice(&self.buf);
+                self.buf = whole;
+                Next::Unusual
+            }
+        }
+    }
+
+    /// The handler's response, or `None` if the client left first.
+    async fn answer<F>(&mut self, handling: F) -> Option<Response<ResponseBody>>
+    where
+        F: Future<Output = Response<ResponseBody>>,
+    {
+        let mut handling = pin!(handling);
+        poll_fn(|cx| {
+            if let Poll::Ready(response) = handling.as_mut().poll(cx) {
+                return Poll::Ready(Some(response));
+            }
+            if self.client_gone(cx) {
+                return Poll::Ready(None);
+            }
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Writes `response`; false when the connection cannot carry another
+    /// one (the client left, the body broke, or its length was wrong).
+    async fn respond(&mut self, response: Response<ResponseBody>, close: bool) -> bool {
+        let (parts, mut body) = response.into_parts();
+        let mut framing = self.head(&parts.status, &parts.headers, &body, close);
+        loop {
+            let step = poll_fn(|cx| match Pin::new(&mut body).poll_frame(cx) {
+                Poll::Ready(frame) => Poll::Ready(Step::Frame(frame)),
+                // Whatever is gathered goes out before the body is awaited:
+                // a stream reaches the client frame by frame.
+                Poll::Pending if !self.out.is_empty() => Poll::Ready(Step::Flush),
+                Poll::Pending if self.client_gone(cx) => Poll::Ready(Step::Gone),
+                Poll::Pending => Poll::Pending,
+            })
+            .await;
+            match step {
+                Step::Flush => {
+                    if self.flush().await.is_err() {
+                        return false;
+                    }
+                }
+                Step::Gone => return false,
+                Step::Frame(None) => break,
+                Step::Frame(Some(Err(_))) => {
+                    // As hyper does: what was sent stands, and the
+                    // connection is cut so the client sees the body end
+                    // unfinished.
+                    let _ = self.flush().await;
+                    return false;
+                }
+                Step::Frame(Some(Ok(frame))) => {
+                    if let Ok(data) = frame.into_data()
+                        && self.data(&mut framing, data).await.is_err()
+                    {
+                        return false;
+                    }
+                    if body.is_end_stream() {
+                        break;
+                    }
+                    if self.out.len() >= WRITE_BATCH && self.flush().await.is_err() {
+                        return false;
+                    }
+                }
+            }
+        }
+        let whole = match framing {
+            Framing::Chunked => {
+                self.out.put_slice(b"0\r\n\r\n");
+                true
+            }
+            Framing::Sized(left) => left == 0,
+            Framing::Empty => true,
+        };
+        self.flush().await.is_ok() && whole
+    }
+
+    /// The response head, into `out`; the framing its body takes.
+    fn head(
+        &mut self,
+        status: &StatusCode,
+        headers: &HeaderMap,
+        body: &ResponseBody,
+        close: bool,
+    ) -> Framing {
+        let out = &mut self.out;
+        out.reserve(128 + headers.len() * 64);
+        out.put_slice(b"HTTP/1.1 ");
+        out.put_slice(status.as_str().as_bytes());
+        out.put_u8(b' ');
+        out.put_slice(status.canonical_reason().unwrap_or("<none>").as_bytes());
+        out.put_slice(b"\r\n");
+        let bodiless = status.is_informational()
+            || *status == StatusCode::NO_CONTENT
+            || *status == StatusCode::NOT_MODIFIED;
+        let mut framing = None;
+        for (name, value) in headers {
+            if name == header::TRANSFER_ENCODING || name == header::CONNECTION {
+                // Framing and the connection's fate are this loop's.
+                continue;
+            }
+            if name == header::CONTENT_LENGTH && !bodiless {
+                let Some(n) = parse_length(value.as_bytes()) else {
+                    // A length that is no number frames nothing: chunked.
+                    continue;
+                };
+                if framing.is_some() {
+                    continue;
+                }
+                framing = Some(Framing::Sized(n));
+            }
+            put_header(out, name.as_str().as_bytes(), value.as_bytes());
+        }
+        if !headers.contains_key(header::DATE) {
+            out.put_slice(b"date: ");
+            put_date(out);
+            out.put_slice(b"\r\n");
+        }
+        let framing = match framing {
+            _ if bodiless => Framing::Empty,
+            Some(sized) => sized,
+            None => match body.size_hint().exact() {
+                Some(n) => {
+                    out.put_slice(b"content-length: ");
+                    out.put_slice(itoa(n, &mut [0; 20]));
+                    out.put_slice(b"\r\n");
+                    Framing::Sized(n)
+                }
+                None => {
+                    out.put_slice(b"transfer-encoding: chunked\r\n");
+                    Framing::Chunked
+                }
+            },
+        };
+        if close {
+            out.put_slice(b"connection: close\r\n");
+        }
+        out.put_slice(b"\r\n");
+        framing
+    }
+
+    /// A frame of the body, under its framing. A body longer than its
+    /// `Content-Length` is cut there (the connection then closes).
+    async fn data(&mut self, framing: &mut Framing, mut data: Bytes) -> io::Result<()> {
+        match framing {
+            Framing::Empty => Ok(()),
+            Framing::Sized(left) => {
+                if data.len() as u64 > *left {
+                    // Longer than its length: what fits goes out, then the
+                    // connection closes, as its framing is lost.
+                    data.truncate(*left as usize);
+                    *left = 0;
+                    self.put(data).await?;
+                    self.flush().await?;
+                    return Err(io::Error::other("a body longer than its Content-Length"));
+                }
+                *left -= data.len() as u64;
+                self.put(data).await
+            }
+            Framing::Chunked if data.is_empty() => Ok(()),
+            Framing::Chunked => {
+                let mut size = [0; 16];
+                self.out.put_slice(hex(data.len(), &mut size));
+                self.out.put_slice(b"\r\n");
+                self.put(data).await?;
+                self.out.put_slice(b"\r\n");
+                Ok(())
+            }
+        }
+    }
+
+    /// Body bytes: copied after what is gathered, or (a large frame) written
+    /// from their own buffer once the gathered bytes are out.
+    async fn put(&mut self, mut data: Bytes) -> io::Result<()> {
+        if data.len() <= COPY_LIMIT {
+            self.out.put_slice(&data);
+            return Ok(());
+        }
+        self.flush().await?;
+        while data.has_remaining() {
+            let n = self.io.write(&data).await?;
+            if n == 0 {
+                return Err(io::ErrorKind::WriteZero.into());
+            }
+            data.advance(n);
+        }
+        Ok(())
+    }
+
+    async fn flush(&mut self) -> io::Result<()> {
+        if !self.out.is_empty() {
+            self.io.write_all(&self.out).await?;
+            self.out.clear();
+        }
+        self.io.flush().await
+    }
+}
+
+/// What the fast path found next on a connection.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "moved once per request; boxing it would allocate once per request"
+)]
+enum Next {
+    Request(Request<Inbound>, bool),
+    Unusual,
+    Closed,
+}
+
+/// What the response loop does next.
+enum Step {
+    Frame(Option<Result<Frame<Bytes>, BoxError>>),
+    Flush,
+    Gone,
+}
+
+/// How a response body is framed on the wire.
+enum Framing {
+    /// No body (204, 304, 1xx): frames are dropped.
+    Empty,
+    /// `Content-Length`: the bytes still owed.
+    Sized(u64),
+    Chunked,
+}
+
+/// Where a header's name and value sit in the head.
+#[derive(Clone, Copy, Default)]
+struct Ranges {
+    name: (u16, u16),
+    value: (u16, u16),
+}
+
+/// A plain request's shape, found by [`scan`].
+struct Plain {
+    /// Head bytes, through the blank line.
+    head: usize,
+    /// Body bytes (its `Content-Length`).
+    body: usize,
+    method: Method,
+    target: Range<usize>,
+    headers: usize,
+    /// The client asked to close after this request.
+    close: bool,
+}
+
+impl Plain {
+    fn len(&self) -> usize {
+        self.head + self.body
+    }
+}
+
+enum Scan {
+    Plain(Plain),
+    /// More bytes are needed to tell.
+    Partial,
+    /// Not plain: hyper's.
+    Unusual,
+}
+
+/// Whether `buf` starts with a plain request head, and where its parts are.
+fn scan(buf: &[u8], ranges: &mut [Ranges; MAX_HEADERS]) -> Scan {
+    if buf.is_empty() {
+        return Scan::Partial;
+    }
+    // Uninitialised: zeroing the slots costs more than parsing the few
+    // headers a request has.
+    let mut slots = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let mut parsed = httparse::Request::new(&mut []);
+    let head = match httparse::ParserConfig::default().parse_request_with_uninit_headers(
+        &mut parsed,
+        buf,
+        &mut slots,
+    ) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Scan::Partial,
+        // Malformed, too many headers, HTTP/2's preface: hyper's to answer.
+        Err(_) => return Scan::Unusual,
+    };
+    if head > MAX_HEAD || parsed.version != Some(1) {
+        return Scan::Unusual;
+    }
+    let method = match parsed.method.unwrap_or_default() {
+        "GET" => Method::GET,
+        "POST" => Method::POST,
+        "PUT" => Method::PUT,
+        "DELETE" => Method::DELETE,
+        "PATCH" => Method::PATCH,
+        _ => return Scan::Unusual,
+    };
+    let path = parsed.path.unwrap_or_default();
+    if !path.starts_with('/') {
+        return Scan::Unusual;
+    }
+    // Where a part parsed from `buf` sits in it. An empty part is (0, 0):
+    // its pointer need not point into `buf`.
+    let offset = |part: &[u8]| (part.as_ptr() as usize).wrapping_sub(buf.as_ptr() as usize);
+    let span = |part: &[u8]| match part.is_empty() {
+        true => (0, 0),
+        false => {
+            let at = offset(part);
+            (at as u16, (at + part.len()) as u16)
+        }
+    };
+    let mut length = None;
+    let mut close = false;
+    for (slot, h) in ranges.iter_mut().zip(parsed.headers.iter()) {
+        let (name, value) = (h.name.as_bytes(), h.value);
+        if name.eq_ignore_ascii_case(b"content-length") {
+            match parse_length(value) {
+                Some(n) if length.is_none() => length = Some(n),
+                // Two lengths, or one that is not plain digits.
+                _ => return Scan::Unusual,
+            }
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding")
+            || name.eq_ignore_ascii_case(b"expect")
+            || name.eq_ignore_ascii_case(b"upgrade")
+        {
+            return Scan::Unusual;
+        } else if name.eq_ignore_ascii_case(b"connection") {
+            for token in value.split(|&b| b == b',') {
+                let token = token.trim_ascii();
+                if token.eq_ignore_ascii_case(b"close") {
+                    close = true;
+                } else if token.eq_ignore_ascii_case(b"upgrade") {
+                    return Scan::Unusual;
+                }
+            }
+        }
+        *slot = Ranges {
+            name: span(name),
+            value: span(value),
+        };
+    }
+    let body = match length {
+        Some(n) if n > (MAX_REQUEST - head) as u64 => return Scan::Unusual,
+        Some(n) => n as usize,
+        None => 0,
+    };
+    let at = offset(path.as_bytes());
+    Scan::Plain(Plain {
+        head,
+        body,
+        method,
+        target: at..at + path.len(),
+        headers: parsed.headers.len(),
+        close,
+    })
+}
+
+/// The request from its frozen head; `None` when its target or a header
+/// is not valid for `http`'s types (hyper then answers it).
+fn build(head: &Bytes, plain: &Plain, ranges: &[Ranges], body: Bytes) -> Option<Request<Inbound>> {
+    let uri = Uri::from_maybe_shared(head.slice(plain.target.clone())).ok()?;
+    let mut headers = HeaderMap::with_capacity(ranges.len());
+    for r in ranges {
+        let name = HeaderName::from_bytes(&head[r.name.0 as usize..r.name.1 as usize]).ok()?;
+        let value =
+            HeaderValue::from_maybe_shared(head.slice(r.value.0 as usize..r.value.1 as usize))
+                .ok()?;
+        headers.append(name, value);
+    }
+    let mut request = Request::new(Inbound::whole(body));
+    *request.method_mut() = plain.method.clone();
+    *request.uri_mut() = uri;
+    *request.version_mut() = Version::HTTP_11;
+    *request.headers_mut() = headers;
+    Some(request)
+}
+
+/// A `Content-Length` value: ASCII digits only, no sign, no list.
+fn parse_length(value: &[u8]) -> Option<u64> {
+    if value.is_empty() || value.len() > 18 {
+        return None;
+    }
+    value.iter().try_fold(0u64, |n, &b| {
+        b.is_ascii_digit().then(|| n * 10 + u64::from(b - b'0'))
+    })
+}
+
+fn put_header(out: &mut BytesMut, name: &[u8], value: &[u8]) {
+    out.put_slice(name);
+    out.put_slice(b": ");
+    out.put_slice(value);
+    out.put_slice(b"\r\n");
+}
+
+/// `n` in decimal, in `buf`.
+fn itoa(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            return &buf[at..];
+        }
+    }
+}
+
+/// `n` in hexadecimal (a chunk size), in `buf`.
+fn hex(mut n: usize, buf: &mut [u8; 16]) -> &[u8] {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = DIGITS[n & 0xf];
+        n >>= 4;
+        if n == 0 {
+            return &buf[at..];
+        }
+    }
+}
+
+/// The `Date` value, formatted once a second per thread.
+fn put_date(out: &mut BytesMut) {
+    use std::cell::RefCell;
+    thread_local! {
+        static DATE: RefCell<(u64, [u8; 29])> = const { RefCell::new((u64::MAX, [0; 29])) };
+    }
+    let now = SystemTime::now();
+    let secs = now
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    DATE.with_borrow_mut(|(at, text)| {
+        if *at != secs {
+            let formatted = httpdate::fmt_http_date(now);
+            // Always 29 bytes (IMF-fixdate); anything else is not cached.
+            if let Ok(fixed) = <[u8; 29]>::try_from(formatted.as_bytes()) {
+                *text = fixed;
+                *at = secs;
+            } else {
+                out.put_slice(formatted.as_bytes());
+                return;
+            }
+        }
+        out.put_slice(text);
+    });
+}
+
+/// The bytes the fast path read, then the connection: what hyper serves
+/// after a hand-over.
+pub(super) struct Prefixed<IO> {
+    prefix: Bytes,
+    io: IO,
+}
+
+impl<IO> Prefixed<IO> {
+    pub(super) fn new(prefix: Bytes, io: IO) -> Self {
+        Self { prefix, io }
+    }
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for Prefixed<IO> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if self.prefix.is_empty() {
+            return Pin::new(&mut self.io).poll_read(cx, buf);
+        }
+        let n = self.prefix.len().min(buf.remaining());
+        buf.put_slice(&self.prefix[..n]);
+        self.prefix.advance(n);
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for Prefixed<IO> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,385 @@
+//! The fast path over an in-memory pipe: what it answers itself, what it
+//! hands to hyper (every byte read, in order), and how a response goes out.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use http_body_util::{BodyExt, Full};
+use tokio::io::{AsyncReadExt, DuplexStream};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use super::*;
+
+const TIMEOUT: Duration = Duration::from_secs(5);
+
+fn peer() -> Peer {
+    Peer {
+        addr: "192.0.2.7:4000".parse().unwrap(),
+        tls: false,
+    }
+}
+
+/// The fast path serving one end of a pipe; the other end, the task, and
+/// the shutdown switch.
+fn start<H, F>(handler: H) -> (DuplexStream, JoinHandle<End>, watch::Sender<bool>)
+where
+    H: Fn(Request<Inbound>, Peer) -> F + Send + Sync + 'static,
+    F: Future<Output = Response<ResponseBody>> + Send,
+{
+    let (client, mut server) = tokio::io::duplex(1 << 20);
+    let (stop, mut stopping) = watch::channel(false);
+    let task = tokio::spawn(async move {
+        let activity = Arc::new(Activity::new());
+        Fast::new(&mut server)
+            .serve(&handler, peer(), &activity, TIMEOUT, &mut stopping)
+            .await
+    });
+    (client, task, stop)
+}
+
+fn text(body: impl Into<Bytes>) -> ResponseBody {
+    Full::new(body.into())
+        .map_err(|never| match never {})
+        .boxed_unsync()
+}
+
+/// Answers with the method, target, `x-test` header and body it was sent.
+async fn echo(req: Request<Inbound>, peer: Peer) -> Response<ResponseBody> {
+    assert_eq!(peer, self::peer());
+    assert_eq!(req.version(), Version::HTTP_11);
+    let (parts, body) = req.into_parts();
+    assert!(
+        matches!(body, Inbound::Whole(_)),
+        "a plain request's body is whole"
+    );
+    let body = body.collect().await.unwrap().to_bytes();
+    let test = parts
+        .headers
+        .get("x-test")
+        .map_or("-", |v| v.to_str().unwrap());
+    let said = format!(
+        "{} {} {test} {}",
+        parts.method,
+        parts.uri,
+        String::from_utf8_lossy(&body)
+    );
+    Response::new(text(said))
+}
+
+async fn read_to_end(client: &mut DuplexStream) -> String {
+    let mut got = Vec::new();
+    tokio::time::timeout(TIMEOUT, client.read_to_end(&mut got))
+        .await
+        .expect("the server closes")
+        .unwrap();
+    String::from_utf8(got).unwrap()
+}
+
+/// Reads until `until` has arrived; everything read.
+async fn read_until(client: &mut DuplexStream, until: &str) -> String {
+    let mut got = Vec::new();
+    while !String::from_utf8_lossy(&got).contains(until) {
+        let mut chunk = [0; 4096];
+        let n = tokio::time::timeout(TIMEOUT, client.read(&mut chunk))
+            .await
+            .unwrap_or_else(|_| panic!("{until:?} never came: {:?}", String::from_utf8_lossy(&got)))
+            .unwrap();
+        assert!(
+            n > 0,
+            "closed before {until:?}: {:?}",
+            String::from_utf8_lossy(&got)
+        );
+        got.extend_from_slice(&chunk[..n]);
+    }
+    String::from_utf8(got).unwrap()
+}
+
+#[tokio::test]
+async fn pipelined_plain_requests_are_answered_in_order_and_close_is_honoured() {
+    let (mut client, task, _stop) = start(echo);
+    client
+        .write_all(
+            b"GET /v1/models HTTP/1.1\r\nhost: gw\r\nx-test: one\r\n\r\n\
+              POST /v1/chat/completions?x=1 HTTP/1.1\r\nHost: gw\r\nContent-Length: 5\r\n\
+              X-Test: two\r\nConnection: close\r\n\r\nhello",
+        )
+        .await
+        .unwrap();
+    let got = read_to_end(&mut client).await;
+    let first = got.find("GET /v1/models one ").expect(&got);
+    let second = got
+        .find("POST /v1/chat/completions?x=1 two hello")
+        .expect(&got);
+    assert!(first < second, "{got}");
+    assert_eq!(got.matches("HTTP/1.1 200 OK\r\n").count(), 2, "{got}");
+    assert!(got.contains("content-length: 19\r\n"), "{got}");
+    assert_eq!(got.matches("date: ").count(), 2, "{got}");
+    assert_eq!(got.matches("connection: close\r\n").count(), 1, "{got}");
+    assert!(matches!(task.await.unwrap(), End::Closed));
+}
+
+#[tokio::test]
+async fn requests_that_are_not_plain_go_to_hyper_with_every_byte_read() {
+    let many_headers: String = (0..MAX_HEADERS + 1)
+        .map(|i| format!("x-h{i}: v\r\n"))
+        .collect();
+    let many = format!("GET / HTTP/1.1\r\n{many_headers}\r\n");
+    let cases: [(&str, &[u8]); 14] = [
+        (
+            "chunked upload",
+            b"POST /v1/chat/completions HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+        ),
+        (
+            "both framings",
+            b"POST / HTTP/1.1\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
+        ),
+        (
+            "two lengths",
+            b"POST / HTTP/1.1\r\ncontent-length: 5\r\ncontent-length: 5\r\n\r\nhello",
+        ),
+        ("signed length", b"POST / HTTP/1.1\r\ncontent-length: +5\r\n\r\nhello"),
+        ("listed length", b"POST / HTTP/1.1\r\ncontent-length: 5, 5\r\n\r\nhello"),
+        (
+            "100-continue",
+            b"POST / HTTP/1.1\r\nexpect: 100-continue\r\ncontent-length: 5\r\n\r\n",
+        ),
+        (
+            "upgrade",
+            b"GET /ws HTTP/1.1\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n",
+        ),
+        ("HTTP/1.0", b"GET / HTTP/1.0\r\n\r\n"),
+        ("HEAD", b"HEAD / HTTP/1.1\r\n\r\n"),
+        ("absolute form", b"GET http://gw/ HTTP/1.1\r\n\r\n"),
+        ("HTTP/2 preface", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"),
+        ("body still to come", b"POST / HTTP/1.1\r\ncontent-length: 10\r\n\r\nhello"),
+        ("malformed", b"GET / HTTP/1.1\r\nbad header\r\n\r\n"),
+        ("too many headers", many.as_bytes()),
+    ];
+    for (what, wire) in cases {
+        // A plain request first: the hand-over starts after its answer.
+        let (mut client, task, _stop) = start(echo);
+        client
+            .write_all(b"GET /first HTTP/1.1\r\n\r\n")
+            .await
+            .unwrap();
+        client.write_all(wire).await.unwrap();
+        read_until(&mut client, "GET /first - ").await;
+        match tokio::time::timeout(TIMEOUT, task).await.unwrap().unwrap() {
+            End::HandOver(read) => assert_eq!(read, wire, "{what}"),
+            End::Closed => panic!("{what}: closed instead of handed over"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_head_past_the_fast_bound_is_handed_over_as_read() {
+    let (mut client, task, _stop) = start(echo);
+    let wire = format!("GET / HTTP/1.1\r\nx-big: {}\r\n\r\n", "a".repeat(MAX_HEAD));
+    client.write_all(wire.as_bytes()).await.unwrap();
+    match tokio::time::timeout(TIMEOUT, task).await.unwrap().unwrap() {
+        End::HandOver(read) => {
+            assert!(read.len() >= MAX_HEAD);
+            assert!(wire.as_bytes().starts_with(&read));
+        }
+        End::Closed => panic!("closed instead of handed over"),
+    }
+}
+
+/// A body whose frames come from a channel; `Err` frames break it.
+struct Frames(mpsc::Receiver<Result<Bytes, BoxError>>);
+
+impl Body for Frames {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|frame| frame.map(|r| r.map(Frame::data)))
+    }
+}
+
+/// Feeds a [`Frames`] body.
+type Feed = mpsc::Sender<Result<Bytes, BoxError>>;
+
+/// A handler answering with the body fed by the returned sender.
+fn streaming() -> (
+    impl Fn(Request<Inbound>, Peer) -> std::future::Ready<Response<ResponseBody>>,
+    Feed,
+) {
+    let (tx, rx) = mpsc::channel(4);
+    let rx = std::sync::Mutex::new(Some(rx));
+    let handler = move |_: Request<Inbound>, _: Peer| {
+        let rx = rx.lock().unwrap().take().expect("one request");
+        std::future::ready(Response::new(Frames(rx).boxed_unsync()))
+    };
+    (handler, tx)
+}
+
+#[tokio::test]
+async fn a_stream_goes_out_chunked_frame_by_frame() {
+    let (handler, frames) = streaming();
+    let (mut client, task, _stop) = start(handler);
+    client
+        .write_all(b"GET /stream HTTP/1.1\r\nconnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    frames.send(Ok(Bytes::from("data: 1\n\n"))).await.unwrap();
+    // The first frame arrives before the second exists.
+    let head = read_until(&mut client, "data: 1\n\n\r\n").await;
+    assert!(head.contains("transfer-encoding: chunked\r\n"), "{head}");
+    assert!(head.ends_with("\r\n\r\n9\r\ndata: 1\n\n\r\n"), "{head}");
+    frames
+        .send(Ok(Bytes::from("data: [DONE]\n\n")))
+        .await
+        .unwrap();
+    drop(frames);
+    let rest = read_to_end(&mut client).await;
+    assert_eq!(rest, "e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n");
+    assert!(matches!(task.await.unwrap(), End::Closed));
+}
+
+#[tokio::test]
+async fn a_body_that_breaks_ends_the_connection_without_its_last_chunk() {
+    let (handler, frames) = streaming();
+    let (mut client, task, _stop) = start(handler);
+    client
+        .write_all(b"GET /stream HTTP/1.1\r\n\r\n")
+        .await
+        .unwrap();
+    frames.send(Ok(Bytes::from("partial"))).await.unwrap();
+    frames
+        .send(Err("the worker broke off".into()))
+        .await
+        .unwrap();
+    let got = read_to_end(&mut client).await;
+    assert!(got.ends_with("7\r\npartial\r\n"), "{got}");
+    assert!(matches!(task.await.unwrap(), End::Closed));
+}
+
+#[tokio::test]
+async fn a_body_longer_than_its_length_is_cut_there_and_the_connection_closed() {
+    let (mut client, task, _stop) = start(|_, _| async {
+        let mut response = Response::new(text("hello"));
+        response
+            .headers_mut()
+            .insert(header::CONTENT_LENGTH, HeaderValue::from_static("3"));
+        response
+    });
+    client.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+    let got = read_to_end(&mut client).await;
+    assert!(got.contains("content-length: 3\r\n"), "{got}");
+    assert!(got.ends_with("\r\n\r\nhel"), "{got}");
+    assert!(matches!(task.await.unwrap(), End::Closed));
+}
+
+#[tokio::test]
+async fn no_content_carries_no_framing_and_the_connection_stays_open() {
+    let (mut client, task, stop) = start(|_, _| async {
+        let mut response = Response::new(text(""));
+        *response.status_mut() = StatusCode::NO_CONTENT;
+        response
+    });
+    client
+        .write_all(b"DELETE /x HTTP/1.1\r\n\r\n")
+        .await
+        .unwrap();
+    let got = read_until(&mut client, "\r\n\r\n").await;
+    assert!(got.starts_with("HTTP/1.1 204 No Content\r\n"), "{got}");
+    assert!(!got.contains("content-length"), "{got}");
+    assert!(!got.contains("transfer-encoding"), "{got}");
+    // Open for the next request until the gateway shuts down.
+    assert!(!task.is_finished());
+    stop.send(true).unwrap();
+    assert!(matches!(task.await.unwrap(), End::Closed));
+}
+
+#[tokio::test]
+async fn a_client_that_leaves_cancels_its_request() {
+    let cancelled = Arc::new(AtomicBool::new(false));
+    let seen = cancelled.clone();
+    let (mut client, task, _stop) = start(move |_, _| {
+        let guard = Flag(seen.clone());
+        async move {
+            let _guard = guard;
+            std::future::pending::<Response<ResponseBody>>().await
+        }
+    });
+    client
+        .write_all(b"POST /v1/completions HTTP/1.1\r\ncontent-length: 2\r\n\r\n{}")
+        .await
+        .unwrap();
+    tokio::task::yield_now().await;
+    drop(client);
+    let end = tokio::time::timeout(TIMEOUT, task).await.unwrap().unwrap();
+    assert!(matches!(end, End::Closed));
+    assert!(cancelled.load(Ordering::SeqCst), "the handler was dropped");
+}
+
+/// Sets its flag when dropped.
+struct Flag(Arc<AtomicBool>);
+
+impl Drop for Flag {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_head_that_stalls_is_cut_at_the_header_read_timeout() {
+    let (mut client, task, _stop) = start(echo);
+    client
+        .write_all(b"GET / HTTP/1.1\r\nconnection: keep-alive\r\n\r\nGET /next HT")
+        .await
+        .unwrap();
+    let started = Instant::now();
+    read_until(&mut client, "GET / - ").await;
+    let end = task.await.unwrap();
+    assert!(matches!(end, End::Closed));
+    let took = started.elapsed();
+    assert!(took >= TIMEOUT && took < TIMEOUT * 2, "{took:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_closes_a_connection_waiting_for_its_next_request() {
+    let (mut client, task, stop) = start(echo);
+    client.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+    read_until(&mut client, "GET / - ").await;
+    stop.send(true).unwrap();
+    let started = Instant::now();
+    assert!(matches!(task.await.unwrap(), End::Closed));
+    assert!(
+        started.elapsed() < TIMEOUT,
+        "closed at once, not at a timeout"
+    );
+}
+
+#[test]
+fn lengths_are_plain_digits() {
+    assert_eq!(parse_length(b"0"), Some(0));
+    assert_eq!(parse_length(b"1234"), Some(1234));
+    for bad in [
+        &b""[..],
+        b"+1",
+        b"-1",
+        b" 1",
+        b"1 ",
+        b"1,1",
+        b"0x10",
+        b"9999999999999999999",
+    ] {
+        assert_eq!(parse_length(bad), None, "{bad:?}");
+    }
+}
+
+#[test]
+fn numbers_are_written_as_std_writes_them() {
+    for n in [0u64, 7, 10, 255, 4096, 123_456_789, u64::MAX] {
+        assert_eq!(itoa(n, &mut [0; 20]), n.to_string().as_bytes());
+        let n = n as usize;
+        assert_eq!(hex(n, &mut [0; 16]), format!("{n:x}").as_bytes());
+    }
+}
