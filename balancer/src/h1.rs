@@ -29,12 +29,13 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, HeaderMap};
 use http::{Method, Response, StatusCode, Version};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio_util::io::poll_read_buf;
 
 use crate::bodies::BoxError;
+use crate::wire::{Field, decimal, header_map, parse_length};
 
 pub use body::H1Body;
 pub use pool::H1Pool;
@@ -112,7 +113,7 @@ impl H1Request<'_> {
         // A body-less GET carries no length, as hyper sends it.
         if !self.body.is_empty() || !matches!(*self.method, Method::GET | Method::HEAD) {
             out.put_slice(b"content-length: ");
-            out.put_slice(self.body.len().to_string().as_bytes());
+            out.put_slice(decimal(self.body.len() as u64, &mut [0; 20]));
             out.put_slice(b"\r\n");
         }
         out.put_slice(b"\r\n");
@@ -278,42 +279,37 @@ fn parse_head(
             let _ = buf.split_to(len);
             continue;
         }
-        let mut map = HeaderMap::with_capacity(parsed.headers.len());
+        let mut fields = [Field::default(); MAX_HEADERS];
         let mut chunked = false;
         let mut length = None;
         let mut close = parsed.version == Some(0);
-        for h in parsed.headers.iter() {
-            let name = HeaderName::from_bytes(h.name.as_bytes())
-                .map_err(|_| H1Error::Malformed(format!("header name {:?}", h.name)))?;
-            let value = HeaderValue::from_bytes(h.value)
-                .map_err(|_| H1Error::Malformed(format!("value of {name}")))?;
-            if name == header::TRANSFER_ENCODING {
+        for (field, h) in fields.iter_mut().zip(parsed.headers.iter()) {
+            let (name, value) = (h.name.as_bytes(), h.value);
+            if name.eq_ignore_ascii_case(b"transfer-encoding") {
                 chunked = value
-                    .to_str()
-                    .ok()
-                    .and_then(|v| v.rsplit(',').next())
-                    .is_some_and(|last| last.trim().eq_ignore_ascii_case("chunked"));
-            } else if name == header::CONTENT_LENGTH {
-                let n: u64 = value
-                    .to_str()
-                    .ok()
-                    .and_then(|v| v.trim().parse().ok())
+                    .rsplit(|&b| b == b',')
+                    .next()
+                    .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+            } else if name.eq_ignore_ascii_case(b"content-length") {
+                let n = parse_length(value.trim_ascii())
                     .ok_or_else(|| H1Error::Malformed("content-length".to_owned()))?;
                 if length.is_some_and(|l| l != n) {
                     return Err(H1Error::Malformed("two content-lengths".to_owned()));
                 }
                 length = Some(n);
-            } else if name == header::CONNECTION {
-                let v = value.as_bytes();
-                if v.eq_ignore_ascii_case(b"close") {
+            } else if name.eq_ignore_ascii_case(b"connection") {
+                if value.eq_ignore_ascii_case(b"close") {
                     close = true;
-                } else if v.eq_ignore_ascii_case(b"keep-alive") {
+                } else if value.eq_ignore_ascii_case(b"keep-alive") {
                     close = false;
                 }
             }
-            map.append(name, value);
+            *field = Field::of(buf, h);
         }
-        let _ = buf.split_to(len);
+        let count = parsed.headers.len();
+        // Values share the head's bytes: nothing is copied.
+        let head = buf.split_to(len).freeze();
+        let mut map = header_map(&head, &fields[..count]).map_err(|e| H1Error::Malformed(e.0))?;
         let bodiless = *method == Method::HEAD
             || status == StatusCode::NO_CONTENT
             || status == StatusCode::NOT_MODIFIED;

@@ -10,7 +10,7 @@
 //! [`cli`] maps flags and TOML onto it; [`discovery`] says where workers come
 //! from; [`tls`] holds the certificates of both edges; [`h1`] is the
 //! HTTP/1.1 client of the fast path to plain-HTTP workers; [`proxy`] is the
-//! request path, phase by phase; [`server`] accepts connections; [`admin`] and [`metrics`] face the operator; [`gateway`]
+//! request path, phase by phase; [`server`] accepts connections (the HTTP/1.1 wire format both edges share is `wire`'s); [`admin`] and [`metrics`] face the operator; [`gateway`]
 //! wires them together. It must not contain `unsafe` (the dataplane crate
 //! holds all of it) nor the demo worker (its own crate, used by the binary
 //! and the tests).
@@ -30,3 +30,4 @@ pub mod metrics;
 pub mod proxy;
 pub mod server;
 pub mod tls;
+mod wire;

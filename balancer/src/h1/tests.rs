@@ -1,7 +1,7 @@
 use std::time::Duration;
 
 use bytes::BytesMut;
-use http::{HeaderMap, Method};
+use http::{HeaderMap, HeaderValue, Method};
 use http_body_util::BodyExt;
 use hyper::body::Body as _;
 use proptest::prelude::*;

@@ -35,7 +35,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, HeaderMap};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper::body::{Body, Frame};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
@@ -45,6 +45,7 @@ use tokio_util::io::poll_read_buf;
 
 use super::{Activity, Busy, Peer, stopped};
 use crate::bodies::{BoxError, Inbound, ResponseBody};
+use crate::wire::{Field, decimal, header_map, hex, parse_length};
 
 /// The largest head the fast path parses; a larger one goes to hyper,
 /// which answers 431 past its own limit.
@@ -57,6 +58,8 @@ const MAX_REQUEST: usize = 256 * 1024;
 /// What the read buffer grows by, and the spare room below which it grows.
 const READ_CHUNK: usize = 8 * 1024;
 const MIN_SPARE: usize = 1024;
+/// The first read of a connection, on the stack.
+const FIRST_READ: usize = 512;
 /// Response bytes gathered before they are written even though the body
 /// has more ready, and the frame size past which a frame is written
 /// straight from its own buffer rather than copied.
@@ -141,11 +144,11 @@ where
     ) -> Next {
         let mut deadline = None;
         loop {
-            let mut ranges = [Ranges::default(); MAX_HEADERS];
-            match scan(&self.buf, &mut ranges) {
+            let mut fields = [Field::default(); MAX_HEADERS];
+            match scan(&self.buf, &mut fields) {
                 Scan::Unusual => return Next::Unusual,
                 Scan::Plain(plain) if self.buf.len() >= plain.len() => {
-                    return self.take(&plain, &ranges[..plain.headers]);
+                    return self.take(&plain, &fields[..plain.headers]);
                 }
                 Scan::Plain(_) => {
                     // The body has not all come with the head. What the
@@ -154,9 +157,9 @@ where
                     if !self.drain_ready() {
                         return Next::Closed;
                     }
-                    match scan(&self.buf, &mut ranges) {
+                    match scan(&self.buf, &mut fields) {
                         Scan::Plain(plain) if self.buf.len() >= plain.len() => {
-                            return self.take(&plain, &ranges[..plain.headers]);
+                            return self.take(&plain, &fields[..plain.headers]);
                         }
                         _ => return Next::Unusual,
                     }
@@ -192,12 +195,32 @@ where
         header_read_timeout: Duration,
         shutdown: &mut watch::Receiver<bool>,
     ) -> bool {
-        self.spare();
+        // A connection that has sent nothing yet holds no buffer: an idle
+        // one costs only its socket and task. Its first bytes are read on
+        // the stack.
+        let fresh = self.buf.capacity() == 0;
+        if !fresh {
+            self.spare();
+        }
         let mut stopping = pin!(stopped(shutdown));
         let idle = self.buf.is_empty();
         let Self { io, buf, timer, .. } = self;
         poll_fn(|cx| {
-            match poll_read_buf(Pin::new(&mut **io), cx, buf) {
+            let read = if fresh {
+                let mut first = [MaybeUninit::<u8>::uninit(); FIRST_READ];
+                let mut first = ReadBuf::uninit(&mut first);
+                Pin::new(&mut **io).poll_read(cx, &mut first).map_ok(|()| {
+                    let read = first.filled();
+                    if !read.is_empty() {
+                        buf.reserve(READ_CHUNK);
+                        buf.put_slice(read);
+                    }
+                    read.len()
+                })
+            } else {
+                poll_read_buf(Pin::new(&mut **io), cx, buf)
+            };
+            match read {
                 Poll::Ready(Ok(n)) => return Poll::Ready(n > 0),
                 Poll::Ready(Err(_)) => return Poll::Ready(false),
                 Poll::Pending => {}
@@ -251,10 +274,10 @@ where
 
     /// The request scanned as `plain`, taken out of the buffer. Values
     /// share the buffer: nothing is copied.
-    fn take(&mut self, plain: &Plain, ranges: &[Ranges]) -> Next {
+    fn take(&mut self, plain: &Plain, fields: &[Field]) -> Next {
         let head = self.buf.split_to(plain.head).freeze();
         let body = self.buf.split_to(plain.body).freeze();
-        match build(&head, plain, ranges, body.clone()) {
+        match build(&head, plain, fields, body.clone()) {
             Some(request) => Next::Request(request, plain.close),
             None => {
                 // Not valid after all (a header value or the target): hyper
@@ -390,7 +413,7 @@ where
             None => match body.size_hint().exact() {
                 Some(n) => {
                     out.put_slice(b"content-length: ");
-                    out.put_slice(itoa(n, &mut [0; 20]));
+                    out.put_slice(decimal(n, &mut [0; 20]));
                     out.put_slice(b"\r\n");
                     Framing::Sized(n)
                 }
@@ -491,13 +514,6 @@ enum Framing {
     Chunked,
 }
 
-/// Where a header's name and value sit in the head.
-#[derive(Clone, Copy, Default)]
-struct Ranges {
-    name: (u16, u16),
-    value: (u16, u16),
-}
-
 /// A plain request's shape, found by [`scan`].
 struct Plain {
     /// Head bytes, through the blank line.
@@ -526,7 +542,7 @@ enum Scan {
 }
 
 /// Whether `buf` starts with a plain request head, and where its parts are.
-fn scan(buf: &[u8], ranges: &mut [Ranges; MAX_HEADERS]) -> Scan {
+fn scan(buf: &[u8], fields: &mut [Field; MAX_HEADERS]) -> Scan {
     if buf.is_empty() {
         return Scan::Partial;
     }
@@ -559,19 +575,9 @@ fn scan(buf: &[u8], ranges: &mut [Ranges; MAX_HEADERS]) -> Scan {
     if !path.starts_with('/') {
         return Scan::Unusual;
     }
-    // Where a part parsed from `buf` sits in it. An empty part is (0, 0):
-    // its pointer need not point into `buf`.
-    let offset = |part: &[u8]| (part.as_ptr() as usize).wrapping_sub(buf.as_ptr() as usize);
-    let span = |part: &[u8]| match part.is_empty() {
-        true => (0, 0),
-        false => {
-            let at = offset(part);
-            (at as u16, (at + part.len()) as u16)
-        }
-    };
     let mut length = None;
     let mut close = false;
-    for (slot, h) in ranges.iter_mut().zip(parsed.headers.iter()) {
+    for (slot, h) in fields.iter_mut().zip(parsed.headers.iter()) {
         let (name, value) = (h.name.as_bytes(), h.value);
         if name.eq_ignore_ascii_case(b"content-length") {
             match parse_length(value) {
@@ -594,17 +600,14 @@ fn scan(buf: &[u8], ranges: &mut [Ranges; MAX_HEADERS]) -> Scan {
                 }
             }
         }
-        *slot = Ranges {
-            name: span(name),
-            value: span(value),
-        };
+        *slot = Field::of(buf, h);
     }
     let body = match length {
         Some(n) if n > (MAX_REQUEST - head) as u64 => return Scan::Unusual,
         Some(n) => n as usize,
         None => 0,
     };
-    let at = offset(path.as_bytes());
+    let at = crate::wire::span(buf, path.as_bytes()).0 as usize;
     Scan::Plain(Plain {
         head,
         body,
@@ -617,16 +620,9 @@ fn scan(buf: &[u8], ranges: &mut [Ranges; MAX_HEADERS]) -> Scan {
 
 /// The request from its frozen head; `None` when its target or a header
 /// is not valid for `http`'s types (hyper then answers it).
-fn build(head: &Bytes, plain: &Plain, ranges: &[Ranges], body: Bytes) -> Option<Request<Inbound>> {
+fn build(head: &Bytes, plain: &Plain, fields: &[Field], body: Bytes) -> Option<Request<Inbound>> {
     let uri = Uri::from_maybe_shared(head.slice(plain.target.clone())).ok()?;
-    let mut headers = HeaderMap::with_capacity(ranges.len());
-    for r in ranges {
-        let name = HeaderName::from_bytes(&head[r.name.0 as usize..r.name.1 as usize]).ok()?;
-        let value =
-            HeaderValue::from_maybe_shared(head.slice(r.value.0 as usize..r.value.1 as usize))
-                .ok()?;
-        headers.append(name, value);
-    }
+    let headers = header_map(head, fields).ok()?;
     let mut request = Request::new(Inbound::whole(body));
     *request.method_mut() = plain.method.clone();
     *request.uri_mut() = uri;
@@ -635,48 +631,11 @@ fn build(head: &Bytes, plain: &Plain, ranges: &[Ranges], body: Bytes) -> Option<
     Some(request)
 }
 
-/// A `Content-Length` value: ASCII digits only, no sign, no list.
-fn parse_length(value: &[u8]) -> Option<u64> {
-    if value.is_empty() || value.len() > 18 {
-        return None;
-    }
-    value.iter().try_fold(0u64, |n, &b| {
-        b.is_ascii_digit().then(|| n * 10 + u64::from(b - b'0'))
-    })
-}
-
 fn put_header(out: &mut BytesMut, name: &[u8], value: &[u8]) {
     out.put_slice(name);
     out.put_slice(b": ");
     out.put_slice(value);
     out.put_slice(b"\r\n");
-}
-
-/// `n` in decimal, in `buf`.
-fn itoa(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
-    let mut at = buf.len();
-    loop {
-        at -= 1;
-        buf[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            return &buf[at..];
-        }
-    }
-}
-
-/// `n` in hexadecimal (a chunk size), in `buf`.
-fn hex(mut n: usize, buf: &mut [u8; 16]) -> &[u8] {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut at = buf.len();
-    loop {
-        at -= 1;
-        buf[at] = DIGITS[n & 0xf];
-        n >>= 4;
-        if n == 0 {
-            return &buf[at..];
-        }
-    }
 }
 
 /// The `Date` value, formatted once a second per thread.

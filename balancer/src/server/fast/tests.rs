@@ -3,6 +3,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use http::HeaderValue;
 use http_body_util::{BodyExt, Full};
 use tokio::io::{AsyncReadExt, DuplexStream};
 use tokio::sync::mpsc;
@@ -355,31 +356,4 @@ async fn shutdown_closes_a_connection_waiting_for_its_next_request() {
         started.elapsed() < TIMEOUT,
         "closed at once, not at a timeout"
     );
-}
-
-#[test]
-fn lengths_are_plain_digits() {
-    assert_eq!(parse_length(b"0"), Some(0));
-    assert_eq!(parse_length(b"1234"), Some(1234));
-    for bad in [
-        &b""[..],
-        b"+1",
-        b"-1",
-        b" 1",
-        b"1 ",
-        b"1,1",
-        b"0x10",
-        b"9999999999999999999",
-    ] {
-        assert_eq!(parse_length(bad), None, "{bad:?}");
-    }
-}
-
-#[test]
-fn numbers_are_written_as_std_writes_them() {
-    for n in [0u64, 7, 10, 255, 4096, 123_456_789, u64::MAX] {
-        assert_eq!(itoa(n, &mut [0; 20]), n.to_string().as_bytes());
-        let n = n as usize;
-        assert_eq!(hex(n, &mut [0; 16]), format!("{n:x}").as_bytes());
-    }
 }
