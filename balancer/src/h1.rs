@@ -29,12 +29,13 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
-use http::header::{self, HeaderMap};
+use http::header;
 use http::{Method, Response, StatusCode, Version};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio_util::io::poll_read_buf;
 
 use crate::bodies::BoxError;
+use crate::proxy::Forwarded;
 use crate::wire::{Field, decimal, header_map, parse_length};
 
 pub use body::H1Body;
@@ -71,7 +72,7 @@ pub enum H1Error {
 }
 
 /// The request as the proxy has it: nothing is copied into a new map.
-pub struct H1Request<'a> {
+pub(crate) struct H1Request<'a> {
     pub method: &'a Method,
     /// Path and query.
     pub path: &'a str,
@@ -79,9 +80,9 @@ pub struct H1Request<'a> {
     pub authority: &'a str,
     /// The worker is `https://`.
     pub tls: bool,
-    /// The headers to forward: hop-by-hop ones, `Host` and
-    /// `Content-Length` already removed.
-    pub headers: &'a HeaderMap,
+    /// The headers to forward (hop-by-hop ones, `Host` and
+    /// `Content-Length` left out by it).
+    pub headers: &'a Forwarded,
     /// `Authorization` to add when the headers have none.
     pub authorization: Option<&'a str>,
     pub body: Bytes,
@@ -90,21 +91,21 @@ pub struct H1Request<'a> {
 impl H1Request<'_> {
     /// The request head, into `out`.
     fn encode(&self, out: &mut BytesMut) {
-        out.reserve(256 + self.headers.len() * 48);
+        out.reserve(256 + self.headers.client().len() * 48);
         out.put_slice(self.method.as_str().as_bytes());
         out.put_u8(b' ');
         out.put_slice(self.path.as_bytes());
         out.put_slice(b" HTTP/1.1\r\nhost: ");
         out.put_slice(self.authority.as_bytes());
         out.put_slice(b"\r\n");
-        for (name, value) in self.headers {
+        self.headers.each(|name, value| {
             out.put_slice(name.as_str().as_bytes());
             out.put_slice(b": ");
             out.put_slice(value.as_bytes());
             out.put_slice(b"\r\n");
-        }
+        });
         if let Some(auth) = self.authorization
-            && !self.headers.contains_key(header::AUTHORIZATION)
+            && !self.headers.client().contains_key(header::AUTHORIZATION)
         {
             out.put_slice(b"authorization: ");
             out.put_slice(auth.as_bytes());
@@ -128,7 +129,7 @@ impl H1Pool {
     /// answer (the worker's keep-alive timeout raced this request) is
     /// replaced by a new one, once: that is the pool's doing, not the
     /// worker's failure.
-    pub async fn send(
+    pub(crate) async fn send(
         &self,
         addr: SocketAddr,
         request: &H1Request<'_>,

@@ -39,6 +39,7 @@ pub use crate::bodies::{BoxError, Inbound, ResponseBody, UpstreamBody};
 pub use answer::{ErrorCode, error_response};
 pub use attempt::RetryPolicy;
 pub use body::BufferBudget;
+pub(crate) use edge::Forwarded;
 pub use edge::Routes;
 pub use probe::{HealthCheckConfig, Prober};
 pub use stats::GatewayStats;
@@ -48,7 +49,7 @@ use crate::server::Peer;
 use crate::tls::{WorkerConnector, WorkerTls};
 use answer::json_response;
 use body::{BodyLimits, RequestBody, read_body};
-use edge::{Route, forward_headers};
+use edge::Route;
 use route::{
     MAX_MODEL_LEN, Outgoing, inference_model, model_in_prefix, request_model, with_usage_requested,
 };
@@ -261,7 +262,7 @@ impl Proxy {
             .headers
             .get(&self.config.routing_key_header)
             .map(|v| hash_key(v.as_bytes()));
-        let headers = forward_headers(
+        let headers = Forwarded::new(
             parts.headers,
             peer.addr.ip(),
             proto,

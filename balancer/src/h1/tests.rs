@@ -10,6 +10,7 @@ use tokio::net::TcpListener;
 
 use super::body::Framing;
 use super::*;
+use crate::proxy::Forwarded;
 use crate::tls::{WorkerTls, WorkerTlsConfig};
 
 const SECOND: Duration = Duration::from_secs(1);
@@ -19,7 +20,12 @@ fn pool() -> H1Pool {
     H1Pool::new(SECOND, SECOND * 90, std::sync::Arc::new(tls))
 }
 
-fn request<'a>(headers: &'a HeaderMap, body: &'static str) -> H1Request<'a> {
+/// The client's headers as forwarded for a client at 192.0.2.1.
+fn forwarded(headers: HeaderMap) -> Forwarded {
+    Forwarded::new(headers, "192.0.2.1".parse().unwrap(), "http", 0)
+}
+
+fn request<'a>(headers: &'a Forwarded, body: &'static str) -> H1Request<'a> {
     H1Request {
         method: &Method::POST,
         path: "/v1/chat/completions?x=1",
@@ -35,18 +41,22 @@ fn request<'a>(headers: &'a HeaderMap, body: &'static str) -> H1Request<'a> {
 fn the_request_head_carries_host_length_and_the_forwarded_headers() {
     let mut headers = HeaderMap::new();
     headers.insert("content-type", HeaderValue::from_static("application/json"));
+    headers.insert("host", HeaderValue::from_static("gateway"));
+    headers.insert("content-length", HeaderValue::from_static("99"));
+    headers.insert("x-forwarded-for", HeaderValue::from_static("6.6.6.6"));
     let mut out = BytesMut::new();
-    request(&headers, "{}").encode(&mut out);
+    request(&forwarded(headers.clone()), "{}").encode(&mut out);
     assert_eq!(
         &out[..],
         b"POST /v1/chat/completions?x=1 HTTP/1.1\r\nhost: 10.0.0.1:8000\r\n\
-          content-type: application/json\r\nauthorization: Basic dTpw\r\n\
+          content-type: application/json\r\nx-forwarded-for: 192.0.2.1\r\n\
+          x-forwarded-proto: http\r\nauthorization: Basic dTpw\r\n\
           content-length: 2\r\n\r\n"
     );
     // The client's own Authorization wins.
     headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer k"));
     let mut out = BytesMut::new();
-    request(&headers, "{}").encode(&mut out);
+    request(&forwarded(headers), "{}").encode(&mut out);
     let text = String::from_utf8_lossy(&out);
     assert!(
         text.contains("authorization: Bearer k\r\n") && !text.contains("Basic"),
@@ -139,7 +149,7 @@ async fn sized_and_chunked_bodies_arrive_whole_and_the_connection_is_reused() {
     ];
     let addr = server(answers, 3).await;
     let pool = pool();
-    let headers = HeaderMap::new();
+    let headers = forwarded(HeaderMap::new());
     let first = pool.send(addr, &request(&headers, "{}")).await.unwrap();
     assert_eq!(first.status(), 200);
     assert_eq!(body_of(first).await, "hello");
@@ -171,7 +181,7 @@ async fn a_pooled_connection_the_worker_closed_is_replaced_unseen() {
         }
     });
     let pool = pool();
-    let headers = HeaderMap::new();
+    let headers = forwarded(HeaderMap::new());
     let first = pool.send(addr, &request(&headers, "{}")).await.unwrap();
     assert_eq!(body_of(first).await, "ok");
     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -187,7 +197,7 @@ async fn a_body_cut_short_is_an_error_and_its_connection_is_not_reused() {
     )
     .await;
     let pool = pool();
-    let headers = HeaderMap::new();
+    let headers = forwarded(HeaderMap::new());
     let response = pool.send(addr, &request(&headers, "{}")).await.unwrap();
     let collected = tokio::time::timeout(SECOND * 5, response.into_body().collect())
         .await
@@ -203,7 +213,7 @@ async fn a_refused_connection_is_a_connect_error() {
         listener.local_addr().unwrap()
     };
     let pool = pool();
-    let headers = HeaderMap::new();
+    let headers = forwarded(HeaderMap::new());
     let Err(error) = pool.send(addr, &request(&headers, "{}")).await else {
         panic!("connected to a closed port");
     };

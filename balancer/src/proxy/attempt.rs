@@ -311,9 +311,9 @@ impl Proxy {
         let mut upstream = Request::new(body);
         *upstream.method_mut() = req.method.clone();
         *upstream.uri_mut() = uri;
-        *upstream.headers_mut() = req.headers.clone();
+        *upstream.headers_mut() = req.headers.to_map();
         if let Some(auth) = &worker.address.basic_auth
-            && !req.headers.contains_key(header::AUTHORIZATION)
+            && !req.headers.client().contains_key(header::AUTHORIZATION)
             && let Ok(value) = http::HeaderValue::from_str(auth.expose())
         {
             upstream.headers_mut().insert(header::AUTHORIZATION, value);

@@ -215,37 +215,90 @@ fn decode_unreserved(path: &str) -> Option<String> {
     Some(out)
 }
 
-/// The client's headers as a worker gets them: hop-by-hop headers, those
-/// the client names in `Connection` or `Proxy-Connection`, `Host` and
-/// `Content-Length` (hyper sets both for the hop to the worker) removed;
-/// `X-Forwarded-For` set to the peer (or, behind `trusted_hops` trusted
-/// proxies, the peer appended to it) and `X-Forwarded-Proto` set to
-/// `proto`, the scheme the client spoke (kept as a trusted proxy set it).
-pub(crate) fn forward_headers(
-    mut headers: HeaderMap,
-    peer: IpAddr,
-    proto: &'static str,
-    trusted_hops: u32,
-) -> HeaderMap {
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .chain(headers.get_all(PROXY_CONNECTION))
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .collect();
-    strip(&mut headers, |name| {
-        is_hop_by_hop(name)
-            // The worker's authority comes from the URI, and the body may be
-            // rewritten (a fallback's model): the client's Host and length
-            // are not the worker's.
-            || name == header::HOST
-            || name == header::CONTENT_LENGTH
-            || named.contains(name)
-    });
-    forwarded_for(&mut headers, peer, proto, trusted_hops);
-    headers
+/// The client's headers as a worker gets them, decided without editing
+/// the client's map: hop-by-hop headers, those the client names in
+/// `Connection` or `Proxy-Connection`, `Host` and `Content-Length` (set for
+/// the hop to the worker) are left out; `X-Forwarded-For` is the peer (or,
+/// behind `trusted_hops` trusted proxies, the peer appended to the chain
+/// they sent) and `X-Forwarded-Proto` is `proto`, the scheme the client
+/// spoke (kept as a trusted proxy set it).
+pub(crate) struct Forwarded {
+    headers: HeaderMap,
+    /// Headers named by `Connection` or `Proxy-Connection`; usually none.
+    named: Vec<HeaderName>,
+    forwarded_for: HeaderValue,
+    /// `None` when a trusted proxy's `X-Forwarded-Proto` is kept.
+    forwarded_proto: Option<HeaderValue>,
+}
+
+impl Forwarded {
+    pub(crate) fn new(
+        headers: HeaderMap,
+        peer: IpAddr,
+        proto: &'static str,
+        trusted_hops: u32,
+    ) -> Self {
+        let named = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .chain(headers.get_all(PROXY_CONNECTION))
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+            .collect();
+        let proto = HeaderValue::from_static(proto);
+        let (forwarded_for, forwarded_proto) = if trusted_hops == 0 {
+            // Nothing the client says about itself is trusted: its values
+            // are replaced.
+            (ip_value(peer), Some(proto))
+        } else {
+            let kept = headers.contains_key(X_FORWARDED_PROTO);
+            (forwarded_chain(&headers, peer), (!kept).then_some(proto))
+        };
+        Self {
+            headers,
+            named,
+            forwarded_for,
+            forwarded_proto,
+        }
+    }
+
+    /// The client's headers, whether or not they are forwarded.
+    pub(crate) fn client(&self) -> &HeaderMap {
+        &self.headers
+    }
+
+    /// Every header forwarded, the gateway's own last.
+    pub(crate) fn each(&self, mut f: impl FnMut(&HeaderName, &HeaderValue)) {
+        let proto_kept = self.forwarded_proto.is_none();
+        for (name, value) in &self.headers {
+            let left_out = is_hop_by_hop(name)
+                // The worker's authority comes from its URL, and the body may
+                // be rewritten (a fallback's model): the client's Host and
+                // length are not the worker's.
+                || name == header::HOST
+                || name == header::CONTENT_LENGTH
+                || name == X_FORWARDED_FOR
+                || (name == X_FORWARDED_PROTO && !proto_kept)
+                || (!self.named.is_empty() && self.named.contains(name));
+            if !left_out {
+                f(name, value);
+            }
+        }
+        f(&X_FORWARDED_FOR, &self.forwarded_for);
+        if let Some(proto) = &self.forwarded_proto {
+            f(&X_FORWARDED_PROTO, proto);
+        }
+    }
+
+    /// The forwarded headers as a map, for hyper's client.
+    pub(crate) fn to_map(&self) -> HeaderMap {
+        let mut map = HeaderMap::with_capacity(self.headers.len() + 2);
+        self.each(|name, value| {
+            map.append(name.clone(), value.clone());
+        });
+        map
+    }
 }
 
 /// Whether a header describes one hop rather than the message: the
@@ -270,14 +323,8 @@ const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
-fn forwarded_for(headers: &mut HeaderMap, peer: IpAddr, proto: &'static str, trusted_hops: u32) {
-    if trusted_hops == 0 {
-        // Nothing the client says about itself is trusted: an insert
-        // replaces every value the client sent.
-        headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static(proto));
-        headers.insert(X_FORWARDED_FOR, ip_value(peer));
-        return;
-    }
+/// A trusted proxy's `X-Forwarded-For` chain with the peer appended.
+fn forwarded_chain(headers: &HeaderMap, peer: IpAddr) -> HeaderValue {
     let chain: Vec<&str> = headers
         .get_all(X_FORWARDED_FOR)
         .iter()
@@ -288,13 +335,7 @@ fn forwarded_for(headers: &mut HeaderMap, peer: IpAddr, proto: &'static str, tru
         joined.push_str(", ");
     }
     joined.push_str(&peer.to_string());
-    match HeaderValue::try_from(joined) {
-        Ok(v) => headers.insert(X_FORWARDED_FOR, v),
-        Err(_) => headers.insert(X_FORWARDED_FOR, ip_value(peer)),
-    };
-    if !headers.contains_key(X_FORWARDED_PROTO) {
-        headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static(proto));
-    }
+    HeaderValue::try_from(joined).unwrap_or_else(|_| ip_value(peer))
 }
 
 /// The peer's address as a header value. IPv4, every request's case, is
@@ -435,7 +476,7 @@ mod tests {
         h.insert("x-kept", HeaderValue::from_static("1"));
         h.insert(X_FORWARDED_FOR, HeaderValue::from_static("6.6.6.6"));
         let peer: IpAddr = "127.0.0.9".parse().unwrap();
-        let out = forward_headers(h.clone(), peer, "https", 0);
+        let out = Forwarded::new(h.clone(), peer, "https", 0).to_map();
         for gone in ["x-secret", "x-other", "proxy-connection", "connection"] {
             assert!(!out.contains_key(gone), "{gone}");
         }
@@ -448,7 +489,7 @@ mod tests {
             out[X_FORWARDED_PROTO], "https",
             "the scheme the client spoke"
         );
-        let trusted = forward_headers(h, peer, "http", 1);
+        let trusted = Forwarded::new(h, peer, "http", 1).to_map();
         assert_eq!(trusted[X_FORWARDED_FOR], "6.6.6.6, 127.0.0.9");
     }
 }

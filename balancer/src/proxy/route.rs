@@ -13,12 +13,13 @@ use balancer_core::registry::Attempt;
 
 use super::Proxy;
 use super::body::RequestBody;
+use super::edge::Forwarded;
 
 /// What every attempt of one request sends.
 pub(crate) struct Outgoing {
     pub(crate) method: Method,
     pub(crate) path: String,
-    pub(crate) headers: HeaderMap,
+    pub(crate) headers: Forwarded,
     pub(crate) model: Option<String>,
     pub(crate) key: Option<u64>,
     /// The model the client asked for, when a fallback replaced it.
