@@ -115,10 +115,7 @@ fn serving_thread(
                 let lane = Arc::new((proxy, client));
                 let handler = move |req, peer| {
                     let lane = lane.clone();
-                    // Boxed: the request's future is large, and unboxed it
-                    // would be copied at every hand-over on its way into
-                    // hyper's dispatcher.
-                    Box::pin(async move { lane.0.handle(&lane.1, req, peer).await })
+                    async move { lane.0.handle(&lane.1, req, peer).await }
                 };
                 serve(listener, handler, limits, tls, stop, grace).await;
             });
