@@ -175,7 +175,7 @@ pub async fn serve<H, F>(
         let (builder, watcher, tls) = (builder.clone(), graceful.watcher(), tls.clone());
         let (idle, send) = (limits.idle_timeout, limits.send_timeout);
         let header_read = limits.header_read_timeout;
-        let mut shutdown = shutdown.clone();
+        let shutdown = shutdown.clone();
         tokio::spawn(async move {
             let serving = async {
                 // The socket, or TLS over it; the watchdog sees the socket's
@@ -198,7 +198,7 @@ pub async fn serve<H, F>(
                 } else {
                     let fast = fast::Fast::new(&mut transport);
                     match fast
-                        .serve(&handler, client, &activity, header_read, &mut shutdown)
+                        .serve(&handler, client, &activity, header_read, &shutdown)
                         .await
                     {
                         fast::End::Closed => return,

@@ -9,6 +9,7 @@
 //! the request head: no I/O, no worker, no breaker.
 
 use std::borrow::Cow;
+use std::cell::RefCell;
 use std::net::IpAddr;
 
 use http::Method;
@@ -250,7 +251,7 @@ impl Forwarded {
         let (forwarded_for, forwarded_proto) = if trusted_hops == 0 {
             // Nothing the client says about itself is trusted: its values
             // are replaced.
-            (ip_value(peer), Some(proto))
+            (peer_value(peer), Some(proto))
         } else {
             let kept = headers.contains_key(X_FORWARDED_PROTO);
             (forwarded_chain(&headers, peer), (!kept).then_some(proto))
@@ -322,6 +323,23 @@ const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection")
 const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+
+/// The peer's address as a header value, kept for the last peer this
+/// serving thread saw: a connection's requests all come from one address,
+/// and a comparison is cheaper than formatting it again.
+fn peer_value(peer: IpAddr) -> HeaderValue {
+    thread_local! {
+        static LAST: RefCell<Option<(IpAddr, HeaderValue)>> = const { RefCell::new(None) };
+    }
+    LAST.with_borrow_mut(|last| match last {
+        Some((ip, value)) if *ip == peer => value.clone(),
+        _ => {
+            let value = ip_value(peer);
+            *last = Some((peer, value.clone()));
+            value
+        }
+    })
+}
 
 /// A trusted proxy's `X-Forwarded-For` chain with the peer appended.
 fn forwarded_chain(headers: &HeaderMap, peer: IpAddr) -> HeaderValue {
@@ -489,7 +507,11 @@ mod tests {
             out[X_FORWARDED_PROTO], "https",
             "the scheme the client spoke"
         );
-        let trusted = Forwarded::new(h, peer, "http", 1).to_map();
+        let trusted = Forwarded::new(h.clone(), peer, "http", 1).to_map();
+        // The next peer of this thread is not taken for the last one.
+        let other: IpAddr = "10.1.2.3".parse().unwrap();
+        let out = Forwarded::new(h, other, "http", 0).to_map();
+        assert_eq!(out[X_FORWARDED_FOR], "10.1.2.3");
         assert_eq!(trusted[X_FORWARDED_FOR], "6.6.6.6, 127.0.0.9");
     }
 }

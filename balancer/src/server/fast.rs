@@ -108,14 +108,19 @@ where
         peer: Peer,
         activity: &Arc<Activity>,
         header_read_timeout: Duration,
-        shutdown: &mut watch::Receiver<bool>,
+        shutdown: &watch::Receiver<bool>,
     ) -> End
     where
         H: Fn(Request<Inbound>, Peer) -> F,
         F: Future<Output = Response<ResponseBody>>,
     {
+        // Waits for shutdown for the connection's whole life: registered
+        // once, not once per request.
+        let mut watching = shutdown.clone();
+        let mut stopping = pin!(stopped(&mut watching));
         loop {
-            let (request, close) = match self.next_request(header_read_timeout, shutdown).await {
+            let next = self.next_request(header_read_timeout, stopping.as_mut());
+            let (request, close) = match next.await {
                 Next::Request(request, close) => (request, close),
                 Next::Closed => return End::Closed,
                 Next::Unusual => return End::HandOver(self.buf.freeze()),
@@ -140,7 +145,7 @@ where
     async fn next_request(
         &mut self,
         header_read_timeout: Duration,
-        shutdown: &mut watch::Receiver<bool>,
+        mut stopping: Pin<&mut impl Future<Output = ()>>,
     ) -> Next {
         let mut deadline = None;
         loop {
@@ -168,7 +173,7 @@ where
                 Scan::Partial => {}
             }
             if !self
-                .read_head(&mut deadline, header_read_timeout, shutdown)
+                .read_head(&mut deadline, header_read_timeout, stopping.as_mut())
                 .await
             {
                 return Next::Closed;
@@ -193,7 +198,7 @@ where
         &mut self,
         deadline: &mut Option<Instant>,
         header_read_timeout: Duration,
-        shutdown: &mut watch::Receiver<bool>,
+        mut stopping: Pin<&mut impl Future<Output = ()>>,
     ) -> bool {
         // A connection that has sent nothing yet holds no buffer: an idle
         // one costs only its socket and task. Its first bytes are read on
@@ -202,7 +207,6 @@ where
         if !fresh {
             self.spare();
         }
-        let mut stopping = pin!(stopped(shutdown));
         let idle = self.buf.is_empty();
         let Self { io, buf, timer, .. } = self;
         poll_fn(|cx| {

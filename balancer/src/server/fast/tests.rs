@@ -28,11 +28,11 @@ where
     F: Future<Output = Response<ResponseBody>> + Send,
 {
     let (client, mut server) = tokio::io::duplex(1 << 20);
-    let (stop, mut stopping) = watch::channel(false);
+    let (stop, stopping) = watch::channel(false);
     let task = tokio::spawn(async move {
         let activity = Arc::new(Activity::new());
         Fast::new(&mut server)
-            .serve(&handler, peer(), &activity, TIMEOUT, &mut stopping)
+            .serve(&handler, peer(), &activity, TIMEOUT, &stopping)
             .await
     });
     (client, task, stop)
