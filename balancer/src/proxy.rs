@@ -3,7 +3,8 @@
 //! Owns one request's life from arrival to the response headers, in this
 //! order: the gateway's own endpoints and admission ([`Proxy::handle`]),
 //! reading the body ([`body`]), finding the model and the routing key and
-//! taking fallbacks ([`route`]), the attempt and retry loop with one breaker
+//! taking fallbacks ([`route`], with [`scan`] reading the common body's
+//! model in one pass), the attempt and retry loop with one breaker
 //! charge per worker per request ([`attempt`]), then the worker's body
 //! ([`relay`]). The gateway's own answers live in [`answer`], the background
 //! health and model probes in [`probe`], the path's own series in [`stats`]. It may read the registry and record
@@ -16,6 +17,7 @@ mod edge;
 mod probe;
 mod relay;
 mod route;
+mod scan;
 mod stats;
 
 use std::collections::HashMap;

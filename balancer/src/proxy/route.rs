@@ -14,6 +14,7 @@ use balancer_core::registry::Attempt;
 use super::Proxy;
 use super::body::RequestBody;
 use super::edge::Forwarded;
+use super::scan::{self, Found};
 
 /// What every attempt of one request sends.
 pub(crate) struct Outgoing {
@@ -84,12 +85,19 @@ struct ModelOnly {
 }
 
 fn named_model(parsed: ModelOnly) -> Result<Option<String>, String> {
-    match parsed.model {
-        Some(serde_json::Value::String(m)) if m.len() > MAX_MODEL_LEN => Err(format!(
+    named(match parsed.model {
+        Some(serde_json::Value::String(m)) => Some(m),
+        _ => None,
+    })
+}
+
+/// A model name within [`MAX_MODEL_LEN`].
+fn named(model: Option<String>) -> Result<Option<String>, String> {
+    match model {
+        Some(m) if m.len() > MAX_MODEL_LEN => Err(format!(
             "the model name is longer than {MAX_MODEL_LEN} bytes"
         )),
-        Some(serde_json::Value::String(m)) => Ok(Some(m)),
-        _ => Ok(None),
+        m => Ok(m),
     }
 }
 
@@ -97,6 +105,13 @@ fn named_model(parsed: ModelOnly) -> Result<Option<String>, String> {
 /// whatever its `Content-Type` says: anything else is a 400 from the
 /// gateway, never a worker's error.
 pub(crate) fn inference_model(body: &Bytes) -> Result<Option<String>, String> {
+    // The common body, answered in one pass; serde reads the rest.
+    if let Some(found) = scan::model(body) {
+        return named(match found {
+            Found::Model(m) => Some(m.to_owned()),
+            Found::NoModel => None,
+        });
+    }
     // A derived struct would also accept a JSON array; the body must be an object.
     let first = body.iter().find(|b| !b.is_ascii_whitespace());
     if first != Some(&b'{') {
