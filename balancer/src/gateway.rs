@@ -115,7 +115,12 @@ fn serving_thread(
                 let lane = Arc::new((proxy, client));
                 let handler = move |req, peer| {
                     let lane = lane.clone();
-                    async move { lane.0.handle(&lane.1, req, peer).await }
+                    // Boxed: the request's future is large. Unboxed it would
+                    // be copied at every hand-over on its way into hyper's
+                    // dispatcher, and it would be part of every connection's
+                    // task, idle ones too (10,000 idle connections took
+                    // 14.3 KiB each instead of 3.3).
+                    Box::pin(async move { lane.0.handle(&lane.1, req, peer).await })
                 };
                 serve(listener, handler, limits, tls, stop, grace).await;
             });

@@ -156,10 +156,7 @@ pub async fn serve<H, F>(
         let for_hyper = handler.clone();
         let service = service_fn(move |req: Request<Incoming>| {
             let busy = Busy::new(&in_service);
-            // Boxed: a request's future may be large, and unboxed it would
-            // be copied at every hand-over on its way into hyper's
-            // dispatcher. The fast path runs it where it is made.
-            let fut = Box::pin(for_hyper(req.map(Inbound::Streamed), client));
+            let fut = for_hyper(req.map(Inbound::Streamed), client);
             async move {
                 let response = fut.await;
                 // In flight until the response body is done or dropped.
