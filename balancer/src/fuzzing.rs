@@ -1,8 +1,9 @@
 //! Entry points for the cargo-fuzz targets in `fuzz/`: the parsers that
-//! take untrusted input (request bodies and paths, the config file, admin
-//! bodies, workers' answers), exposed so that a fuzzer links them. Not an API: nothing here is
-//! meant to be called by anything but a fuzz target, and every function
-//! must only return (never panic), whatever its input.
+//! take untrusted input (request bodies and paths, client request heads,
+//! the config file, admin bodies, workers' answers), exposed so that a
+//! fuzzer links them. Not an API: nothing here is meant to be called by
+//! anything but a fuzz target, and every function must only return (never
+//! panic), whatever its input.
 
 use std::ffi::OsString;
 use std::path::Path;
@@ -42,6 +43,12 @@ pub fn admin_body(body: &[u8]) {
         let _ = patch.validate();
         let _ = Resilience::default().merged(&patch).validate();
     }
+}
+
+/// A client's bytes as the server's fast path reads them: a plain request
+/// (head, headers and `Content-Length` body) or bytes left to hyper.
+pub fn client_request(wire: &[u8]) {
+    let _ = crate::server::read_request(wire);
 }
 
 /// A worker's answer on the fast path: its head and its body's framing

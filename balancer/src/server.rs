@@ -44,6 +44,8 @@ use crate::tls::ServingTls;
 
 mod fast;
 
+pub(crate) use fast::read_request;
+
 /// The client, handed to the handler with each request (a value, not an
 /// extension: extensions cost a map and a box per request).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -10,7 +10,13 @@ use anyhow::{Context, Result};
 use crate::shell::run;
 
 /// The targets, as `fuzz/Cargo.toml` names them.
-const TARGETS: [&str; 4] = ["request", "config_toml", "admin_body", "worker_response"];
+const TARGETS: [&str; 5] = [
+    "request",
+    "config_toml",
+    "admin_body",
+    "worker_response",
+    "client_request",
+];
 
 pub fn fuzz(root: &Path, seconds: u64) -> Result<()> {
     let installed = Command::new("cargo")

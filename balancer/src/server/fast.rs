@@ -635,6 +635,22 @@ fn build(head: &Bytes, plain: &Plain, fields: &[Field], body: Bytes) -> Option<R
     Some(request)
 }
 
+/// A client's bytes as the fast path reads them: whether it takes them as
+/// a plain request, and then the lengths of its head and body.
+/// The fuzz target's entry ([`crate::fuzzing::client_request`]); it must
+/// only return.
+pub(crate) fn read_request(wire: &[u8]) -> Option<(usize, usize)> {
+    let mut fields = [Field::default(); MAX_HEADERS];
+    let Scan::Plain(plain) = scan(wire, &mut fields) else {
+        return None;
+    };
+    let whole = wire.get(..plain.len())?;
+    let head = Bytes::copy_from_slice(&whole[..plain.head]);
+    let body = Bytes::copy_from_slice(&whole[plain.head..]);
+    build(&head, &plain, &fields[..plain.headers], body)?;
+    Some((plain.head, plain.body))
+}
+
 fn put_header(out: &mut BytesMut, name: &[u8], value: &[u8]) {
     out.put_slice(name);
     out.put_slice(b": ");

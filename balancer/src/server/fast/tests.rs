@@ -357,3 +357,26 @@ async fn shutdown_closes_a_connection_waiting_for_its_next_request() {
         "closed at once, not at a timeout"
     );
 }
+
+proptest::proptest! {
+    /// Heads made of HTTP's own pieces: the fast path takes one only when
+    /// it is a plain request, and takes its body by its one length.
+    #[test]
+    fn the_fast_path_takes_only_plain_requests(
+        pieces in proptest::collection::vec(proptest::sample::select(vec![
+            "GET ", "POST ", "HEAD ", "/v1/x", "http://h/", " HTTP/1.1", " HTTP/1.0",
+            "\r\n", "\n", "host: h", "content-length: 3", "Content-Length: 03",
+            "content-length: +3", "transfer-encoding: chunked", "expect: 100-continue",
+            "connection: close", "x: \x01", "x: y", ": v", "abc", "\r\n\r\n",
+        ]), 0..16)
+    ) {
+        let wire = pieces.concat();
+        if let Some((head, body)) = read_request(wire.as_bytes()) {
+            let head = wire[..head].to_ascii_lowercase();
+            proptest::prop_assert!(!head.contains("transfer-encoding"));
+            proptest::prop_assert!(!head.contains("expect"));
+            proptest::prop_assert!(head.starts_with("get /") || head.starts_with("post /"));
+            proptest::prop_assert!(body == 0 || body == 3, "{body}");
+        }
+    }
+}
