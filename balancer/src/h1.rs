@@ -284,8 +284,14 @@ fn parse_head(
         let mut chunked = false;
         let mut length = None;
         let mut close = parsed.version == Some(0);
-        for (field, h) in fields.iter_mut().zip(parsed.headers.iter()) {
+        let mut kept = 0;
+        for h in parsed.headers.iter() {
             let (name, value) = (h.name.as_bytes(), h.value);
+            if name.eq_ignore_ascii_case(b"date") {
+                // The gateway dates its own answer, as nginx does: one
+                // header less to copy into a map and out again.
+                continue;
+            }
             if name.eq_ignore_ascii_case(b"transfer-encoding") {
                 chunked = value
                     .rsplit(|&b| b == b',')
@@ -305,12 +311,12 @@ fn parse_head(
                     close = false;
                 }
             }
-            *field = Field::of(buf, h);
+            fields[kept] = Field::of(buf, h);
+            kept += 1;
         }
-        let count = parsed.headers.len();
         // Values share the head's bytes: nothing is copied.
         let head = buf.split_to(len).freeze();
-        let mut map = header_map(&head, &fields[..count]).map_err(|e| H1Error::Malformed(e.0))?;
+        let mut map = header_map(&head, &fields[..kept]).map_err(|e| H1Error::Malformed(e.0))?;
         let bodiless = *method == Method::HEAD
             || status == StatusCode::NO_CONTENT
             || status == StatusCode::NOT_MODIFIED;

@@ -129,16 +129,17 @@ impl H1Pool {
             return;
         }
         let timeout = self.0.idle_timeout;
+        let now = Instant::now();
         let mut idle = self.idle();
         let list = idle.entry(conn.key).or_default();
         // The oldest are at the front: drop those past the idle timeout.
         let expired = list
             .iter()
-            .take_while(|(_, since)| since.elapsed() >= timeout)
+            .take_while(|(_, since)| now.duration_since(*since) >= timeout)
             .count();
         list.drain(..expired);
         if list.len() < MAX_IDLE_PER_WORKER {
-            list.push((conn, Instant::now()));
+            list.push((conn, now));
         }
     }
 

@@ -273,3 +273,15 @@ fn an_answer_is_read_as_the_fuzz_target_reads_it() {
         None
     );
 }
+
+#[test]
+fn the_workers_date_is_left_for_the_gateways_own() {
+    let mut buf = BytesMut::from(
+        &b"HTTP/1.1 200 OK\r\nDate: Tue, 01 Dec 2026 06:00:00 GMT\r\n\
+           content-type: text/plain\r\ncontent-length: 0\r\n\r\n"[..],
+    );
+    let (parts, _) = parse_head(&mut buf, &Method::POST).unwrap().unwrap();
+    assert!(!parts.headers.contains_key(header::DATE));
+    assert_eq!(parts.headers["content-type"], "text/plain");
+    assert_eq!(parts.headers.len(), 2);
+}

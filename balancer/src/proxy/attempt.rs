@@ -165,7 +165,8 @@ impl Proxy {
                     if retryable {
                         self.stats.retries_exhausted();
                     }
-                    self.stats.ttfb.observe(started.elapsed());
+                    let headers_at = Instant::now();
+                    self.stats.ttfb.observe(headers_at - started);
                     self.stats.upstream_response(status);
                     // A success waits for the body; anything else is decided
                     // by the status.
@@ -178,7 +179,7 @@ impl Proxy {
                         permit,
                         started,
                         attempt_started,
-                        headers_after: attempt_started.elapsed(),
+                        headers_after: headers_at - attempt_started,
                         classifier,
                         tokens: req
                             .model
