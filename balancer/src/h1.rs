@@ -36,7 +36,7 @@ use tokio_util::io::poll_read_buf;
 
 use crate::bodies::BoxError;
 use crate::proxy::Forwarded;
-use crate::wire::{Field, decimal, header_map, parse_length};
+use crate::wire::{Field, decimal, header_map, parse_length, put_header};
 
 pub use body::H1Body;
 pub use pool::H1Pool;
@@ -99,23 +99,18 @@ impl H1Request<'_> {
         out.put_slice(self.authority.as_bytes());
         out.put_slice(b"\r\n");
         self.headers.each(|name, value| {
-            out.put_slice(name.as_str().as_bytes());
-            out.put_slice(b": ");
-            out.put_slice(value.as_bytes());
-            out.put_slice(b"\r\n");
+            put_header(out, name.as_str().as_bytes(), value.as_bytes());
         });
         if let Some(auth) = self.authorization
             && !self.headers.client().contains_key(header::AUTHORIZATION)
         {
-            out.put_slice(b"authorization: ");
-            out.put_slice(auth.as_bytes());
-            out.put_slice(b"\r\n");
+            put_header(out, b"authorization", auth.as_bytes());
         }
         // A body-less GET carries no length, as hyper sends it.
         if !self.body.is_empty() || !matches!(*self.method, Method::GET | Method::HEAD) {
-            out.put_slice(b"content-length: ");
-            out.put_slice(decimal(self.body.len() as u64, &mut [0; 20]));
-            out.put_slice(b"\r\n");
+            let mut digits = [0; 20];
+            let length = decimal(self.body.len() as u64, &mut digits);
+            put_header(out, b"content-length", length);
         }
         out.put_slice(b"\r\n");
     }

@@ -5,7 +5,7 @@
 //! Owns no I/O and no policy: which headers are allowed, and what a
 //! malformed one means, is for the caller to say.
 
-use bytes::Bytes;
+use bytes::{BufMut, Bytes, BytesMut};
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 
 /// Where one header's name and value sit in its head, as byte offsets.
@@ -53,6 +53,14 @@ pub(crate) fn header_map(head: &Bytes, fields: &[Field]) -> Result<HeaderMap, Ba
         map.append(name, value);
     }
     Ok(map)
+}
+
+/// `name: value` and its CRLF, into `out`.
+pub(crate) fn put_header(out: &mut BytesMut, name: &[u8], value: &[u8]) {
+    out.put_slice(name);
+    out.put_slice(b": ");
+    out.put_slice(value);
+    out.put_slice(b"\r\n");
 }
 
 /// A `Content-Length` value: ASCII digits only, no sign, no list, no

@@ -30,46 +30,25 @@ pub(crate) fn model(body: &[u8]) -> Option<Found<'_>> {
         return None;
     }
     let mut model = None;
-    s.ws();
-    if s.peek()? == b'}' {
-        s.i += 1;
-    } else {
-        loop {
-            s.ws();
-            if s.next()? != b'"' {
-                return None;
-            }
-            let key = s.string()?;
-            if key.contains(&b'\\') {
-                return None;
-            }
-            s.ws();
-            if s.next()? != b':' {
-                return None;
-            }
-            s.ws();
-            if key == b"model" {
-                // A second `model` is serde's error to give; anything but
-                // a plain string is serde's to read.
-                if model.is_some() || s.next()? != b'"' {
-                    return None;
-                }
-                let value = s.string()?;
-                if value.contains(&b'\\') {
-                    return None;
-                }
-                model = Some(std::str::from_utf8(value).ok()?);
-            } else {
-                s.value(1)?;
-            }
-            s.ws();
-            match s.next()? {
-                b',' => continue,
-                b'}' => break,
-                _ => return None,
-            }
+    s.object(|s, key| {
+        if key.contains(&b'\\') {
+            return None;
         }
-    }
+        if key != b"model" {
+            return s.value(1);
+        }
+        // A second `model` is serde's error to give; anything but a plain
+        // string is serde's to read.
+        if model.is_some() || s.next()? != b'"' {
+            return None;
+        }
+        let value = s.string()?;
+        if value.contains(&b'\\') {
+            return None;
+        }
+        model = Some(std::str::from_utf8(value).ok()?);
+        Some(())
+    })?;
     s.ws();
     if s.i != body.len() {
         return None;
@@ -131,6 +110,35 @@ impl<'a> Scanner<'a> {
         Some(raw)
     }
 
+    /// The members of an object whose `{` was read, through its `}`:
+    /// `member` reads each value, handed the scanner and the raw key.
+    fn object(&mut self, mut member: impl FnMut(&mut Self, &'a [u8]) -> Option<()>) -> Option<()> {
+        self.ws();
+        if self.peek()? == b'}' {
+            self.i += 1;
+            return Some(());
+        }
+        loop {
+            self.ws();
+            if self.next()? != b'"' {
+                return None;
+            }
+            let key = self.string()?;
+            self.ws();
+            if self.next()? != b':' {
+                return None;
+            }
+            self.ws();
+            member(self, key)?;
+            self.ws();
+            match self.next()? {
+                b',' => continue,
+                b'}' => return Some(()),
+                _ => return None,
+            }
+        }
+    }
+
     /// Skips one value at nesting `depth`.
     fn value(&mut self, depth: usize) -> Option<()> {
         if depth > MAX_DEPTH {
@@ -138,32 +146,7 @@ impl<'a> Scanner<'a> {
         }
         match self.next()? {
             b'"' => self.string().map(drop),
-            b'{' => {
-                self.ws();
-                if self.peek()? == b'}' {
-                    self.i += 1;
-                    return Some(());
-                }
-                loop {
-                    self.ws();
-                    if self.next()? != b'"' {
-                        return None;
-                    }
-                    self.string()?;
-                    self.ws();
-                    if self.next()? != b':' {
-                        return None;
-                    }
-                    self.ws();
-                    self.value(depth + 1)?;
-                    self.ws();
-                    match self.next()? {
-                        b',' => continue,
-                        b'}' => return Some(()),
-                        _ => return None,
-                    }
-                }
-            }
+            b'{' => self.object(|s, _| s.value(depth + 1)),
             b'[' => {
                 self.ws();
                 if self.peek()? == b']' {

@@ -45,7 +45,7 @@ use tokio_util::io::poll_read_buf;
 
 use super::{Activity, Busy, Peer, stopped};
 use crate::bodies::{BoxError, Inbound, ResponseBody};
-use crate::wire::{Field, decimal, header_map, hex, parse_length};
+use crate::wire::{Field, decimal, header_map, hex, parse_length, put_header};
 
 /// The largest head the fast path parses; a larger one goes to hyper,
 /// which answers 431 past its own limit.
@@ -249,21 +249,12 @@ where
     /// Takes what the socket already holds, up to [`MAX_REQUEST`]; false
     /// when the client closed or failed.
     fn drain_ready(&mut self) -> bool {
-        let mut cx = Context::from_waker(std::task::Waker::noop());
-        while self.buf.len() < MAX_REQUEST {
-            self.spare();
-            match poll_read_buf(Pin::new(&mut *self.io), &mut cx, &mut self.buf) {
-                Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return false,
-                Poll::Ready(Ok(_)) => {}
-                Poll::Pending => break,
-            }
-        }
-        true
+        !self.client_gone(&mut Context::from_waker(std::task::Waker::noop()))
     }
 
     /// Whether the client closed its connection (or it failed). Reads what
-    /// it pipelines meanwhile, up to [`MAX_REQUEST`]; past that nothing more
-    /// is read until this request is answered.
+    /// it sent meanwhile (pipelined requests), up to [`MAX_REQUEST`]; past
+    /// that nothing more is read until this request is answered.
     fn client_gone(&mut self, cx: &mut Context<'_>) -> bool {
         while self.buf.len() < MAX_REQUEST {
             self.spare();
@@ -416,9 +407,7 @@ where
             Some(sized) => sized,
             None => match body.size_hint().exact() {
                 Some(n) => {
-                    out.put_slice(b"content-length: ");
-                    out.put_slice(decimal(n, &mut [0; 20]));
-                    out.put_slice(b"\r\n");
+                    put_header(out, b"content-length", decimal(n, &mut [0; 20]));
                     Framing::Sized(n)
                 }
                 None => {
@@ -649,13 +638,6 @@ pub(crate) fn read_request(wire: &[u8]) -> Option<(usize, usize)> {
     let body = Bytes::copy_from_slice(&whole[plain.head..]);
     build(&head, &plain, &fields[..plain.headers], body)?;
     Some((plain.head, plain.body))
-}
-
-fn put_header(out: &mut BytesMut, name: &[u8], value: &[u8]) {
-    out.put_slice(name);
-    out.put_slice(b": ");
-    out.put_slice(value);
-    out.put_slice(b"\r\n");
 }
 
 /// The `Date` value, formatted once a second per thread.
