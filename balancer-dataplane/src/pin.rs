@@ -19,6 +19,7 @@
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use balancer_common::Verdict;
 use balancer_common::l4::{
@@ -70,6 +71,10 @@ pub enum PinError {
         #[source]
         source: io::Error,
     },
+    #[error(
+        "links {links:?} are unpinned but still loaded after {waited:?}: a running process holds them"
+    )]
+    Held { links: Vec<u32>, waited: Duration },
 }
 
 /// The pinned state of one set of interfaces in one mode.

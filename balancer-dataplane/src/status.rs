@@ -6,6 +6,7 @@
 use std::fmt::Write as _;
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use aya::maps::{Array, HashMap, Map, MapData, MapError};
 use aya::programs::links::{FdLink, PinnedLink};
@@ -139,14 +140,59 @@ fn describe(out: &mut String, dir: &PinDir) {
     }
 }
 
+/// The ids of the links pinned in `dir`; the descriptors opened to read
+/// them are closed on return, so they hold nothing.
+fn link_ids(dir: &PinDir) -> Vec<u32> {
+    dir.links()
+        .into_iter()
+        .filter_map(|(path, _, _)| {
+            let link = FdLink::from(PinnedLink::from_pin(&path).ok()?);
+            link.info().ok().map(|info| info.id())
+        })
+        .collect()
+}
+
+/// How long [`detach_all`] waits for the kernel to free unpinned links.
+const RELEASE_BOUND: Duration = Duration::from_secs(2);
+
+/// Waits until none of `ids` is loaded. The kernel frees a link whose last
+/// pin is unlinked in deferred work, so it may still hold its program on the
+/// interface for a moment after `unlink` returns; a link that stays is held
+/// by some process's descriptor (a running agent), which the caller must hear.
+fn released(ids: &[u32]) -> Result<(), PinError> {
+    let deadline = Instant::now() + RELEASE_BOUND;
+    loop {
+        let held: Vec<u32> = aya::programs::loaded_links()
+            .filter_map(Result::ok)
+            .map(|info| info.id())
+            .filter(|id| ids.contains(id))
+            .collect();
+        if held.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(PinError::Held {
+                links: held,
+                waited: RELEASE_BOUND,
+            });
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// Removes everything pinned under `bpffs_dir`: the programs detach and the
-/// maps go with the last reference. Returns the folders removed.
+/// maps go with the last reference. Returns the folders removed once the
+/// kernel has let go of every link it unpinned, so that the programs are
+/// off their interfaces when this returns.
 pub fn detach_all(bpffs_dir: &Path) -> Result<Vec<String>, PinError> {
     let mut removed = Vec::new();
+    let mut links = Vec::new();
     for dir in pin::state_dirs(bpffs_dir) {
+        links.extend(link_ids(&dir));
         dir.remove()?;
         removed.push(dir.name());
     }
+    released(&links)?;
     match std::fs::remove_dir(bpffs_dir) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
