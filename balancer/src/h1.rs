@@ -271,7 +271,15 @@ fn parse_head(
         let code = parsed.code.unwrap_or(0);
         let status =
             StatusCode::from_u16(code).map_err(|_| H1Error::Malformed(format!("status {code}")))?;
-        if status.is_informational() && status != StatusCode::SWITCHING_PROTOCOLS {
+        if status == StatusCode::SWITCHING_PROTOCOLS {
+            // This client never asks for an upgrade (`Upgrade` is
+            // hop-by-hop and not forwarded): what would follow is not
+            // HTTP, and a worker that switches unasked answered wrong.
+            return Err(H1Error::Malformed(
+                "101 to a request that asked no upgrade".to_owned(),
+            ));
+        }
+        if status.is_informational() {
             let _ = buf.split_to(len);
             continue;
         }

@@ -100,6 +100,7 @@ fn response_heads_are_parsed_with_their_framing() {
         &b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n"[..],
         b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n",
         b"SMTP ready\r\n\r\n",
+        b"HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\n\r\n",
     ] {
         let mut buf = BytesMut::from(bad);
         assert!(parse_head(&mut buf, &Method::POST).is_err(), "{bad:?}");

@@ -24,6 +24,11 @@
 //! backpressure holds the body), `Date` added, a broken body aborting the
 //! connection, and graceful shutdown between requests. What a request means
 //! stays the handler's; the idle and send timeouts stay the watchdog's.
+//!
+//! One bound differs from hyper alone: a connection handed over mid-head
+//! (a head past [`MAX_HEAD`], say) gets hyper's header-read timeout afresh,
+//! so that head may take up to twice the timeout; HTTP/2's preface is bound
+//! by the watchdog's idle timeout, as hyper's version sniffing has none.
 
 use std::future::{Future, poll_fn};
 use std::io;
@@ -65,6 +70,10 @@ const FIRST_READ: usize = 512;
 /// straight from its own buffer rather than copied.
 const WRITE_BATCH: usize = 64 * 1024;
 const COPY_LIMIT: usize = 16 * 1024;
+/// The write buffer's capacity past which it is given back after a
+/// response, so that a keep-alive connection does not keep what one large
+/// exchange grew.
+const OUT_KEPT: usize = 2 * COPY_LIMIT;
 
 /// How the fast path left a connection.
 pub(super) enum End {
@@ -85,6 +94,9 @@ pub(super) struct Fast<'a, IO> {
     /// The header-read deadline, kept across requests so that waiting for
     /// a head costs no allocation.
     timer: Option<Pin<Box<Sleep>>>,
+    /// The client has closed its side. What it sent before is still
+    /// served; it is gone once that is used up (hyper's rule).
+    eof: bool,
 }
 
 impl<'a, IO> Fast<'a, IO>
@@ -97,6 +109,7 @@ where
             buf: BytesMut::new(),
             out: BytesMut::new(),
             timer: None,
+            eof: false,
         }
     }
 
@@ -138,6 +151,19 @@ where
                 let _ = self.io.shutdown().await;
                 return End::Closed;
             }
+            self.trim();
+        }
+    }
+
+    /// Gives back what one large exchange grew: between requests a
+    /// connection keeps at most a small write buffer and, when nothing is
+    /// left to read, a read buffer of a chunk or two.
+    fn trim(&mut self) {
+        if self.out.capacity() > OUT_KEPT {
+            self.out = BytesMut::new();
+        }
+        if self.buf.is_empty() && self.buf.capacity() > 2 * READ_CHUNK {
+            self.buf = BytesMut::new();
         }
     }
 
@@ -252,19 +278,23 @@ where
         !self.client_gone(&mut Context::from_waker(std::task::Waker::noop()))
     }
 
-    /// Whether the client closed its connection (or it failed). Reads what
-    /// it sent meanwhile (pipelined requests), up to [`MAX_REQUEST`]; past
-    /// that nothing more is read until this request is answered.
+    /// Whether the client is gone: its connection failed, or it closed its
+    /// side and nothing it sent before is left to serve (a client that
+    /// pipelines and half-closes still gets the answers to what it sent
+    /// first, as from hyper). Reads what it sent meanwhile (pipelined
+    /// requests), up to [`MAX_REQUEST`]; past that nothing more is read
+    /// until this request is answered.
     fn client_gone(&mut self, cx: &mut Context<'_>) -> bool {
-        while self.buf.len() < MAX_REQUEST {
+        while !self.eof && self.buf.len() < MAX_REQUEST {
             self.spare();
             match poll_read_buf(Pin::new(&mut *self.io), cx, &mut self.buf) {
-                Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return true,
+                Poll::Ready(Ok(0)) => self.eof = true,
+                Poll::Ready(Err(_)) => return true,
                 Poll::Ready(Ok(_)) => {}
                 Poll::Pending => return false,
             }
         }
-        false
+        self.eof && self.buf.is_empty()
     }
 
     /// The request scanned as `plain`, taken out of the buffer. Values
@@ -309,7 +339,15 @@ where
     /// one (the client left, the body broke, or its length was wrong).
     async fn respond(&mut self, response: Response<ResponseBody>, close: bool) -> bool {
         let (parts, mut body) = response.into_parts();
-        let mut framing = self.head(&parts.status, &parts.headers, &body, close);
+        // A final 1xx (a worker's unasked 101 through hyper's client): what
+        // follows it is no longer HTTP, so none of it is relayed and the
+        // connection ends after the head, as hyper's server ends it.
+        let switched = parts.status.is_informational();
+        let mut framing = self.head(&parts.status, &parts.headers, &body, close || switched);
+        if switched {
+            let _ = self.flush().await;
+            return false;
+        }
         loop {
             let step = poll_fn(|cx| match Pin::new(&mut body).poll_frame(cx) {
                 Poll::Ready(frame) => Poll::Ready(Step::Frame(frame)),
@@ -379,9 +417,15 @@ where
         let bodiless = status.is_informational()
             || *status == StatusCode::NO_CONTENT
             || *status == StatusCode::NOT_MODIFIED;
+        // RFC 9110 8.6: never on a 1xx or 204 (a 304's names the
+        // representation, and passes).
+        let lengthless = status.is_informational() || *status == StatusCode::NO_CONTENT;
         let mut framing = None;
         for (name, value) in headers {
-            if name == header::TRANSFER_ENCODING || name == header::CONNECTION {
+            if name == header::TRANSFER_ENCODING
+                || name == header::CONNECTION
+                || (lengthless && name == header::CONTENT_LENGTH)
+            {
                 // Framing and the connection's fate are this loop's.
                 continue;
             }
