@@ -305,7 +305,8 @@ impl Proxy {
         {
             body = RequestBody::Replayable(asking, lease.clone());
         }
-        self.attempts(client, request, body, permit, started).await
+        self.attempts(client, &mut request, body, permit, started)
+            .await
     }
 
     /// The label a model's token series carry: its name when a worker

@@ -17,10 +17,10 @@ use hyper::body::Incoming;
 use balancer_core::admission::Permit;
 use balancer_core::breaker::{FailureReason, Outcome, RequestCharges};
 use balancer_core::error_chain;
-use balancer_core::registry::Worker;
+use balancer_core::registry::{Attempt, Worker};
 
 use super::answer::ErrorCode;
-use super::body::{BodyError, RequestBody, boxed, chain};
+use super::body::{BodyError, ClientFault, RequestBody, boxed, chain};
 use super::relay::Completion;
 use super::relay::WorkerBody;
 use super::route::Outgoing;
@@ -77,11 +77,13 @@ enum AttemptError {
 }
 
 impl Proxy {
-    /// The retry loop.
+    /// The retry loop. `req` is borrowed rather than moved in: an async
+    /// function keeps a moved-in argument's bytes for its whole life, next
+    /// to the local it becomes, and this future is part of every request's.
     pub(crate) async fn attempts(
         &self,
         client: &UpstreamClient,
-        mut req: Outgoing,
+        req: &mut Outgoing,
         body: RequestBody,
         permit: Option<Permit>,
         started: Instant,
@@ -103,8 +105,8 @@ impl Proxy {
         loop {
             attempt += 1;
             let last = attempt >= max_attempts;
-            let Some(mut admitted) = self.select(&req, &tried) else {
-                if self.take_fallback(&mut req, &mut body) {
+            let Some(mut admitted) = self.select(req, &tried) else {
+                if self.take_fallback(req, &mut body) {
                     // Finding no worker was not an attempt.
                     attempt -= 1;
                     continue;
@@ -125,27 +127,20 @@ impl Proxy {
                 None => unreachable!("a streaming body gets exactly one attempt"),
             };
             let classifier = worker.classifier();
-            let send = self.send(client, &worker, &req, payload);
+            let send = self.send(client, &worker, req, payload);
             let result = match classifier.slow_ttfb() {
                 None => send.await,
+                // Boxed: the budget's race is rare (the option is off by
+                // default) and would otherwise widen every request's future.
                 Some(budget) => {
-                    tokio::pin!(send);
-                    tokio::select! {
-                        r = &mut send => r,
-                        () = tokio::time::sleep(budget) => {
-                            // Slow is already certain: charge it now, so the
-                            // breaker reacts at the budget rather than when
-                            // the worker finally answers. The answer still
-                            // goes to the client.
-                            // Unless the client is still uploading: then
-                            // the wait is the client's pace, not the worker's.
-                            if fault.as_ref().is_none_or(|f| f.is_done()) {
-                                let slow = Outcome::Failure(FailureReason::Slow);
-                                admitted.record(&mut charges, slow, &*self.clock);
-                            }
-                            send.await
-                        }
-                    }
+                    let watched = self.send_watched(
+                        send,
+                        budget,
+                        &mut admitted,
+                        &mut charges,
+                        fault.as_ref(),
+                    );
+                    Box::pin(watched).await
                 }
             };
             let failure = match result {
@@ -237,6 +232,32 @@ impl Proxy {
                     None,
                 ),
             };
+        }
+    }
+
+    /// `send` under the slow time-to-first-byte budget: past it, slowness
+    /// is certain and is charged now, so the breaker reacts at the budget
+    /// rather than when the worker finally answers. The answer still goes
+    /// to the client. Unless the client is still uploading: then the wait
+    /// is the client's pace, not the worker's.
+    async fn send_watched(
+        &self,
+        send: impl Future<Output = Result<Response<WorkerBody>, AttemptError>>,
+        budget: Duration,
+        admitted: &mut Attempt,
+        charges: &mut RequestCharges,
+        fault: Option<&ClientFault>,
+    ) -> Result<Response<WorkerBody>, AttemptError> {
+        tokio::pin!(send);
+        tokio::select! {
+            r = &mut send => r,
+            () = tokio::time::sleep(budget) => {
+                if fault.is_none_or(|f| f.is_done()) {
+                    let slow = Outcome::Failure(FailureReason::Slow);
+                    admitted.record(charges, slow, &*self.clock);
+                }
+                send.await
+            }
         }
     }
 
