@@ -302,7 +302,8 @@ struct Busy(Arc<Activity>);
 
 impl Busy {
     fn new(activity: &Arc<Activity>) -> Self {
-        activity.last.store(activity.now(), Ordering::Release);
+        // `last` is read only while nothing is in flight, so the quiet
+        // time starts when the last request ends: no clock read here.
         activity.inflight.fetch_add(1, Ordering::AcqRel);
         Self(activity.clone())
     }

@@ -239,11 +239,12 @@ impl Forwarded {
         proto: &'static str,
         trusted_hops: u32,
     ) -> Self {
+        // One pass over the handful of headers present: two lookups by
+        // name would hash both names (one of them custom) every request.
         let named = headers
-            .get_all(header::CONNECTION)
             .iter()
-            .chain(headers.get_all(PROXY_CONNECTION))
-            .filter_map(|v| v.to_str().ok())
+            .filter(|(name, _)| *name == header::CONNECTION || *name == PROXY_CONNECTION)
+            .filter_map(|(_, v)| v.to_str().ok())
             .flat_map(|v| v.split(','))
             .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
             .collect();
