@@ -21,7 +21,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -195,13 +195,14 @@ pub async fn serve<H, F>(
                 let read = if h2 {
                     Bytes::new()
                 } else {
+                    activity.await_heads(true);
                     let fast = fast::Fast::new(&mut transport);
-                    match fast
-                        .serve(&handler, client, &activity, header_read, &shutdown)
-                        .await
-                    {
+                    match fast.serve(&handler, client, &activity, &shutdown).await {
                         fast::End::Closed => return,
-                        fast::End::HandOver(read) => read,
+                        fast::End::HandOver(read) => {
+                            activity.await_heads(false);
+                            read
+                        }
                     }
                 };
                 let io = TokioIo::new(fast::Prefixed::new(read, transport));
@@ -211,7 +212,7 @@ pub async fn serve<H, F>(
             };
             tokio::select! {
                 _ = serving => {}
-                why = watchdog(&activity, idle, send) => {
+                why = watchdog(&activity, idle, send, header_read) => {
                     tracing::debug!(%peer, why, "connection closed by the gateway");
                 }
             }
@@ -243,10 +244,15 @@ async fn stopped(rx: &mut watch::Receiver<bool>) {
 #[derive(Debug)]
 struct Activity {
     origin: Instant,
-    /// Milliseconds since `origin` when the last request started or ended
-    /// (accept counts as one). Raw bytes do not count: HTTP/2 pings would
-    /// keep an idle connection alive forever.
+    /// Milliseconds since `origin` when the last request ended, or the
+    /// wait for a first head began (accept counts as one). Raw bytes do not
+    /// count: HTTP/2 pings would keep an idle connection alive forever.
     last: AtomicU64,
+    /// Whether a request head is awaited whenever nothing is in flight:
+    /// while the fast path serves, the header-read timeout is the
+    /// watchdog's, so waiting for a head arms no timer of its own. Off under
+    /// hyper, which keeps its own.
+    heads: AtomicBool,
     /// Milliseconds since `origin` since which a write waits on the client;
     /// `NOT_BLOCKED` while writes go through.
     blocked_since: AtomicU64,
@@ -261,6 +267,7 @@ impl Activity {
         Self {
             origin: Instant::now(),
             last: AtomicU64::new(0),
+            heads: AtomicBool::new(false),
             blocked_since: AtomicU64::new(NOT_BLOCKED),
             inflight: AtomicUsize::new(0),
         }
@@ -269,16 +276,35 @@ impl Activity {
     fn now(&self) -> u64 {
         self.origin.elapsed().as_millis() as u64
     }
+
+    /// From now on (`true`), the next head must arrive within the
+    /// header-read timeout whenever nothing is in flight; or no longer
+    /// (`false`, the connection is hyper's).
+    fn await_heads(&self, on: bool) {
+        if on {
+            self.last.store(self.now(), Ordering::Release);
+        }
+        self.heads.store(on, Ordering::Release);
+    }
 }
 
 /// Ends when the connection must be closed: the client accepted nothing for
-/// the send timeout, or nothing was in flight for the idle timeout.
-async fn watchdog(activity: &Activity, idle: Duration, send: Duration) -> &'static str {
-    let (idle, send) = (idle.as_millis() as u64, send.as_millis() as u64);
+/// the send timeout, nothing was in flight for the idle timeout, or (on the
+/// fast path) no head came within the header-read timeout of the wait's
+/// start. It wakes at least once per header-read timeout, so a wait for a
+/// head that begins while it sleeps is still cut on time.
+async fn watchdog(
+    activity: &Activity,
+    idle: Duration,
+    send: Duration,
+    header_read: Duration,
+) -> &'static str {
+    let millis = |d: Duration| d.as_millis() as u64;
+    let (idle, send, header_read) = (millis(idle), millis(send), millis(header_read));
     loop {
         let now = activity.now();
         let blocked = activity.blocked_since.load(Ordering::Acquire);
-        let mut wait = idle.min(send);
+        let mut wait = idle.min(send).min(header_read);
         if blocked != NOT_BLOCKED {
             let stuck = now.saturating_sub(blocked);
             if stuck >= send {
@@ -288,6 +314,12 @@ async fn watchdog(activity: &Activity, idle: Duration, send: Duration) -> &'stat
         }
         if activity.inflight.load(Ordering::Acquire) == 0 {
             let quiet = now.saturating_sub(activity.last.load(Ordering::Acquire));
+            if activity.heads.load(Ordering::Acquire) {
+                if quiet >= header_read {
+                    return "header-read timeout";
+                }
+                wait = wait.min(header_read - quiet);
+            }
             if quiet >= idle {
                 return "idle timeout";
             }
@@ -426,7 +458,7 @@ mod tests {
             .blocked_since
             .store(activity.now(), Ordering::Release);
         let started = Instant::now();
-        let why = watchdog(&activity, MINUTE, 5 * Duration::from_secs(1)).await;
+        let why = watchdog(&activity, MINUTE, 5 * Duration::from_secs(1), MINUTE).await;
         assert_eq!(why, "send timeout: the client stopped reading");
         let took = started.elapsed();
         assert!(
@@ -439,15 +471,57 @@ mod tests {
     async fn a_connection_with_nothing_in_flight_is_cut_at_the_idle_timeout() {
         let activity = Activity::new();
         let started = Instant::now();
-        assert_eq!(watchdog(&activity, MINUTE, MINUTE).await, "idle timeout");
+        assert_eq!(
+            watchdog(&activity, MINUTE, MINUTE, 2 * MINUTE).await,
+            "idle timeout"
+        );
         assert!(started.elapsed() >= MINUTE);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_head_awaited_on_the_fast_path_is_cut_at_the_header_read_timeout() {
+        let activity = Activity::new();
+        // A request ends 20 s in: the next head is awaited from then on,
+        // however long the watchdog was asleep.
+        let watching = watchdog(&activity, 10 * MINUTE, 10 * MINUTE, MINUTE);
+        let mut watching = std::pin::pin!(watching);
+        activity.await_heads(true);
+        activity.inflight.store(1, Ordering::Release);
+        let served = tokio::time::timeout(Duration::from_secs(20), watching.as_mut()).await;
+        assert!(
+            served.is_err(),
+            "nothing is cut while a request is in flight"
+        );
+        activity.inflight.store(0, Ordering::Release);
+        activity.last.store(activity.now(), Ordering::Release);
+        let started = Instant::now();
+        assert_eq!(watching.await, "header-read timeout");
+        let took = started.elapsed();
+        assert!(
+            took >= MINUTE && took < MINUTE + Duration::from_secs(1),
+            "{took:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_hyper_serves_keeps_only_the_idle_timeout() {
+        let activity = Activity::new();
+        activity.await_heads(true);
+        activity.await_heads(false);
+        let started = Instant::now();
+        assert_eq!(
+            watchdog(&activity, 3 * MINUTE, 3 * MINUTE, MINUTE).await,
+            "idle timeout"
+        );
+        assert!(started.elapsed() >= 3 * MINUTE);
     }
 
     #[tokio::test(start_paused = true)]
     async fn an_open_stream_that_the_client_reads_is_never_idle() {
         let activity = Activity::new();
         activity.inflight.store(1, Ordering::Release);
-        let watched = tokio::time::timeout(10 * MINUTE, watchdog(&activity, MINUTE, MINUTE)).await;
+        let watched =
+            tokio::time::timeout(10 * MINUTE, watchdog(&activity, MINUTE, MINUTE, MINUTE)).await;
         assert!(watched.is_err(), "still open after ten idle timeouts");
     }
 }

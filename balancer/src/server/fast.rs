@@ -16,7 +16,8 @@
 //! either has one plain `Content-Length` or hyper reads it.
 //!
 //! The loop keeps hyper's behaviour towards clients: the header-read
-//! timeout (for the first head and every next one), a client that closes
+//! timeout (for the first head and every next one, enforced by the
+//! connection's watchdog, so that waiting for a head arms no timer), a client that closes
 //! while its request is in flight cancels it (hyper's default, no
 //! half-close), responses framed by `Content-Length` when their size is
 //! known and chunked otherwise, each frame written as soon as the body has
@@ -37,7 +38,7 @@ use std::ops::Range;
 use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::header::{self, HeaderMap};
@@ -45,7 +46,7 @@ use http::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper::body::{Body, Frame};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::sync::watch;
-use tokio::time::{Instant, Sleep};
+
 use tokio_util::io::poll_read_buf;
 
 use super::{Activity, Busy, Peer, stopped};
@@ -91,9 +92,6 @@ pub(super) struct Fast<'a, IO> {
     buf: BytesMut,
     /// The response bytes not yet written.
     out: BytesMut,
-    /// The header-read deadline, kept across requests so that waiting for
-    /// a head costs no allocation.
-    timer: Option<Pin<Box<Sleep>>>,
     /// The client has closed its side. What it sent before is still
     /// served; it is gone once that is used up (hyper's rule).
     eof: bool,
@@ -108,7 +106,6 @@ where
             io,
             buf: BytesMut::new(),
             out: BytesMut::new(),
-            timer: None,
             eof: false,
         }
     }
@@ -120,7 +117,6 @@ where
         handler: &H,
         peer: Peer,
         activity: &Arc<Activity>,
-        header_read_timeout: Duration,
         shutdown: &watch::Receiver<bool>,
     ) -> End
     where
@@ -132,7 +128,7 @@ where
         let mut watching = shutdown.clone();
         let mut stopping = pin!(stopped(&mut watching));
         loop {
-            let next = self.next_request(header_read_timeout, stopping.as_mut());
+            let next = self.next_request(stopping.as_mut());
             let (request, close) = match next.await {
                 Next::Request(request, close) => (request, close),
                 Next::Closed => return End::Closed,
@@ -167,13 +163,9 @@ where
         }
     }
 
-    /// The next plain request, read within the header-read timeout.
-    async fn next_request(
-        &mut self,
-        header_read_timeout: Duration,
-        mut stopping: Pin<&mut impl Future<Output = ()>>,
-    ) -> Next {
-        let mut deadline = None;
+    /// The next plain request. How long it may take is the watchdog's
+    /// header-read timeout: waiting here arms no timer.
+    async fn next_request(&mut self, mut stopping: Pin<&mut impl Future<Output = ()>>) -> Next {
         loop {
             let mut fields = [Field::default(); MAX_HEADERS];
             match scan(&self.buf, &mut fields) {
@@ -198,10 +190,7 @@ where
                 Scan::Partial if self.buf.len() >= MAX_HEAD => return Next::Unusual,
                 Scan::Partial => {}
             }
-            if !self
-                .read_head(&mut deadline, header_read_timeout, stopping.as_mut())
-                .await
-            {
+            if !self.read_head(stopping.as_mut()).await {
                 return Next::Closed;
             }
         }
@@ -217,15 +206,8 @@ where
     }
 
     /// Reads more of a head; false when the connection is over: the client
-    /// closed it, the header-read timeout passed (counted from the first
-    /// wait for this head), or the gateway is shutting down and no request
-    /// has begun.
-    async fn read_head(
-        &mut self,
-        deadline: &mut Option<Instant>,
-        header_read_timeout: Duration,
-        mut stopping: Pin<&mut impl Future<Output = ()>>,
-    ) -> bool {
+    /// closed it, or the gateway is shutting down and no request has begun.
+    async fn read_head(&mut self, mut stopping: Pin<&mut impl Future<Output = ()>>) -> bool {
         // A connection that has sent nothing yet holds no buffer: an idle
         // one costs only its socket and task. Its first bytes are read on
         // the stack.
@@ -234,7 +216,7 @@ where
             self.spare();
         }
         let idle = self.buf.is_empty();
-        let Self { io, buf, timer, .. } = self;
+        let Self { io, buf, .. } = self;
         poll_fn(|cx| {
             let read = if fresh {
                 let mut first = [MaybeUninit::<u8>::uninit(); FIRST_READ];
@@ -254,15 +236,6 @@ where
                 Poll::Ready(Ok(n)) => return Poll::Ready(n > 0),
                 Poll::Ready(Err(_)) => return Poll::Ready(false),
                 Poll::Pending => {}
-            }
-            // Armed only when the head is not there yet.
-            let deadline = *deadline.get_or_insert_with(|| Instant::now() + header_read_timeout);
-            let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-            if timer.deadline() != deadline {
-                timer.as_mut().reset(deadline);
-            }
-            if timer.as_mut().poll(cx).is_ready() {
-                return Poll::Ready(false);
             }
             if idle && stopping.as_mut().poll(cx).is_ready() {
                 return Poll::Ready(false);
