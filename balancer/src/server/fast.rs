@@ -167,32 +167,41 @@ where
     /// header-read timeout: waiting here arms no timer.
     async fn next_request(&mut self, mut stopping: Pin<&mut impl Future<Output = ()>>) -> Next {
         loop {
-            let mut fields = [Field::default(); MAX_HEADERS];
-            match scan(&self.buf, &mut fields) {
-                Scan::Unusual => return Next::Unusual,
-                Scan::Plain(plain) if self.buf.len() >= plain.len() => {
-                    return self.take(&plain, &fields[..plain.headers]);
-                }
-                Scan::Plain(_) => {
-                    // The body has not all come with the head. What the
-                    // socket holds already is taken; if that is not enough,
-                    // hyper reads the rest under the body's stall timeout.
-                    if !self.drain_ready() {
-                        return Next::Closed;
-                    }
-                    match scan(&self.buf, &mut fields) {
-                        Scan::Plain(plain) if self.buf.len() >= plain.len() => {
-                            return self.take(&plain, &fields[..plain.headers]);
-                        }
-                        _ => return Next::Unusual,
-                    }
-                }
-                Scan::Partial if self.buf.len() >= MAX_HEAD => return Next::Unusual,
-                Scan::Partial => {}
+            if let Some(next) = self.buffered() {
+                return next;
             }
             if !self.read_head(stopping.as_mut()).await {
                 return Next::Closed;
             }
+        }
+    }
+
+    /// The next request if what is read tells, `None` while more of a head
+    /// is needed. Not async: the header slots live on the stack only while
+    /// a head is scanned, not in every waiting connection's future.
+    fn buffered(&mut self) -> Option<Next> {
+        let mut fields = [Field::default(); MAX_HEADERS];
+        match scan(&self.buf, &mut fields) {
+            Scan::Unusual => Some(Next::Unusual),
+            Scan::Plain(plain) if self.buf.len() >= plain.len() => {
+                Some(self.take(&plain, &fields[..plain.headers]))
+            }
+            Scan::Plain(_) => {
+                // The body has not all come with the head. What the socket
+                // holds already is taken; if that is not enough, hyper reads
+                // the rest under the body's stall timeout.
+                if !self.drain_ready() {
+                    return Some(Next::Closed);
+                }
+                Some(match scan(&self.buf, &mut fields) {
+                    Scan::Plain(plain) if self.buf.len() >= plain.len() => {
+                        self.take(&plain, &fields[..plain.headers])
+                    }
+                    _ => Next::Unusual,
+                })
+            }
+            Scan::Partial if self.buf.len() >= MAX_HEAD => Some(Next::Unusual),
+            Scan::Partial => None,
         }
     }
 
