@@ -149,9 +149,10 @@ pub struct RelayBody {
     /// Armed only when the worker keeps the body waiting: most responses
     /// are whole in their first frames and never need a timer.
     idle: Option<Pin<Box<Sleep>>>,
-    /// When the stream counts as stalled: the idle timeout after the last
-    /// frame.
-    deadline: Instant,
+    /// When the stream counts as stalled: the idle timeout after the worker
+    /// was first waited for since its last frame (or its head). Set when a
+    /// wait begins, so a body whole in its first frame reads no clock.
+    deadline: Option<Instant>,
     idle_timeout: Duration,
     sse: bool,
     done: bool,
@@ -170,7 +171,7 @@ impl RelayBody {
         Self {
             inner,
             idle: None,
-            deadline: Instant::now() + idle_timeout,
+            deadline: None,
             idle_timeout,
             sse,
             done: false,
@@ -195,7 +196,10 @@ impl RelayBody {
 
     /// The idle timer, set to the current deadline.
     fn idle_timer(&mut self) -> Pin<&mut Sleep> {
-        let deadline = self.deadline;
+        let idle_timeout = self.idle_timeout;
+        let deadline = *self
+            .deadline
+            .get_or_insert_with(|| Instant::now() + idle_timeout);
         let timer = self
             .idle
             .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
@@ -206,7 +210,10 @@ impl RelayBody {
     }
 
     fn observe_chunk(&mut self, data: &Bytes) {
-        if self.first_chunk.is_none()
+        // Only a stream's first byte is its first chunk's; anything else's
+        // is its head's, known already.
+        if self.sse
+            && self.first_chunk.is_none()
             && let Some(c) = &self.completion
         {
             self.first_chunk = Some(c.attempt_started.elapsed());
@@ -261,7 +268,7 @@ impl Body for RelayBody {
                     this.complete(Outcome::Success);
                     this.done = true;
                 } else {
-                    this.deadline = Instant::now() + this.idle_timeout;
+                    this.deadline = None;
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
