@@ -34,7 +34,7 @@ use balancer_core::admission::{Admission, Shed};
 use balancer_core::clock::Clock;
 use balancer_core::registry::Registry;
 use balancer_core::ring::hash_key;
-use balancer_core::selection::Selector;
+use balancer_core::selection::{Policy, Selector};
 use balancer_core::tokens::Tokens;
 
 pub use crate::bodies::{BoxError, Inbound, ResponseBody, UpstreamBody};
@@ -260,9 +260,11 @@ impl Proxy {
                 }
             },
         };
-        let key = parts
-            .headers
-            .get(&self.config.routing_key_header)
+        // Only consistent hashing routes by key: other policies are spared
+        // the lookup of a custom header name (hashed byte by byte).
+        let key = (self.selector.policy() == Policy::ConsistentHash)
+            .then(|| parts.headers.get(&self.config.routing_key_header))
+            .flatten()
             .map(|v| hash_key(v.as_bytes()));
         let headers = Forwarded::new(
             parts.headers,

@@ -157,6 +157,23 @@ pub(crate) async fn read_body(
     mut body: Inbound,
     limits: &BodyLimits,
 ) -> Result<RequestBody, BodyError> {
+    // A body the server read whole with its head is kept as it came (it
+    // shares the connection's read buffer): no copy and no frame loop.
+    // Only one larger than the replay buffer streams on, as any other.
+    if let Inbound::Whole(whole) = &mut body {
+        let data = whole.take().unwrap_or_default();
+        if data.len() as u64 > limits.max_payload {
+            return Err(BodyError::TooLarge);
+        }
+        if data.len() <= limits.max_buffered {
+            let mut lease = Lease::new(&limits.budget);
+            if !lease.grow(data.len()) {
+                return Err(BodyError::OverBudget);
+            }
+            return Ok(RequestBody::Replayable(data, Arc::new(lease)));
+        }
+        *whole = Some(data);
+    }
     let declared = headers
         .get(CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -313,5 +330,62 @@ impl hyper::body::Body for Chained {
             Some(chunk) => Poll::Ready(Some(Ok(Frame::data(chunk)))),
             None => Pin::new(&mut self.rest).poll_frame(cx),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http_body_util::BodyExt as _;
+
+    use super::*;
+
+    fn bounds(max_payload: u64, max_buffered: usize, budget: usize) -> BodyLimits {
+        BodyLimits {
+            max_payload,
+            max_buffered,
+            stall: Duration::from_secs(1),
+            budget: BufferBudget::new(budget),
+        }
+    }
+
+    async fn read(body: &'static [u8], limits: &BodyLimits) -> Result<RequestBody, BodyError> {
+        let body = Inbound::whole(Bytes::from_static(body));
+        read_body(&HeaderMap::new(), body, limits).await
+    }
+
+    #[tokio::test]
+    async fn a_whole_body_is_kept_as_it_came_under_the_bounds() {
+        let limits = bounds(100, 10, 100);
+        let sent = Bytes::from_static(b"{\"a\":1}");
+        let body = read_body(&HeaderMap::new(), Inbound::whole(sent.clone()), &limits).await;
+        let Ok(RequestBody::Replayable(kept, lease)) = body else {
+            panic!("a small whole body is replayable");
+        };
+        assert_eq!(kept.as_ptr(), sent.as_ptr(), "not copied");
+        assert_eq!(limits.budget.used(), 7);
+        drop(lease);
+        assert_eq!(limits.budget.used(), 0);
+        let empty = read(b"", &limits).await;
+        assert!(matches!(empty, Ok(RequestBody::Replayable(b, _)) if b.is_empty()));
+
+        assert!(matches!(
+            read(b"0123456789abcdef", &bounds(15, 100, 100)).await,
+            Err(BodyError::TooLarge)
+        ));
+        assert!(matches!(
+            read(b"0123456789", &bounds(100, 100, 9)).await,
+            Err(BodyError::OverBudget)
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_whole_body_past_the_replay_buffer_streams_on_whole() {
+        let limits = bounds(100, 4, 100);
+        let Ok(RequestBody::Streaming(prefix, rest)) = read(b"0123456789", &limits).await else {
+            panic!("past the replay buffer, a body streams");
+        };
+        let mut sent: Vec<u8> = prefix.concat();
+        sent.extend_from_slice(&rest.collect().await.unwrap().to_bytes());
+        assert_eq!(sent, b"0123456789");
     }
 }
