@@ -113,27 +113,35 @@ impl<'a> Scanner<'a> {
     /// The members of an object whose `{` was read, through its `}`:
     /// `member` reads each value, handed the scanner and the raw key.
     fn object(&mut self, mut member: impl FnMut(&mut Self, &'a [u8]) -> Option<()>) -> Option<()> {
+        self.items(b'}', |s| {
+            if s.next()? != b'"' {
+                return None;
+            }
+            let key = s.string()?;
+            s.ws();
+            if s.next()? != b':' {
+                return None;
+            }
+            s.ws();
+            member(s, key)
+        })
+    }
+
+    /// The comma-separated items of an object or array whose opening was
+    /// read, through `close`: `item` reads each, from its first byte.
+    fn items(&mut self, close: u8, mut item: impl FnMut(&mut Self) -> Option<()>) -> Option<()> {
         self.ws();
-        if self.peek()? == b'}' {
+        if self.peek()? == close {
             self.i += 1;
             return Some(());
         }
         loop {
             self.ws();
-            if self.next()? != b'"' {
-                return None;
-            }
-            let key = self.string()?;
-            self.ws();
-            if self.next()? != b':' {
-                return None;
-            }
-            self.ws();
-            member(self, key)?;
+            item(self)?;
             self.ws();
             match self.next()? {
-                b',' => continue,
-                b'}' => return Some(()),
+                b',' => {}
+                c if c == close => return Some(()),
                 _ => return None,
             }
         }
@@ -147,23 +155,7 @@ impl<'a> Scanner<'a> {
         match self.next()? {
             b'"' => self.string().map(drop),
             b'{' => self.object(|s, _| s.value(depth + 1)),
-            b'[' => {
-                self.ws();
-                if self.peek()? == b']' {
-                    self.i += 1;
-                    return Some(());
-                }
-                loop {
-                    self.ws();
-                    self.value(depth + 1)?;
-                    self.ws();
-                    match self.next()? {
-                        b',' => continue,
-                        b']' => return Some(()),
-                        _ => return None,
-                    }
-                }
-            }
+            b'[' => self.items(b']', |s| s.value(depth + 1)),
             b't' => self.literal(b"rue"),
             b'f' => self.literal(b"alse"),
             b'n' => self.literal(b"ull"),
