@@ -72,9 +72,13 @@ pub enum PinError {
         source: io::Error,
     },
     #[error(
-        "links {links:?} are unpinned but still loaded after {waited:?}: a running process holds them"
+        "links {links:?} (programs {programs:?}) are unpinned but still loaded after {waited:?}: a running process holds them"
     )]
-    Held { links: Vec<u32>, waited: Duration },
+    Held {
+        links: Vec<u32>,
+        programs: Vec<u32>,
+        waited: Duration,
+    },
 }
 
 /// The pinned state of one set of interfaces in one mode.

@@ -140,14 +140,15 @@ fn describe(out: &mut String, dir: &PinDir) {
     }
 }
 
-/// The ids of the links pinned in `dir`; the descriptors opened to read
-/// them are closed on return, so they hold nothing.
-fn link_ids(dir: &PinDir) -> Vec<u32> {
+/// The ids of the links pinned in `dir`, each with its program's; the
+/// descriptors opened to read them are closed on return, so they hold
+/// nothing.
+fn link_ids(dir: &PinDir) -> Vec<(u32, u32)> {
     dir.links()
         .into_iter()
         .filter_map(|(path, _, _)| {
             let link = FdLink::from(PinnedLink::from_pin(&path).ok()?);
-            link.info().ok().map(|info| info.id())
+            link.info().ok().map(|info| (info.id(), info.program_id()))
         })
         .collect()
 }
@@ -155,24 +156,34 @@ fn link_ids(dir: &PinDir) -> Vec<u32> {
 /// How long [`detach_all`] waits for the kernel to free unpinned links.
 const RELEASE_BOUND: Duration = Duration::from_secs(2);
 
-/// Waits until none of `ids` is loaded. The kernel frees a link whose last
-/// pin is unlinked in deferred work, so it may still hold its program on the
-/// interface for a moment after `unlink` returns; a link that stays is held
-/// by some process's descriptor (a running agent), which the caller must hear.
-fn released(ids: &[u32]) -> Result<(), PinError> {
+/// Waits until none of `links` (link id, program id) is loaded, nor the
+/// program it ran. The kernel frees a link whose last pin is unlinked in
+/// deferred work, and frees its id *before* it takes the program off the
+/// interface (under the RTNL lock, which namespace churn can hold for a
+/// while); the program's id goes only after that detach. So a link id gone
+/// is not enough, its program's id gone is. Whatever stays past the bound
+/// is held by some process's descriptor (a running agent), which the caller
+/// must hear.
+fn released(links: &[(u32, u32)]) -> Result<(), PinError> {
     let deadline = Instant::now() + RELEASE_BOUND;
     loop {
-        let held: Vec<u32> = aya::programs::loaded_links()
+        let held_links: Vec<u32> = aya::programs::loaded_links()
             .filter_map(Result::ok)
             .map(|info| info.id())
-            .filter(|id| ids.contains(id))
+            .filter(|id| links.iter().any(|(link, _)| link == id))
             .collect();
-        if held.is_empty() {
+        let held_programs: Vec<u32> = aya::programs::loaded_programs()
+            .filter_map(Result::ok)
+            .map(|info| info.id())
+            .filter(|id| links.iter().any(|(_, program)| program == id))
+            .collect();
+        if held_links.is_empty() && held_programs.is_empty() {
             return Ok(());
         }
         if Instant::now() >= deadline {
             return Err(PinError::Held {
-                links: held,
+                links: held_links,
+                programs: held_programs,
                 waited: RELEASE_BOUND,
             });
         }
