@@ -44,14 +44,20 @@ impl Usage {
 pub fn find_usage(tail: &[u8]) -> Option<Usage> {
     // Bytes, not text: every key is ASCII, and a tail cut inside a UTF-8
     // character must still be read. The searchers are built once: building
-    // one costs more than searching a chunk.
-    static USAGE: LazyLock<memmem::FinderRev<'static>> =
-        LazyLock::new(|| memmem::FinderRev::new(b"\"usage\""));
+    // one costs more than searching a chunk. The last `usage` is found
+    // searching forward: the forward searcher is vectorised, the reverse
+    // one is not, and a tail holds one `usage` or a few.
+    static USAGE: LazyLock<memmem::Finder<'static>> =
+        LazyLock::new(|| memmem::Finder::new(b"\"usage\""));
     static PROMPT: LazyLock<memmem::Finder<'static>> =
         LazyLock::new(|| memmem::Finder::new(b"\"prompt_tokens\""));
     static COMPLETION: LazyLock<memmem::Finder<'static>> =
         LazyLock::new(|| memmem::Finder::new(b"\"completion_tokens\""));
-    let object = &tail[USAGE.rfind(tail)?..];
+    let mut at = USAGE.find(tail)?;
+    while let Some(next) = USAGE.find(&tail[at + 1..]) {
+        at += 1 + next;
+    }
+    let object = &tail[at..];
     let number = |key: &memmem::Finder<'_>| -> Option<u64> {
         let rest = &object[key.find(object)? + key.needle().len()..];
         let rest = rest
@@ -131,6 +137,17 @@ pub struct ModelTokens {
 }
 
 impl ModelTokens {
+    /// Adds one response's usage to the counters and, when the model has a
+    /// budget, to the current second of its minute.
+    pub fn record(&self, usage: Usage, now: Nanos) {
+        self.prompt.fetch_add(usage.prompt, Ordering::Relaxed);
+        self.completion
+            .fetch_add(usage.completion, Ordering::Relaxed);
+        if let Some(b) = &self.budget {
+            b.add(now, usage.total());
+        }
+    }
+
     /// The model's `--token-budget`, in tokens per rolling minute; `None` when it has none.
     pub fn budget_limit(&self) -> Option<u64> {
         self.budget.as_ref().map(|b| b.limit)
@@ -167,7 +184,10 @@ impl Tokens {
         }
     }
 
-    fn entry(&self, model: &str) -> Arc<ModelTokens> {
+    /// `model`'s counters, created on first use. The caller holds them for
+    /// a response and records on them when its usage is read: one lookup
+    /// per request.
+    pub fn counters(&self, model: &str) -> Arc<ModelTokens> {
         if let Some(t) = self.models.load().get(model) {
             return t.clone();
         }
@@ -185,7 +205,8 @@ impl Tokens {
 
     /// Whether `model` has a `--token-budget`.
     pub fn is_budgeted(&self, model: &str) -> bool {
-        self.snapshot()
+        self.models
+            .load()
             .get(model)
             .is_some_and(|m| m.budget_limit().is_some())
     }
@@ -197,17 +218,6 @@ impl Tokens {
         let wait = t.budget.as_ref()?.exceeded(now)?;
         t.budget_exceeded.fetch_add(1, Ordering::Relaxed);
         Some(wait.max(1))
-    }
-
-    /// Adds one response's usage to `model`'s counters and, when it has a budget, to the current
-    /// second of its minute.
-    pub fn record(&self, model: &str, usage: Usage, now: Nanos) {
-        let t = self.entry(model);
-        t.prompt.fetch_add(usage.prompt, Ordering::Relaxed);
-        t.completion.fetch_add(usage.completion, Ordering::Relaxed);
-        if let Some(b) = &t.budget {
-            b.add(now, usage.total());
-        }
     }
 
     /// Every model's counters, for metrics: the counters stay live, but models first recorded later
@@ -293,6 +303,16 @@ data: [DONE]
         let two = br#"{"usage":{"completion_tokens":1}} {"usage":{"completion_tokens":99999999999999999999}}"#;
         assert_eq!(find_usage(two), None);
         assert_eq!(find_usage(br#"{"usage":{"completion_tokens":}}"#), None);
+        // Only counts after the last usage key count.
+        let later = br#"{"usage":{"prompt_tokens":5,"completion_tokens":1}} {"usage":{"completion_tokens":2,"completion_tokens_details":{"reasoning_tokens":1}}}"#;
+        assert_eq!(
+            find_usage(later),
+            Some(Usage {
+                prompt: 0,
+                completion: 2
+            })
+        );
+        assert_eq!(find_usage(br#"{"completion_tokens":4}"#), None);
     }
 
     #[test]
@@ -300,8 +320,7 @@ data: [DONE]
         let t = Tokens::new(&[("m".to_owned(), 100)]);
         let at = |s: u64| s * SECOND;
         assert_eq!(t.budget_exceeded("m", at(0)), None);
-        t.record(
-            "m",
+        t.counters("m").record(
             Usage {
                 prompt: 30,
                 completion: 30,
@@ -309,8 +328,7 @@ data: [DONE]
             at(0),
         );
         assert_eq!(t.budget_exceeded("m", at(10)), None);
-        t.record(
-            "m",
+        t.counters("m").record(
             Usage {
                 prompt: 20,
                 completion: 20,

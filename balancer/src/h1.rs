@@ -295,11 +295,23 @@ fn parse_head(
                 // header less to copy into a map and out again.
                 continue;
             }
+            // The framing headers describe this hop only: read here, and
+            // left out of the map the relay would strip them from.
             if name.eq_ignore_ascii_case(b"transfer-encoding") {
                 chunked = value
                     .rsplit(|&b| b == b',')
                     .next()
                     .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+                continue;
+            } else if name.eq_ignore_ascii_case(b"connection") {
+                if value.eq_ignore_ascii_case(b"close") {
+                    close = true;
+                } else if value.eq_ignore_ascii_case(b"keep-alive") {
+                    close = false;
+                }
+                continue;
+            } else if name.eq_ignore_ascii_case(b"keep-alive") {
+                continue;
             } else if name.eq_ignore_ascii_case(b"content-length") {
                 let n = parse_length(value.trim_ascii())
                     .ok_or_else(|| H1Error::Malformed("content-length".to_owned()))?;
@@ -307,12 +319,6 @@ fn parse_head(
                     return Err(H1Error::Malformed("two content-lengths".to_owned()));
                 }
                 length = Some(n);
-            } else if name.eq_ignore_ascii_case(b"connection") {
-                if value.eq_ignore_ascii_case(b"close") {
-                    close = true;
-                } else if value.eq_ignore_ascii_case(b"keep-alive") {
-                    close = false;
-                }
             }
             fields[kept] = Field::of(buf, h);
             kept += 1;

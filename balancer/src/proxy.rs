@@ -20,6 +20,7 @@ mod route;
 mod scan;
 mod stats;
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -190,8 +191,8 @@ impl Proxy {
             }
         }
         let (path, inference) = match self.config.routes.route(req.method(), req.uri().path()) {
-            Route::Inference(path) => (path, true),
-            Route::Forward(path) => (path, false),
+            Route::Inference(path) => (Cow::Borrowed(path), true),
+            Route::Forward(path) => (Cow::Owned(path), false),
             Route::MethodNotAllowed(allow) => return self.method_not_allowed(allow),
             Route::NotFound => {
                 return self.gateway_error(
@@ -273,7 +274,7 @@ impl Proxy {
             self.config.trusted_proxy_hops,
         );
         let path = match parts.uri.query() {
-            Some(query) => format!("{path}?{query}"),
+            Some(query) => Cow::Owned(format!("{path}?{query}")),
             None => path,
         };
         let mut request = Outgoing {
@@ -314,7 +315,7 @@ impl Proxy {
     /// The label a model's token series carry: its name when a worker
     /// declares it or the configuration names it, `other` otherwise, so a
     /// client cannot grow the metrics by inventing names.
-    pub(crate) fn model_label(&self, model: &str) -> String {
+    pub(crate) fn model_label<'a>(&self, model: &'a str) -> &'a str {
         let known = self.tokens.is_budgeted(model)
             || self.registry.fleet().declares(model)
             || self
@@ -322,7 +323,7 @@ impl Proxy {
                 .fallbacks
                 .iter()
                 .any(|(from, to)| from == model || to == model);
-        if known { model } else { "other" }.to_owned()
+        if known { model } else { "other" }
     }
 
     fn readiness(&self) -> Response<ResponseBody> {

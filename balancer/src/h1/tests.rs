@@ -96,6 +96,15 @@ fn response_heads_are_parsed_with_their_framing() {
             String::from_utf8_lossy(head)
         );
     }
+    // The map holds the end-to-end headers; the framing ones (and the
+    // worker's date) were read for this hop and left out.
+    let mut buf = BytesMut::from(
+        &b"HTTP/1.1 200 OK\r\nDate: x\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\n\
+           Transfer-Encoding: chunked\r\nContent-Type: text/plain\r\nX-Worker: 7\r\n\r\n"[..],
+    );
+    let (parts, _) = parse_head(&mut buf, &Method::POST).unwrap().unwrap();
+    let names: Vec<&str> = parts.headers.keys().map(|n| n.as_str()).collect();
+    assert_eq!(names, ["content-type", "x-worker"]);
     for bad in [
         &b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n"[..],
         b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n",

@@ -179,7 +179,7 @@ impl Proxy {
                         tokens: req
                             .model
                             .as_deref()
-                            .map(|m| (self.tokens.clone(), self.model_label(m))),
+                            .map(|m| self.tokens.counters(self.model_label(m))),
                         stats: self.stats.clone(),
                         clock: self.clock.clone(),
                     };
@@ -325,7 +325,7 @@ impl Proxy {
         let uri = Uri::builder()
             .scheme(worker.address.scheme.clone())
             .authority(worker.address.authority.clone())
-            .path_and_query(req.path.as_str())
+            .path_and_query(&*req.path)
             .build()
             .inspect_err(|e| {
                 tracing::warn!(worker = %worker.url, error = %e, "cannot build the worker URI");

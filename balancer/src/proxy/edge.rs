@@ -52,7 +52,8 @@ const MODEL_ROUTES: &[&str] = &["/v1/models"];
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Route {
     /// A JSON inference route: forwarded, its body must be a JSON object.
-    Inference(String),
+    /// One of a fixed list, so it borrows the list's spelling.
+    Inference(&'static str),
     /// Any other allowed route: forwarded as it is.
     Forward(String),
     /// Allowed path, method not allowed there.
@@ -113,14 +114,14 @@ impl Routes {
         let Some(path) = normalize_path(path) else {
             return Route::BadPath;
         };
-        let path = path.into_owned();
-        if INFERENCE_ROUTES.contains(&path.as_str()) {
+        if let Some(&route) = INFERENCE_ROUTES.iter().find(|&&r| r == path) {
             return if method == Method::POST {
-                Route::Inference(path)
+                Route::Inference(route)
             } else {
                 Route::MethodNotAllowed("POST")
             };
         }
+        let path = path.into_owned();
         let models = MODEL_ROUTES.contains(&path.as_str())
             || path
                 .strip_prefix("/v1/models/")
@@ -425,7 +426,7 @@ mod tests {
         let r = Routes::default();
         assert_eq!(
             r.route(&Method::POST, "/v1//chat/completions"),
-            Route::Inference("/v1/chat/completions".into())
+            Route::Inference("/v1/chat/completions")
         );
         assert_eq!(
             r.route(&Method::GET, "/v1/models/llama"),

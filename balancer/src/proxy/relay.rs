@@ -23,7 +23,7 @@ use balancer_core::admission::Permit;
 use balancer_core::breaker::{Classifier, FailureReason, Outcome, RequestCharges};
 use balancer_core::clock::Clock;
 use balancer_core::registry::Attempt;
-use balancer_core::tokens::{Tokens, find_usage};
+use balancer_core::tokens::{ModelTokens, find_usage};
 use http::Response;
 use http::header::{self, HeaderValue};
 
@@ -53,8 +53,9 @@ pub struct Completion {
     /// How long after `attempt_started` the response headers came.
     pub headers_after: Duration,
     pub classifier: Classifier,
-    /// Where to count the response's tokens, and for which model.
-    pub tokens: Option<(Arc<Tokens>, String)>,
+    /// The counters of the request's model (by its metrics label), where
+    /// the response's tokens count.
+    pub tokens: Option<Arc<ModelTokens>>,
     pub stats: Arc<GatewayStats>,
     pub clock: Arc<dyn Clock>,
 }
@@ -66,8 +67,8 @@ impl Completion {
         let worker = self.attempt.worker().clone();
         let outcome = if outcome == Outcome::Success {
             worker.ttfb.observe(first_byte);
-            if let (Some((tokens, model)), Some(usage)) = (&self.tokens, tail.usage()) {
-                tokens.record(model, usage, self.clock.now());
+            if let (Some(tokens), Some(usage)) = (&self.tokens, tail.usage()) {
+                tokens.record(usage, self.clock.now());
             }
             self.classifier.with_latency(outcome, first_byte)
         } else {

@@ -5,6 +5,8 @@
 //! fallback model; and the choice of a worker with its breaker admission. It
 //! reads the fleet and admits on breakers; it records no outcome.
 
+use std::borrow::Cow;
+
 use bytes::Bytes;
 use http::Method;
 use http::header::{self, HeaderMap};
@@ -19,7 +21,9 @@ use super::scan::{self, Found};
 /// What every attempt of one request sends.
 pub(crate) struct Outgoing {
     pub(crate) method: Method,
-    pub(crate) path: String,
+    /// The normalised path and the query: an inference route's is the
+    /// route list's own spelling, borrowed.
+    pub(crate) path: Cow<'static, str>,
     pub(crate) headers: Forwarded,
     pub(crate) model: Option<String>,
     pub(crate) key: Option<u64>,

@@ -56,6 +56,19 @@ pub(crate) fn model(body: &[u8]) -> Option<Found<'_>> {
     Some(model.map_or(Found::NoModel, Found::Model))
 }
 
+/// The bytes of a string that are not plain text: its end, an escape, a
+/// control character (refused), and the start of a non-ASCII character
+/// (checked as UTF-8 at the end).
+static SPECIAL: [bool; 256] = {
+    let mut table = [false; 256];
+    let mut c = 0;
+    while c < 256 {
+        table[c] = c == b'"' as usize || c == b'\\' as usize || c < 0x20 || c >= 0x80;
+        c += 1;
+    }
+    table
+};
+
 struct Scanner<'a> {
     b: &'a [u8],
     i: usize,
@@ -84,6 +97,13 @@ impl<'a> Scanner<'a> {
         let start = self.i;
         let mut ascii = true;
         loop {
+            // Most of a string is plain: skip to the next byte that means
+            // something in one tight loop.
+            self.i += self
+                .b
+                .get(self.i..)?
+                .iter()
+                .position(|&c| SPECIAL[c as usize])?;
             let c = self.next()?;
             match c {
                 b'"' => break,
