@@ -129,15 +129,14 @@ impl H1Pool {
         addr: SocketAddr,
         request: &H1Request<'_>,
     ) -> Result<Response<H1Body>, H1Error> {
-        let mut head = BytesMut::new();
-        request.encode(&mut head);
-        let head = head.freeze();
+        let mut head = Scratch::take();
+        request.encode(&mut head.0);
         let key = Key {
             addr,
             tls: request.tls,
         };
         if let Some(conn) = self.checkout(key) {
-            match exchange(conn, &head, request).await {
+            match exchange(conn, &head.0, request).await {
                 Err(Stale) => {}
                 Ok(result) => return result.map(|(parts, conn)| self.response(parts, conn)),
             }
@@ -146,7 +145,7 @@ impl H1Pool {
         // only when no pooled connection is there; unboxed, every request's
         // future would carry its size.
         let conn = Box::pin(self.connect(key, request.authority)).await?;
-        match exchange(conn, &head, request).await {
+        match exchange(conn, &head.0, request).await {
             Err(Stale) => Err(H1Error::Closed),
             Ok(result) => result.map(|(parts, conn)| self.response(parts, conn)),
         }
@@ -161,6 +160,34 @@ impl H1Pool {
     }
 }
 
+/// The buffer a request head is encoded into, kept by the serving thread
+/// between requests so that a head costs no allocation. Taken for one
+/// request and given back when it is dropped; a request that starts while
+/// another holds it gets a fresh one (the last one given back stays).
+struct Scratch(BytesMut);
+
+/// A head buffer that grew past this is not kept.
+const SCRATCH_KEPT: usize = 16 * 1024;
+
+thread_local! {
+    static SCRATCH: std::cell::Cell<Option<BytesMut>> = const { std::cell::Cell::new(None) };
+}
+
+impl Scratch {
+    fn take() -> Self {
+        Self(SCRATCH.take().unwrap_or_default())
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if self.0.capacity() <= SCRATCH_KEPT {
+            self.0.clear();
+            SCRATCH.set(Some(std::mem::take(&mut self.0)));
+        }
+    }
+}
+
 /// A reused connection was closed before it carried the request.
 struct Stale;
 
@@ -170,7 +197,7 @@ type Exchanged = Result<((http::response::Parts, Framing), Conn), H1Error>;
 /// reused connection ended before a single byte of the answer.
 async fn exchange(
     mut conn: Conn,
-    head: &Bytes,
+    head: &[u8],
     request: &H1Request<'_>,
 ) -> Result<Exchanged, Stale> {
     let reused = conn.reused;

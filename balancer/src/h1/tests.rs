@@ -65,6 +65,24 @@ fn the_request_head_carries_host_length_and_the_forwarded_headers() {
 }
 
 #[test]
+fn the_head_buffer_comes_back_empty_and_a_large_one_is_not_kept() {
+    let mut head = Scratch::take();
+    head.0.extend_from_slice(b"POST / HTTP/1.1\r\n");
+    let capacity = head.0.capacity();
+    drop(head);
+    let again = Scratch::take();
+    assert!(again.0.is_empty());
+    assert_eq!(again.0.capacity(), capacity, "the buffer was not reused");
+    // Taken while held: a fresh one.
+    assert_eq!(Scratch::take().0.capacity(), 0);
+    drop(again);
+    let mut large = Scratch::take();
+    large.0.reserve(SCRATCH_KEPT * 2);
+    drop(large);
+    assert_eq!(Scratch::take().0.capacity(), 0, "a grown buffer was kept");
+}
+
+#[test]
 fn response_heads_are_parsed_with_their_framing() {
     let cases: [(&[u8], Option<Framing>); 6] = [
         (

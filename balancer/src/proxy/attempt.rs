@@ -13,6 +13,7 @@ use http::header::{self, HeaderMap};
 use http::{Request, Response, Uri};
 use http_body_util::Full;
 use hyper::body::Incoming;
+use smallvec::SmallVec;
 
 use balancer_core::admission::Permit;
 use balancer_core::breaker::{FailureReason, Outcome, RequestCharges};
@@ -89,7 +90,8 @@ impl Proxy {
         started: Instant,
     ) -> Response<ResponseBody> {
         let mut charges = RequestCharges::default();
-        let mut tried: Vec<u64> = Vec::new();
+        // Inline for the usual few attempts: no allocation per request.
+        let mut tried: SmallVec<[u64; 4]> = SmallVec::new();
         // A streamed body's faults are the client's: found there, an
         // attempt's failure is answered for the client and charged to no one.
         let fault = match &body {

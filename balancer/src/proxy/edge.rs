@@ -180,14 +180,12 @@ fn is_clean(path: &str) -> bool {
     if bytes.len() > 1 && bytes.ends_with(b"/") {
         return false;
     }
-    let mut previous = 0;
-    for &b in bytes {
-        if b == b'%' || (previous == b'/' && (b == b'/' || b == b'.')) {
-            return false;
-        }
-        previous = b;
-    }
-    true
+    // `contains` on bytes is a vectorised search; the pairs loop has no
+    // state to carry from byte to byte.
+    !bytes.contains(&b'%')
+        && !bytes
+            .windows(2)
+            .any(|pair| pair[0] == b'/' && (pair[1] == b'/' || pair[1] == b'.'))
 }
 
 fn decode_unreserved(path: &str) -> Option<String> {
