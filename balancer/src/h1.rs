@@ -129,14 +129,12 @@ impl H1Pool {
         addr: SocketAddr,
         request: &H1Request<'_>,
     ) -> Result<Response<H1Body>, H1Error> {
-        let mut head = Scratch::take();
-        request.encode(&mut head.0);
         let key = Key {
             addr,
             tls: request.tls,
         };
         if let Some(conn) = self.checkout(key) {
-            match exchange(conn, &head.0, request).await {
+            match exchange(conn, request).await {
                 Err(Stale) => {}
                 Ok(result) => return result.map(|(parts, conn)| self.response(parts, conn)),
             }
@@ -145,7 +143,7 @@ impl H1Pool {
         // only when no pooled connection is there; unboxed, every request's
         // future would carry its size.
         let conn = Box::pin(self.connect(key, request.authority)).await?;
-        match exchange(conn, &head.0, request).await {
+        match exchange(conn, request).await {
             Err(Stale) => Err(H1Error::Closed),
             Ok(result) => result.map(|(parts, conn)| self.response(parts, conn)),
         }
@@ -161,9 +159,9 @@ impl H1Pool {
 }
 
 /// The buffer a request head is encoded into, kept by the serving thread
-/// between requests so that a head costs no allocation. Taken for one
-/// request and given back when it is dropped; a request that starts while
-/// another holds it gets a fresh one (the last one given back stays).
+/// between writes so that a head costs no allocation. Taken for one write
+/// and given back when it is dropped; a write that starts while another
+/// holds it gets a fresh one (the last one given back stays).
 struct Scratch(BytesMut);
 
 /// A head buffer that grew past this is not kept.
@@ -195,14 +193,18 @@ type Exchanged = Result<((http::response::Parts, Framing), Conn), H1Error>;
 
 /// Writes the request and reads the response head. `Err(Stale)` when a
 /// reused connection ended before a single byte of the answer.
-async fn exchange(
-    mut conn: Conn,
-    head: &[u8],
-    request: &H1Request<'_>,
-) -> Result<Exchanged, Stale> {
+async fn exchange(mut conn: Conn, request: &H1Request<'_>) -> Result<Exchanged, Stale> {
     let reused = conn.reused;
     let stale = |e: &H1Error| reused && conn_ended_early(e);
-    if let Err(e) = write_all(&mut conn.stream, head, &request.body).await {
+    // The head is encoded for this write alone (again for a second
+    // connection after a stale one): its buffer goes back to the thread
+    // before the answer is awaited, which for a model can take seconds.
+    let written = {
+        let mut head = Scratch::take();
+        request.encode(&mut head.0);
+        write_all(&mut conn.stream, &head.0, &request.body).await
+    };
+    if let Err(e) = written {
         let e = H1Error::Io(e);
         return if stale(&e) { Err(Stale) } else { Ok(Err(e)) };
     }
