@@ -17,9 +17,9 @@
 //!
 //! The loop keeps hyper's behaviour towards clients: the header-read
 //! timeout (for the first head and every next one, enforced by the
-//! connection's watchdog, so that waiting for a head arms no timer), a client that closes
-//! while its request is in flight cancels it (hyper's default, no
-//! half-close), responses framed by `Content-Length` when their size is
+//! connection's watchdog, so that waiting for a head arms no timer), a
+//! client that closes while its request is in flight cancels it (hyper's
+//! default, no half-close), responses framed by `Content-Length` when their size is
 //! known and chunked otherwise, each frame written as soon as the body has
 //! nothing more ready (streams go out frame by frame, and the socket's
 //! backpressure holds the body), `Date` added, a broken body aborting the
@@ -46,7 +46,6 @@ use http::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper::body::{Body, Frame};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::sync::watch;
-
 use tokio_util::io::poll_read_buf;
 
 use super::{Activity, Busy, Peer, stopped};
