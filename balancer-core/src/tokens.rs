@@ -154,6 +154,17 @@ impl ModelTokens {
     }
 }
 
+/// What a model's token budget says of a new request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Allowance {
+    /// The model has no `--token-budget`.
+    Unbudgeted,
+    /// Budgeted, with tokens left this minute.
+    Within,
+    /// Spent for this minute: seconds to wait (at least 1).
+    Spent(u64),
+}
+
 /// Token counts for every model seen, and the budgets of some.
 #[derive(Debug, Default)]
 pub struct Tokens {
@@ -203,21 +214,30 @@ impl Tokens {
         t
     }
 
-    /// Whether `model` has a `--token-budget`.
-    pub fn is_budgeted(&self, model: &str) -> bool {
-        self.models
-            .load()
-            .get(model)
-            .is_some_and(|m| m.budget_limit().is_some())
+    /// The counters of `model` if it has any yet (it is budgeted, or was
+    /// recorded under its own name before); no lock, no allocation.
+    pub fn existing(&self, model: &str) -> Option<Arc<ModelTokens>> {
+        self.models.load().get(model).cloned()
     }
 
-    /// Seconds to wait when `model`'s budget is spent for this minute.
-    pub fn budget_exceeded(&self, model: &str, now: Nanos) -> Option<u64> {
+    /// What `model`'s `--token-budget` says of a new request. `now` is read
+    /// only for a budgeted model: the common, unbudgeted request reads no
+    /// clock here.
+    pub fn allowance(&self, model: &str, now: impl FnOnce() -> Nanos) -> Allowance {
         let models = self.models.load();
-        let t = models.get(model)?;
-        let wait = t.budget.as_ref()?.exceeded(now)?;
-        t.budget_exceeded.fetch_add(1, Ordering::Relaxed);
-        Some(wait.max(1))
+        let Some((t, budget)) = models
+            .get(model)
+            .and_then(|t| Some((t, t.budget.as_ref()?)))
+        else {
+            return Allowance::Unbudgeted;
+        };
+        match budget.exceeded(now()) {
+            None => Allowance::Within,
+            Some(wait) => {
+                t.budget_exceeded.fetch_add(1, Ordering::Relaxed);
+                Allowance::Spent(wait.max(1))
+            }
+        }
     }
 
     /// Every model's counters, for metrics: the counters stay live, but models first recorded later
@@ -319,7 +339,7 @@ data: [DONE]
     fn budget_is_enforced_over_a_rolling_minute() {
         let t = Tokens::new(&[("m".to_owned(), 100)]);
         let at = |s: u64| s * SECOND;
-        assert_eq!(t.budget_exceeded("m", at(0)), None);
+        assert_eq!(t.allowance("m", || at(0)), Allowance::Within);
         t.counters("m").record(
             Usage {
                 prompt: 30,
@@ -327,7 +347,7 @@ data: [DONE]
             },
             at(0),
         );
-        assert_eq!(t.budget_exceeded("m", at(10)), None);
+        assert_eq!(t.allowance("m", || at(10)), Allowance::Within);
         t.counters("m").record(
             Usage {
                 prompt: 20,
@@ -336,12 +356,12 @@ data: [DONE]
             at(10),
         );
         // 100 spent: the first 60 leave the window at second 60.
-        assert_eq!(t.budget_exceeded("m", at(20)), Some(40));
-        assert_eq!(t.budget_exceeded("m", at(59)), Some(1));
-        assert_eq!(t.budget_exceeded("m", at(60)), None);
+        assert_eq!(t.allowance("m", || at(20)), Allowance::Spent(40));
+        assert_eq!(t.allowance("m", || at(59)), Allowance::Spent(1));
+        assert_eq!(t.allowance("m", || at(60)), Allowance::Within);
         assert_eq!(
-            t.budget_exceeded("other", at(60)),
-            None,
+            t.allowance("other", || unreachable!("no clock read without a budget")),
+            Allowance::Unbudgeted,
             "no budget, no limit"
         );
         assert_eq!(t.snapshot()["m"].budget_exceeded.load(Ordering::Relaxed), 2);

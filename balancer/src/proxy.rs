@@ -36,7 +36,7 @@ use balancer_core::clock::Clock;
 use balancer_core::registry::Registry;
 use balancer_core::ring::hash_key;
 use balancer_core::selection::{Policy, Selector};
-use balancer_core::tokens::Tokens;
+use balancer_core::tokens::{Allowance, ModelTokens, Tokens};
 
 pub use crate::bodies::{BoxError, Inbound, ResponseBody, UpstreamBody};
 pub use answer::{ErrorCode, error_response};
@@ -286,24 +286,32 @@ impl Proxy {
             fallback_from: None,
         };
         let mut body = Some(body);
-        while let Some(wait) = request
-            .model
-            .as_deref()
-            .and_then(|m| self.tokens.budget_exceeded(m, self.clock.now()))
-        {
-            if !self.take_fallback(&mut request, &mut body) {
-                let model = request.model.as_deref().unwrap_or_default();
-                return self.gateway_error(
-                    ErrorCode::TokenBudgetExceeded,
-                    &format!("the token budget of model {model:?} is spent for this minute"),
-                    Some(wait),
-                );
+        let mut budgeted = false;
+        while let Some(model) = request.model.as_deref() {
+            match self.tokens.allowance(model, || self.clock.now()) {
+                Allowance::Unbudgeted => break,
+                Allowance::Within => {
+                    budgeted = true;
+                    break;
+                }
+                Allowance::Spent(wait) => {
+                    if !self.take_fallback(&mut request, &mut body) {
+                        let model = request.model.as_deref().unwrap_or_default();
+                        return self.gateway_error(
+                            ErrorCode::TokenBudgetExceeded,
+                            &format!(
+                                "the token budget of model {model:?} is spent for this minute"
+                            ),
+                            Some(wait),
+                        );
+                    }
+                }
             }
         }
         let mut body = body.expect("a request body is only ever swapped for another");
         // A budget counts streamed tokens only if the worker reports them.
-        if let (Some(model), RequestBody::Replayable(bytes, lease)) = (&request.model, &body)
-            && self.tokens.is_budgeted(model)
+        if budgeted
+            && let RequestBody::Replayable(bytes, lease) = &body
             && let Some(asking) = with_usage_requested(bytes)
         {
             body = RequestBody::Replayable(asking, lease.clone());
@@ -312,18 +320,23 @@ impl Proxy {
             .await
     }
 
-    /// The label a model's token series carry: its name when a worker
-    /// declares it or the configuration names it, `other` otherwise, so a
-    /// client cannot grow the metrics by inventing names.
-    pub(crate) fn model_label<'a>(&self, model: &'a str) -> &'a str {
-        let known = self.tokens.is_budgeted(model)
-            || self.registry.fleet().declares(model)
+    /// The counters a response's tokens go to. They carry the model's name
+    /// when a worker declares it or the configuration names it, `other`
+    /// otherwise, so a client cannot grow the metrics by inventing names.
+    pub(crate) fn model_tokens(&self, model: &str) -> Arc<ModelTokens> {
+        // Counters exist only for the budgeted models and under names found
+        // known when first counted: one lookup for every model but a new
+        // one.
+        if let Some(tokens) = self.tokens.existing(model) {
+            return tokens;
+        }
+        let known = self.registry.fleet().declares(model)
             || self
                 .config
                 .fallbacks
                 .iter()
                 .any(|(from, to)| from == model || to == model);
-        if known { model } else { "other" }
+        self.tokens.counters(if known { model } else { "other" })
     }
 
     fn readiness(&self) -> Response<ResponseBody> {
