@@ -41,11 +41,7 @@ pub struct Admin {
 const MAX_BODY: usize = 1 << 20;
 
 fn respond(status: StatusCode, body: Value) -> Response<ResponseBody> {
-    let mut r = Response::new(
-        Full::new(Bytes::from(body.to_string()))
-            .map_err(|never| match never {})
-            .boxed_unsync(),
-    );
+    let mut r = Response::new(ResponseBody::new(Full::new(Bytes::from(body.to_string()))));
     *r.status_mut() = status;
     r.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -55,8 +51,7 @@ fn respond(status: StatusCode, body: Value) -> Response<ResponseBody> {
 }
 
 fn error(code: ErrorCode, message: &str) -> Response<ResponseBody> {
-    error_response::<Full<Bytes>>(code, message, None)
-        .map(|b| b.map_err(|never| match never {}).boxed_unsync())
+    error_response::<Full<Bytes>>(code, message, None).map(ResponseBody::new)
 }
 
 /// `PATCH /workers/{id}` body.

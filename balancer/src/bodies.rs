@@ -3,14 +3,88 @@
 //! server, the proxy and the admin API all name these, so none of them
 //! depends on another for them.
 
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
 use bytes::Bytes;
+use http_body_util::BodyExt;
 use http_body_util::combinators::UnsyncBoxBody;
+use hyper::body::{Body, Frame, SizeHint};
+
+use crate::wire::RawFields;
 
 /// Any error a body may end with.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// The body type of every response the gateway sends.
-pub type ResponseBody = UnsyncBoxBody<Bytes, BoxError>;
+/// The body of every response the gateway sends, with the worker's header
+/// fields when they are relayed as they came: the response's map then holds
+/// only what the gateway adds, and an HTTP/1.1 writer copies the fields out
+/// without a map built for them (a writer that needs one merges them in).
+pub struct ResponseBody {
+    inner: UnsyncBoxBody<Bytes, BoxError>,
+    fields: RawFields,
+}
+
+impl ResponseBody {
+    pub fn new<B>(body: B) -> Self
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        Self::relayed(body, RawFields::default())
+    }
+
+    /// `body`, under the worker's `fields`.
+    pub(crate) fn relayed<B>(body: B, fields: RawFields) -> Self
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        Self {
+            inner: body.map_err(Into::into).boxed_unsync(),
+            fields,
+        }
+    }
+
+    /// The worker's fields relayed as they came (none for the gateway's own
+    /// answers).
+    pub(crate) fn fields(&self) -> &RawFields {
+        &self.fields
+    }
+
+    /// The fields, taken out (for a writer that merges them into the map).
+    pub(crate) fn take_fields(&mut self) -> RawFields {
+        std::mem::take(&mut self.fields)
+    }
+}
+
+impl std::fmt::Debug for ResponseBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseBody")
+            .field("fields", &self.fields)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Body for ResponseBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
 
 /// The body type of every request the gateway sends to a worker.
 pub type UpstreamBody = UnsyncBoxBody<Bytes, BoxError>;

@@ -13,7 +13,7 @@ use std::time::Duration;
 use anyhow::Context;
 use bytes::Bytes;
 use http::{HeaderValue, Response, header};
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -31,7 +31,7 @@ use crate::config::GatewayConfig;
 use crate::discovery::etcd::EtcdDiscovery;
 use crate::discovery::{Discovery, FleetUpdates, OnAdded, StaticList};
 use crate::metrics::Exposition;
-use crate::proxy::{GatewayStats, Prober, Proxy};
+use crate::proxy::{GatewayStats, Prober, Proxy, ResponseBody};
 use crate::server::{ConnectionLimits, serve};
 use crate::tls::{ServingTls, TlsStats, WorkerTls};
 
@@ -303,11 +303,9 @@ impl Gateway {
         listeners.spawn(serve(
             metrics,
             move |_req, _peer| {
-                let mut r = Response::new(
-                    Full::new(Bytes::from(exposition.render()))
-                        .map_err(|never| match never {})
-                        .boxed_unsync(),
-                );
+                let mut r = Response::new(ResponseBody::new(Full::new(Bytes::from(
+                    exposition.render(),
+                ))));
                 r.headers_mut().insert(
                     header::CONTENT_TYPE,
                     HeaderValue::from_static("text/plain; version=0.0.4"),

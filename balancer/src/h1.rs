@@ -36,7 +36,7 @@ use tokio_util::io::poll_read_buf;
 
 use crate::bodies::BoxError;
 use crate::proxy::Forwarded;
-use crate::wire::{Field, decimal, header_map, parse_length, put_header};
+use crate::wire::{Field, RawFields, decimal, parse_length, put_header};
 
 pub use body::H1Body;
 pub use pool::H1Pool;
@@ -149,12 +149,9 @@ impl H1Pool {
         }
     }
 
-    fn response(
-        &self,
-        (parts, framing): (http::response::Parts, Framing),
-        conn: Conn,
-    ) -> Response<H1Body> {
-        Response::from_parts(parts, H1Body::new(conn, framing, self.clone()))
+    fn response(&self, head: Head, conn: Conn) -> Response<H1Body> {
+        let body = H1Body::new(conn, head.framing, head.fields, self.clone());
+        Response::from_parts(head.parts, body)
     }
 }
 
@@ -189,7 +186,15 @@ impl Drop for Scratch {
 /// A reused connection was closed before it carried the request.
 struct Stale;
 
-type Exchanged = Result<((http::response::Parts, Framing), Conn), H1Error>;
+/// A parsed response head: status and version in `parts`, whose map stays
+/// empty; the fields to relay as they came; the body's framing.
+struct Head {
+    parts: http::response::Parts,
+    fields: RawFields,
+    framing: Framing,
+}
+
+type Exchanged = Result<(Head, Conn), H1Error>;
 
 /// Writes the request and reads the response head. `Err(Stale)` when a
 /// reused connection ended before a single byte of the answer.
@@ -211,7 +216,7 @@ async fn exchange(mut conn: Conn, request: &H1Request<'_>) -> Result<Exchanged, 
     match read_head(&mut conn, request.method).await {
         Err(e) if stale(&e) && conn.buf.is_empty() => Err(Stale),
         Err(e) => Ok(Err(e)),
-        Ok(parts) => Ok(Ok((parts, conn))),
+        Ok(head) => Ok(Ok((head, conn))),
     }
 }
 
@@ -260,10 +265,7 @@ async fn fill(conn: &mut Conn) -> io::Result<usize> {
 
 /// Reads and parses the response head (skipping `1xx` interim answers);
 /// the body's first bytes stay in the buffer.
-async fn read_head(
-    conn: &mut Conn,
-    method: &Method,
-) -> Result<(http::response::Parts, Framing), H1Error> {
+async fn read_head(conn: &mut Conn, method: &Method) -> Result<Head, H1Error> {
     loop {
         if let Some(parsed) = parse_head(&mut conn.buf, method)? {
             return Ok(parsed);
@@ -279,10 +281,7 @@ async fn read_head(
 
 /// A complete response head at the start of `buf`, taken out of it; `None`
 /// when more bytes are needed. Interim `1xx` heads are dropped.
-fn parse_head(
-    buf: &mut BytesMut,
-    method: &Method,
-) -> Result<Option<(http::response::Parts, Framing)>, H1Error> {
+fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, H1Error> {
     loop {
         // Uninitialised: zeroing 100 headers costs more than parsing a
         // worker's usual five.
@@ -352,9 +351,9 @@ fn parse_head(
             fields[kept] = Field::of(buf, h);
             kept += 1;
         }
-        // Values share the head's bytes: nothing is copied.
-        let head = buf.split_to(len).freeze();
-        let mut map = header_map(&head, &fields[..kept]).map_err(|e| H1Error::Malformed(e.0))?;
+        // Kept as they came, sharing the head's bytes: no map is built and
+        // nothing is copied until the writer's head.
+        let mut fields = RawFields::new(buf.split_to(len).freeze(), &fields[..kept]);
         let bodiless = *method == Method::HEAD
             || status == StatusCode::NO_CONTENT
             || status == StatusCode::NOT_MODIFIED;
@@ -362,7 +361,7 @@ fn parse_head(
             Framing::empty(close)
         } else if chunked {
             // Transfer-Encoding wins over a Content-Length (RFC 9112 6.3).
-            map.remove(header::CONTENT_LENGTH);
+            fields.remove_where(|name| name.eq_ignore_ascii_case(b"content-length"));
             Framing::chunked(close)
         } else if let Some(n) = length {
             Framing::sized(n, close)
@@ -372,9 +371,12 @@ fn parse_head(
         let mut response = Response::new(());
         *response.status_mut() = status;
         *response.version_mut() = Version::HTTP_11;
-        *response.headers_mut() = map;
         let (parts, ()) = response.into_parts();
-        return Ok(Some((parts, framing)));
+        return Ok(Some(Head {
+            parts,
+            fields,
+            framing,
+        }));
     }
 }
 
@@ -383,12 +385,12 @@ fn parse_head(
 /// ([`crate::fuzzing::worker_response`]); it must only return.
 pub(crate) fn read_answer(wire: &[u8]) -> Option<(StatusCode, usize)> {
     let mut buf = BytesMut::from(wire);
-    let (parts, mut framing) = parse_head(&mut buf, &Method::POST).ok()??;
+    let mut head = parse_head(&mut buf, &Method::POST).ok()??;
     let mut data = 0;
-    while let Ok(body::Step::Data(bytes)) = body::decode(&mut framing, &mut buf, true) {
+    while let Ok(body::Step::Data(bytes)) = body::decode(&mut head.framing, &mut buf, true) {
         data += bytes.len();
     }
-    Some((parts.status, data))
+    Some((head.parts.status, data))
 }
 
 #[cfg(test)]

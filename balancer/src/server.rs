@@ -160,11 +160,15 @@ pub async fn serve<H, F>(
             let busy = Busy::new(&in_service);
             let fut = for_hyper(req.map(Inbound::Streamed), client);
             async move {
-                let response = fut.await;
+                let (mut parts, mut body) = fut.await.into_parts();
+                // Hyper writes from the map alone: the worker's fields go
+                // into it.
+                if let Err(refused) = body.take_fields().append_to(&mut parts.headers) {
+                    tracing::warn!(header = %refused.0, "a worker's header dropped");
+                }
                 // In flight until the response body is done or dropped.
-                Ok::<_, Infallible>(
-                    response.map(|body| InFlight { body, _busy: busy }.boxed_unsync()),
-                )
+                let body = InFlight { body, _busy: busy }.boxed_unsync();
+                Ok::<_, Infallible>(Response::from_parts(parts, body))
             }
         });
         let watched = Watched {

@@ -1,6 +1,7 @@
 //! HTTP/1.1 wire helpers shared by the server's fast path and the worker
 //! client: where the parts of a parsed head sit, header maps built from a
-//! frozen head without copying a value, and the number formats of framing.
+//! frozen head without copying a value, a worker's fields kept as they came
+//! for relay without any map, and the number formats of framing.
 //!
 //! Owns no I/O and no policy: which headers are allowed, and what a
 //! malformed one means, is for the caller to say.
@@ -44,15 +45,93 @@ pub(crate) struct BadHeader(pub(crate) String);
 pub(crate) fn header_map(head: &Bytes, fields: &[Field]) -> Result<HeaderMap, BadHeader> {
     let mut map = HeaderMap::with_capacity(fields.len());
     for field in fields {
-        let name = &head[field.name.0 as usize..field.name.1 as usize];
-        let name = HeaderName::from_bytes(name)
-            .map_err(|_| BadHeader(format!("header name {:?}", String::from_utf8_lossy(name))))?;
-        let value = head.slice(field.value.0 as usize..field.value.1 as usize);
-        let value = HeaderValue::from_maybe_shared(value)
-            .map_err(|_| BadHeader(format!("value of {name}")))?;
+        let (name, value) = header(head, field)?;
         map.append(name, value);
     }
     Ok(map)
+}
+
+/// The header at `field` of `head`, in `http`'s types.
+fn header(head: &Bytes, field: &Field) -> Result<(HeaderName, HeaderValue), BadHeader> {
+    let name = &head[field.name.0 as usize..field.name.1 as usize];
+    let name = HeaderName::from_bytes(name)
+        .map_err(|_| BadHeader(format!("header name {:?}", String::from_utf8_lossy(name))))?;
+    let value = head.slice(field.value.0 as usize..field.value.1 as usize);
+    let value =
+        HeaderValue::from_maybe_shared(value).map_err(|_| BadHeader(format!("value of {name}")))?;
+    Ok((name, value))
+}
+
+/// Header fields kept as they came in a worker's head, httparse-checked, so
+/// that an HTTP/1.1 writer copies them out without building a map: names
+/// keep the worker's spelling, values share the head's bytes. Small, as it
+/// moves with every response: the list is one allocation, where a map took
+/// two and one per unusual name.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct RawFields {
+    head: Bytes,
+    fields: Vec<Field>,
+}
+
+impl RawFields {
+    /// The fields at `fields` of `head`.
+    pub(crate) fn new(head: Bytes, fields: &[Field]) -> Self {
+        Self {
+            head,
+            fields: fields.to_vec(),
+        }
+    }
+
+    /// Every `(name, value)`, in the worker's order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+        self.fields.iter().map(|f| {
+            (
+                &self.head[f.name.0 as usize..f.name.1 as usize],
+                &self.head[f.value.0 as usize..f.value.1 as usize],
+            )
+        })
+    }
+
+    /// The first value of `name` (given in lower case), compared without
+    /// regard to case.
+    pub(crate) fn get(&self, name: &str) -> Option<&[u8]> {
+        self.iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
+            .map(|(_, v)| v)
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.fields.len()
+    }
+
+    /// Whether `name` (given in lower case) is among the fields.
+    pub(crate) fn contains(&self, name: &str) -> bool {
+        self.get(name).is_some()
+    }
+
+    /// Drops every field whose name `doomed` picks.
+    pub(crate) fn remove_where(&mut self, doomed: impl Fn(&[u8]) -> bool) {
+        let head = &self.head;
+        self.fields
+            .retain(|f| !doomed(&head[f.name.0 as usize..f.name.1 as usize]));
+    }
+
+    /// Moves the fields into `map`, for a writer that takes a map (hyper's).
+    /// A field `http` refuses is dropped and named in the error; httparse
+    /// checked names and values by the same rules, so none is expected.
+    pub(crate) fn append_to(&mut self, map: &mut HeaderMap) -> Result<(), BadHeader> {
+        let mut refused = None;
+        map.reserve(self.fields.len());
+        for field in self.fields.drain(..) {
+            match header(&self.head, &field) {
+                Ok((name, value)) => {
+                    map.append(name, value);
+                }
+                Err(e) => refused = Some(e),
+            }
+        }
+        refused.map_or(Ok(()), Err)
+    }
 }
 
 /// `name: value` and its CRLF, into `out`.
@@ -104,6 +183,38 @@ pub(crate) fn hex(mut n: usize, buf: &mut [u8; 16]) -> &[u8] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn raw(head: &'static [u8]) -> RawFields {
+        let mut parsed = [httparse::EMPTY_HEADER; 8];
+        let httparse::Status::Complete(_) = httparse::parse_headers(head, &mut parsed).unwrap()
+        else {
+            panic!("a complete block");
+        };
+        let fields: Vec<Field> = parsed
+            .iter()
+            .take_while(|h| !h.name.is_empty())
+            .map(|h| Field::of(head, h))
+            .collect();
+        RawFields::new(Bytes::from_static(head), &fields)
+    }
+
+    #[test]
+    fn raw_fields_are_found_dropped_and_merged_into_a_map() {
+        let mut fields = raw(b"Content-Type: text/plain\r\nX-Worker: a\r\nx-worker: b\r\n\r\n");
+        assert_eq!(fields.len(), 3);
+        assert_eq!(fields.get("content-type"), Some(&b"text/plain"[..]));
+        assert_eq!(fields.get("x-worker"), Some(&b"a"[..]), "the first");
+        assert!(!fields.contains("content-length"));
+        fields.remove_where(|name| name.eq_ignore_ascii_case(b"content-type"));
+        assert!(!fields.contains("content-type"));
+        let mut map = HeaderMap::new();
+        map.insert("x-gateway", HeaderValue::from_static("kept"));
+        fields.append_to(&mut map).unwrap();
+        assert_eq!(fields.len(), 0, "moved");
+        let workers: Vec<_> = map.get_all("x-worker").iter().collect();
+        assert_eq!(workers, ["a", "b"]);
+        assert_eq!(map["x-gateway"], "kept");
+    }
 
     #[test]
     fn lengths_are_plain_digits() {

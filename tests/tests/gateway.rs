@@ -832,3 +832,44 @@ async fn shutdown_lets_in_flight_requests_finish() {
         w.shutdown().await;
     }
 }
+
+/// The worker's own headers reach the client on both server paths: the
+/// fast path writes the fields as they came, hyper (here for HTTP/1.0)
+/// gets them merged into its map. Hop-by-hop ones and the worker's `Date`
+/// stay behind; the gateway dates the answer itself.
+#[tokio::test]
+async fn the_workers_headers_reach_the_client_on_both_server_paths() {
+    let h = harness(&["a"], quiet).await;
+    for version in ["HTTP/1.1", "HTTP/1.0"] {
+        let mut s = tokio::net::TcpStream::connect(h.gw.addr).await.unwrap();
+        let req = format!(
+            "POST /v1/chat/completions {version}\r\nhost: x\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\nconnection: close\r\n\r\n{CHAT}",
+            CHAT.len()
+        );
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        tokio::time::timeout(BOUND, s.read_to_end(&mut answer))
+            .await
+            .expect("the answer within the bound")
+            .unwrap();
+        let answer = String::from_utf8_lossy(&answer).to_ascii_lowercase();
+        let head = answer.split("\r\n\r\n").next().unwrap();
+        assert!(head.contains(" 200 "), "{version}: {head}");
+        assert!(
+            head.contains("\r\nx-mock-worker: a\r\n"),
+            "{version}: {head}"
+        );
+        assert!(
+            head.contains("\r\ncontent-type: application/json"),
+            "{version}: {head}"
+        );
+        assert_eq!(head.matches("\r\ndate: ").count(), 1, "{version}: {head}");
+        assert_eq!(
+            head.matches("\r\ncontent-length: ").count(),
+            1,
+            "{version}: {head}"
+        );
+    }
+    h.stop().await;
+}

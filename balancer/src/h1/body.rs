@@ -17,6 +17,7 @@ use tokio_util::io::poll_read_buf;
 use super::pool::{Conn, H1Pool};
 use super::{H1Error, READ_CHUNK};
 use crate::bodies::BoxError;
+use crate::wire::RawFields;
 
 /// The longest chunk-size line or trailer line accepted.
 const MAX_LINE: usize = 4096;
@@ -218,21 +219,35 @@ pub struct H1Body {
     /// `None` once the body ended (the connection went back or closed).
     conn: Option<Conn>,
     framing: Framing,
+    /// The head's fields, for the relay to take.
+    fields: RawFields,
     pool: H1Pool,
     /// A framing error [`H1Body::settle`] found, for the next poll.
     broken: Option<H1Error>,
 }
 
 impl H1Body {
-    pub(super) fn new(conn: Conn, framing: Framing, pool: H1Pool) -> Self {
+    pub(super) fn new(conn: Conn, framing: Framing, fields: RawFields, pool: H1Pool) -> Self {
         let mut body = Self {
             conn: Some(conn),
             framing,
+            fields,
             pool,
             broken: None,
         };
         body.settle();
         body
+    }
+
+    /// The response head's header fields, as the worker sent them (less
+    /// the framing ones and `Date`).
+    pub(crate) fn fields(&self) -> &RawFields {
+        &self.fields
+    }
+
+    /// The fields, taken out for the response the gateway sends.
+    pub(crate) fn take_fields(&mut self) -> RawFields {
+        std::mem::take(&mut self.fields)
     }
 
     /// Consumes framing bytes already buffered (a last chunk's CRLF, the

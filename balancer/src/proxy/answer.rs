@@ -11,7 +11,7 @@ use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 use http_body_util::Full;
 
-use super::body::{BodyError, boxed};
+use super::body::BodyError;
 use super::{Proxy, ResponseBody};
 
 /// A gateway-made error, with its stable `code`.
@@ -147,7 +147,7 @@ pub fn sse_error_event(code: &str, message: &str) -> Bytes {
 }
 
 pub(crate) fn json_response(status: StatusCode, body: serde_json::Value) -> Response<ResponseBody> {
-    let mut r = Response::new(boxed(Full::new(Bytes::from(body.to_string()))));
+    let mut r = Response::new(ResponseBody::new(Full::new(Bytes::from(body.to_string()))));
     *r.status_mut() = status;
     r.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -198,7 +198,7 @@ impl Proxy {
         retry_after: Option<u64>,
     ) -> Response<ResponseBody> {
         self.stats.gateway_response(code);
-        error_response::<Full<Bytes>>(code, message, retry_after).map(boxed)
+        error_response::<Full<Bytes>>(code, message, retry_after).map(ResponseBody::new)
     }
 
     /// 503 `no_available_workers`, with `Retry-After` set to when the first

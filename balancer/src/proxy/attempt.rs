@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::header::{self, HeaderMap};
+use http::header;
 use http::{Request, Response, Uri};
 use http_body_util::Full;
 use hyper::body::Incoming;
@@ -129,7 +129,7 @@ impl Proxy {
                 None => unreachable!("a streaming body gets exactly one attempt"),
             };
             let classifier = worker.classifier();
-            let send = self.send(client, &worker, req, payload);
+            let send = self.send(client, &worker, req, payload, attempt_started);
             let result = match classifier.slow_ttfb() {
                 None => send.await,
                 // Boxed: the budget's race is rare (the option is off by
@@ -151,7 +151,7 @@ impl Proxy {
                     let outcome = classifier.classify(status);
                     let retryable = RETRY_STATUSES.contains(&status);
                     if retryable && !last {
-                        let retry_after = retry_after(response.headers());
+                        let retry_after = retry_after(&response);
                         admitted.record(&mut charges, outcome, &*self.clock);
                         drop(admitted);
                         drop(response);
@@ -178,10 +178,7 @@ impl Proxy {
                         attempt_started,
                         headers_after: headers_at - attempt_started,
                         classifier,
-                        tokens: req
-                            .model
-                            .as_deref()
-                            .map(|m| self.tokens.counters(self.model_label(m))),
+                        tokens: req.model.as_deref().map(|m| self.model_tokens(m)),
                         stats: self.stats.clone(),
                         clock: self.clock.clone(),
                     };
@@ -273,7 +270,10 @@ impl Proxy {
         worker: &Worker,
         req: &Outgoing,
         payload: Payload,
+        started: Instant,
     ) -> Result<Response<WorkerBody>, AttemptError> {
+        // From the attempt's own start: no second clock read.
+        let deadline = started + self.config.request_timeout;
         let address = &worker.address;
         let fast = match &payload {
             Payload::Whole(_) if address.is_resolved() => address.resolve(),
@@ -306,7 +306,7 @@ impl Proxy {
                 }
             }
         };
-        match tokio::time::timeout(self.config.request_timeout, sending).await {
+        match tokio::time::timeout_at(deadline.into(), sending).await {
             Ok(Ok(response)) => Ok(response),
             Ok(Err(e)) => {
                 tracing::debug!(worker = %worker.url, error = %error_chain(&*e), "attempt failed");
@@ -346,14 +346,12 @@ impl Proxy {
     }
 }
 
-fn retry_after(headers: &HeaderMap) -> Option<Duration> {
-    let secs: f64 = headers
-        .get(header::RETRY_AFTER)?
-        .to_str()
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
+fn retry_after(response: &Response<WorkerBody>) -> Option<Duration> {
+    let value = match response.headers().get(header::RETRY_AFTER) {
+        Some(v) => v.as_bytes(),
+        None => response.body().fields()?.get("retry-after")?,
+    };
+    let secs: f64 = std::str::from_utf8(value).ok()?.trim().parse().ok()?;
     // Clamped before conversion: a worker's `Retry-After: 1e20` must not
     // panic the gateway, and the backoff caps it further anyway.
     (secs.is_finite() && secs >= 0.0)

@@ -308,6 +308,22 @@ pub(crate) fn is_hop_by_hop(name: &HeaderName) -> bool {
     HOP_BY_HOP.contains(name) || name == PROXY_CONNECTION || name == KEEP_ALIVE
 }
 
+/// [`is_hop_by_hop`] for a name as it came on the wire, in any case. By
+/// length first: most names are no hop-by-hop name's length.
+pub(crate) fn is_hop_by_hop_name(name: &[u8]) -> bool {
+    let candidates: &[&[u8]] = match name.len() {
+        2 => &[b"te"],
+        7 => &[b"trailer", b"upgrade"],
+        10 => &[b"connection", b"keep-alive"],
+        16 => &[b"proxy-connection"],
+        17 => &[b"transfer-encoding"],
+        18 => &[b"proxy-authenticate"],
+        19 => &[b"proxy-authorization"],
+        _ => return false,
+    };
+    candidates.iter().any(|hop| name.eq_ignore_ascii_case(hop))
+}
+
 /// Removes every header `doomed` picks. A removal by name hashes the name
 /// whether or not it is there, and a message carries a handful of headers:
 /// one pass over the names present is cheaper than a removal per name that
@@ -389,6 +405,40 @@ fn ip_value(ip: IpAddr) -> HeaderValue {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn wire_names_are_hop_by_hop_exactly_when_their_header_is() {
+        let names = [
+            "connection",
+            "proxy-authenticate",
+            "proxy-authorization",
+            "te",
+            "trailer",
+            "transfer-encoding",
+            "upgrade",
+            "proxy-connection",
+            "keep-alive",
+            "content-type",
+            "content-length",
+            "x-trailer",
+            "tea",
+            "connections",
+            "date",
+        ];
+        for name in names {
+            let hop = is_hop_by_hop(&HeaderName::from_static(name));
+            assert_eq!(is_hop_by_hop_name(name.as_bytes()), hop, "{name}");
+            let upper = name.to_ascii_uppercase();
+            assert_eq!(is_hop_by_hop_name(upper.as_bytes()), hop, "{upper}");
+        }
+        assert_eq!(
+            names
+                .iter()
+                .filter(|n| is_hop_by_hop_name(n.as_bytes()))
+                .count(),
+            9
+        );
+    }
 
     #[test]
     fn paths_are_normalised_before_matching() {

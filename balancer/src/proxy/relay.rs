@@ -28,11 +28,11 @@ use http::Response;
 use http::header::{self, HeaderValue};
 
 use super::answer::sse_error_event;
-use super::body::boxed;
-use super::edge::{is_hop_by_hop, strip};
+use super::edge::{is_hop_by_hop, is_hop_by_hop_name, strip};
 use super::stats::GatewayStats;
 use super::{BoxError, FALLBACK_HEADER, Proxy, ResponseBody};
 use crate::h1::H1Body;
+use crate::wire::RawFields;
 
 /// Everything that must happen exactly once when a response ends.
 pub struct Completion {
@@ -109,9 +109,24 @@ impl Tail {
 }
 
 /// A worker's response body, from either client.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "the fast client's body is the common one; boxing it would allocate once per request"
+)]
 pub enum WorkerBody {
     Hyper(Incoming),
     H1(H1Body),
+}
+
+impl WorkerBody {
+    /// The fields the fast client kept as they came; hyper's client put
+    /// them all in the response's map.
+    pub(crate) fn fields(&self) -> Option<&RawFields> {
+        match self {
+            WorkerBody::H1(b) => Some(b.fields()),
+            WorkerBody::Hyper(_) => None,
+        }
+    }
 }
 
 impl Body for WorkerBody {
@@ -321,21 +336,29 @@ impl Proxy {
         completion: Completion,
         fallback: Option<String>,
     ) -> Response<ResponseBody> {
-        let (mut parts, body) = response.into_parts();
+        let (mut parts, mut body) = response.into_parts();
+        // The fast client's fields go out as they came; hyper's client
+        // fills the map.
+        let mut fields = match &mut body {
+            WorkerBody::H1(b) => b.take_fields(),
+            WorkerBody::Hyper(_) => RawFields::default(),
+        };
         if let Some(v) = fallback.and_then(|f| HeaderValue::try_from(f).ok()) {
             parts.headers.insert(FALLBACK_HEADER, v);
         }
         strip(&mut parts.headers, is_hop_by_hop);
-        let sse = parts
-            .headers
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|ct| ct.starts_with("text/event-stream"));
+        fields.remove_where(is_hop_by_hop_name);
+        let content_type = match parts.headers.get(header::CONTENT_TYPE) {
+            Some(v) => Some(v.as_bytes()),
+            None => fields.get("content-type"),
+        };
+        let sse = content_type.is_some_and(|ct| ct.starts_with(b"text/event-stream"));
         if sse {
             // The relay may append an error event to a cut stream.
             parts.headers.remove(header::CONTENT_LENGTH);
+            fields.remove_where(|name| name.eq_ignore_ascii_case(b"content-length"));
         }
         let relay = RelayBody::new(body, sse, self.config.stream_idle_timeout, completion);
-        Response::from_parts(parts, boxed(relay))
+        Response::from_parts(parts, ResponseBody::relayed(relay, fields))
     }
 }

@@ -389,7 +389,7 @@ where
         close: bool,
     ) -> Framing {
         let out = &mut self.out;
-        out.reserve(128 + headers.len() * 64);
+        out.reserve(128 + (headers.len() + body.fields().len()) * 64);
         out.put_slice(b"HTTP/1.1 ");
         out.put_slice(status.as_str().as_bytes());
         out.put_u8(b' ');
@@ -402,16 +402,23 @@ where
         // representation, and passes).
         let lengthless = status.is_informational() || *status == StatusCode::NO_CONTENT;
         let mut framing = None;
-        for (name, value) in headers {
-            if name == header::TRANSFER_ENCODING
-                || name == header::CONNECTION
-                || (lengthless && name == header::CONTENT_LENGTH)
+        // The worker's fields as they came, then the map: the same rules
+        // for both.
+        let relayed = body.fields().iter();
+        let mapped = headers
+            .iter()
+            .map(|(name, value)| (name.as_str().as_bytes(), value.as_bytes()));
+        for (name, value) in relayed.chain(mapped) {
+            let length = name.eq_ignore_ascii_case(b"content-length");
+            if (lengthless && length)
+                || name.eq_ignore_ascii_case(b"transfer-encoding")
+                || name.eq_ignore_ascii_case(b"connection")
             {
                 // Framing and the connection's fate are this loop's.
                 continue;
             }
-            if name == header::CONTENT_LENGTH && !bodiless {
-                let Some(n) = parse_length(value.as_bytes()) else {
+            if length && !bodiless {
+                let Some(n) = parse_length(value) else {
                     // A length that is no number frames nothing: chunked.
                     continue;
                 };
@@ -420,9 +427,9 @@ where
                 }
                 framing = Some(Framing::Sized(n));
             }
-            put_header(out, name.as_str().as_bytes(), value.as_bytes());
+            put_header(out, name, value);
         }
-        if !headers.contains_key(header::DATE) {
+        if !headers.contains_key(header::DATE) && !body.fields().contains("date") {
             out.put_slice(b"date: ");
             put_date(out);
             out.put_slice(b"\r\n");

@@ -41,9 +41,7 @@ where
 }
 
 fn text(body: impl Into<Bytes>) -> ResponseBody {
-    Full::new(body.into())
-        .map_err(|never| match never {})
-        .boxed_unsync()
+    ResponseBody::new(Full::new(body.into()))
 }
 
 /// Answers with the method, target, `x-test` header and body it was sent.
@@ -217,7 +215,7 @@ fn streaming() -> (
     let rx = std::sync::Mutex::new(Some(rx));
     let handler = move |_: Request<Inbound>, _: Peer| {
         let rx = rx.lock().unwrap().take().expect("one request");
-        std::future::ready(Response::new(Frames(rx).boxed_unsync()))
+        std::future::ready(Response::new(ResponseBody::new(Frames(rx))))
     };
     (handler, tx)
 }
