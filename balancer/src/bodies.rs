@@ -94,14 +94,30 @@ pub type UpstreamBody = UnsyncBoxBody<Bytes, BoxError>;
 #[derive(Debug)]
 pub enum Inbound {
     Streamed(hyper::body::Incoming),
-    /// `None` once taken, or when the request had no body.
-    Whole(Option<Bytes>),
+    /// The body: `None` once taken, or when the request had no body. Then
+    /// the head's fields, for a handler that takes them as they came (the
+    /// request's map is empty then); none when the map holds them.
+    Whole(Option<Bytes>, RawFields),
 }
 
 impl Inbound {
     /// A body read whole; an empty one is no frame at all.
     pub fn whole(bytes: Bytes) -> Self {
-        Inbound::Whole((!bytes.is_empty()).then_some(bytes))
+        Self::with_fields(bytes, RawFields::default())
+    }
+
+    /// [`Inbound::whole`], carrying the head's `fields`.
+    pub(crate) fn with_fields(bytes: Bytes, fields: RawFields) -> Self {
+        Inbound::Whole((!bytes.is_empty()).then_some(bytes), fields)
+    }
+
+    /// The head's fields as they came, taken out: none from hyper, nor when
+    /// the request's map holds them.
+    pub(crate) fn take_fields(&mut self) -> RawFields {
+        match self {
+            Inbound::Whole(_, fields) => std::mem::take(fields),
+            Inbound::Streamed(_) => RawFields::default(),
+        }
     }
 }
 
@@ -115,7 +131,7 @@ impl hyper::body::Body for Inbound {
     ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
         match self.get_mut() {
             Inbound::Streamed(body) => std::pin::Pin::new(body).poll_frame(cx),
-            Inbound::Whole(bytes) => {
+            Inbound::Whole(bytes, _) => {
                 std::task::Poll::Ready(bytes.take().map(|b| Ok(hyper::body::Frame::data(b))))
             }
         }
@@ -124,14 +140,14 @@ impl hyper::body::Body for Inbound {
     fn is_end_stream(&self) -> bool {
         match self {
             Inbound::Streamed(body) => body.is_end_stream(),
-            Inbound::Whole(bytes) => bytes.is_none(),
+            Inbound::Whole(bytes, _) => bytes.is_none(),
         }
     }
 
     fn size_hint(&self) -> hyper::body::SizeHint {
         match self {
             Inbound::Streamed(body) => body.size_hint(),
-            Inbound::Whole(bytes) => {
+            Inbound::Whole(bytes, _) => {
                 hyper::body::SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
             }
         }

@@ -267,13 +267,17 @@ impl Gateway {
         let (shutdown, stop) = watch::channel(false);
         let mut listeners = JoinSet::new();
         let c = &config.connections;
-        let public = ConnectionLimits::new(
-            c.header_read_timeout,
-            c.idle_timeout,
-            c.send_timeout,
-            c.http2_keepalive,
-            c.max_connections,
-        );
+        let public = ConnectionLimits {
+            // The proxy reads and forwards a client's fields as they came.
+            raw_fields: true,
+            ..ConnectionLimits::new(
+                c.header_read_timeout,
+                c.idle_timeout,
+                c.send_timeout,
+                c.http2_keepalive,
+                c.max_connections,
+            )
+        };
         // The operator's listeners: the same timeouts, a small cap.
         let operator = || {
             ConnectionLimits::new(

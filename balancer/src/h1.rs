@@ -98,11 +98,10 @@ impl H1Request<'_> {
         out.put_slice(b" HTTP/1.1\r\nhost: ");
         out.put_slice(self.authority.as_bytes());
         out.put_slice(b"\r\n");
-        self.headers.each(|name, value| {
-            put_header(out, name.as_str().as_bytes(), value.as_bytes());
-        });
+        self.headers
+            .each(|name, value| put_header(out, name, value));
         if let Some(auth) = self.authorization
-            && !self.headers.client().contains_key(header::AUTHORIZATION)
+            && !self.headers.client().contains(&header::AUTHORIZATION)
         {
             put_header(out, b"authorization", auth.as_bytes());
         }

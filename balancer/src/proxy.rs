@@ -50,6 +50,7 @@ pub use stats::GatewayStats;
 use crate::h1::H1Pool;
 use crate::server::Peer;
 use crate::tls::{WorkerConnector, WorkerTls};
+use crate::wire::Headers;
 use answer::json_response;
 use body::{BodyLimits, RequestBody, read_body};
 use edge::Route;
@@ -210,16 +211,23 @@ impl Proxy {
             }
         };
         let proto = if peer.tls { "https" } else { "http" };
-        let (parts, body) = req.into_parts();
+        let (parts, mut body) = req.into_parts();
+        // The fast path's fields as they came, or hyper's map: both are
+        // read through one view.
+        let raw = body.take_fields();
         // Read before admission, under the stall deadline: a client that
         // sends half a body never holds a permit.
         let body = match read_body(&parts.headers, body, &self.body_limits).await {
             Ok(b) => b,
             Err(e) => return self.body_error(&e),
         };
+        let headers = Headers {
+            map: parts.headers,
+            raw,
+        };
         let model = match &body {
             RequestBody::Replayable(bytes, _) if inference => inference_model(bytes),
-            RequestBody::Replayable(bytes, _) => request_model(&parts.headers, bytes),
+            RequestBody::Replayable(bytes, _) => request_model(&headers, bytes),
             // Past the buffered limit only the prefix is here: an inference
             // body must name its model there to be routed by it.
             RequestBody::Streaming(prefix, _) if inference => {
@@ -264,11 +272,11 @@ impl Proxy {
         // Only consistent hashing routes by key: other policies are spared
         // the lookup of a custom header name (hashed byte by byte).
         let key = (self.selector.policy() == Policy::ConsistentHash)
-            .then(|| parts.headers.get(&self.config.routing_key_header))
+            .then(|| headers.get(&self.config.routing_key_header))
             .flatten()
-            .map(|v| hash_key(v.as_bytes()));
+            .map(hash_key);
         let headers = Forwarded::new(
-            parts.headers,
+            headers,
             peer.addr.ip(),
             proto,
             self.config.trusted_proxy_hops,
@@ -360,7 +368,7 @@ impl Proxy {
 pub(crate) fn fuzz_request_body(method: &Method, path: &str, body: &Bytes) {
     let _ = Routes::new(&["/x/*".to_owned()]).route(method, path);
     let _ = inference_model(body);
-    let _ = request_model(&http::HeaderMap::new(), body);
+    let _ = request_model(&Headers::default(), body);
     let _ = with_usage_requested(body);
     let _ = route::with_model(body, "m");
 }

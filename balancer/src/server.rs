@@ -72,6 +72,11 @@ pub struct ConnectionLimits {
     pub http2_keepalive: Duration,
     /// `--max-connections`, shared by every serving thread of the listener.
     pub connections: Arc<Semaphore>,
+    /// The handler takes a plain request's header fields as they came,
+    /// from its body ([`Inbound::take_fields`]), so the fast path builds no
+    /// map for them: the gateway's proxy does. Off, every request's map
+    /// holds its headers, as hyper's do.
+    pub raw_fields: bool,
 }
 
 impl ConnectionLimits {
@@ -89,6 +94,7 @@ impl ConnectionLimits {
             send_timeout,
             http2_keepalive,
             connections: Arc::new(Semaphore::new(max_connections)),
+            raw_fields: false,
         }
     }
 }
@@ -178,6 +184,7 @@ pub async fn serve<H, F>(
         let (builder, watcher, tls) = (builder.clone(), graceful.watcher(), tls.clone());
         let (idle, send) = (limits.idle_timeout, limits.send_timeout);
         let header_read = limits.header_read_timeout;
+        let raw_fields = limits.raw_fields;
         let shutdown = shutdown.clone();
         tokio::spawn(async move {
             let serving = async {
@@ -200,7 +207,7 @@ pub async fn serve<H, F>(
                     Bytes::new()
                 } else {
                     activity.await_heads(true);
-                    let fast = fast::Fast::new(&mut transport);
+                    let fast = fast::Fast::new(&mut transport, raw_fields);
                     match fast.serve(&handler, client, &activity, &shutdown).await {
                         fast::End::Closed => return,
                         fast::End::HandOver(read) => {

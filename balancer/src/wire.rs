@@ -1,7 +1,9 @@
 //! HTTP/1.1 wire helpers shared by the server's fast path and the worker
 //! client: where the parts of a parsed head sit, header maps built from a
-//! frozen head without copying a value, a worker's fields kept as they came
-//! for relay without any map, and the number formats of framing.
+//! frozen head without copying a value, header fields kept as they came (a
+//! worker's answer, a client's plain request) so that they are relayed
+//! without any map, one view over such fields and a map, and the number
+//! formats of framing.
 //!
 //! Owns no I/O and no policy: which headers are allowed, and what a
 //! malformed one means, is for the caller to say.
@@ -62,13 +64,13 @@ fn header(head: &Bytes, field: &Field) -> Result<(HeaderName, HeaderValue), BadH
     Ok((name, value))
 }
 
-/// Header fields kept as they came in a worker's head, httparse-checked, so
-/// that an HTTP/1.1 writer copies them out without building a map: names
-/// keep the worker's spelling, values share the head's bytes. Small, as it
+/// Header fields kept as they came in a head, httparse-checked, so that an
+/// HTTP/1.1 writer copies them out without building a map: names keep the
+/// sender's spelling, values share the head's bytes. Small, as it
 /// moves with every response: the list is one allocation, where a map took
 /// two and one per unusual name.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct RawFields {
+pub struct RawFields {
     head: Bytes,
     fields: Vec<Field>,
 }
@@ -82,7 +84,24 @@ impl RawFields {
         }
     }
 
-    /// Every `(name, value)`, in the worker's order.
+    /// The fields of `block` (header lines and the blank line), for tests.
+    #[cfg(test)]
+    pub(crate) fn parsed(block: &[u8]) -> Self {
+        let head = Bytes::copy_from_slice(block);
+        let mut parsed = [httparse::EMPTY_HEADER; 32];
+        let httparse::Status::Complete(_) = httparse::parse_headers(&head, &mut parsed).unwrap()
+        else {
+            panic!("a complete block");
+        };
+        let fields: Vec<Field> = parsed
+            .iter()
+            .take_while(|h| !h.name.is_empty())
+            .map(|h| Field::of(&head, h))
+            .collect();
+        Self::new(head.clone(), &fields)
+    }
+
+    /// Every `(name, value)`, in the sender's order.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
         self.fields.iter().map(|f| {
             (
@@ -116,21 +135,86 @@ impl RawFields {
             .retain(|f| !doomed(&head[f.name.0 as usize..f.name.1 as usize]));
     }
 
+    /// Every field in `http`'s types; a field `http` refuses is an error
+    /// (httparse checked names and values by the same rules, so none is
+    /// expected).
+    pub(crate) fn typed(
+        &self,
+    ) -> impl Iterator<Item = Result<(HeaderName, HeaderValue), BadHeader>> + '_ {
+        self.fields.iter().map(|field| header(&self.head, field))
+    }
+
     /// Moves the fields into `map`, for a writer that takes a map (hyper's).
     /// A field `http` refuses is dropped and named in the error; httparse
     /// checked names and values by the same rules, so none is expected.
     pub(crate) fn append_to(&mut self, map: &mut HeaderMap) -> Result<(), BadHeader> {
         let mut refused = None;
         map.reserve(self.fields.len());
-        for field in self.fields.drain(..) {
-            match header(&self.head, &field) {
+        for typed in self.typed() {
+            match typed {
                 Ok((name, value)) => {
                     map.append(name, value);
                 }
                 Err(e) => refused = Some(e),
             }
         }
+        self.fields.clear();
         refused.map_or(Ok(()), Err)
+    }
+}
+
+/// A message's headers as they were delivered: in hyper's map, as the fast
+/// path's fields, or both. Lookups and iteration see both, the fields
+/// first; names found in the fields keep the sender's spelling.
+#[derive(Debug, Default)]
+pub(crate) struct Headers {
+    pub(crate) map: HeaderMap,
+    pub(crate) raw: RawFields,
+}
+
+impl Headers {
+    pub(crate) fn len(&self) -> usize {
+        self.map.len() + self.raw.len()
+    }
+
+    /// The first value of `name`.
+    pub(crate) fn get(&self, name: &HeaderName) -> Option<&[u8]> {
+        match self.raw.get(name.as_str()) {
+            Some(value) => Some(value),
+            None => self.map.get(name).map(HeaderValue::as_bytes),
+        }
+    }
+
+    /// Every value of `name`, in order.
+    pub(crate) fn get_all<'a>(&'a self, name: &'a HeaderName) -> impl Iterator<Item = &'a [u8]> {
+        let raw = self
+            .raw
+            .iter()
+            .filter(|(n, _)| n.eq_ignore_ascii_case(name.as_str().as_bytes()))
+            .map(|(_, v)| v);
+        raw.chain(self.map.get_all(name).iter().map(HeaderValue::as_bytes))
+    }
+
+    pub(crate) fn contains(&self, name: &HeaderName) -> bool {
+        self.get(name).is_some()
+    }
+
+    /// Every `(name, value)`.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+        let map = self
+            .map
+            .iter()
+            .map(|(n, v)| (n.as_str().as_bytes(), v.as_bytes()));
+        self.raw.iter().chain(map)
+    }
+}
+
+impl From<HeaderMap> for Headers {
+    fn from(map: HeaderMap) -> Self {
+        Self {
+            map,
+            raw: RawFields::default(),
+        }
     }
 }
 
@@ -184,23 +268,34 @@ pub(crate) fn hex(mut n: usize, buf: &mut [u8; 16]) -> &[u8] {
 mod tests {
     use super::*;
 
-    fn raw(head: &'static [u8]) -> RawFields {
-        let mut parsed = [httparse::EMPTY_HEADER; 8];
-        let httparse::Status::Complete(_) = httparse::parse_headers(head, &mut parsed).unwrap()
-        else {
-            panic!("a complete block");
+    #[test]
+    fn a_view_of_fields_and_a_map_sees_both() {
+        let mut map = HeaderMap::new();
+        map.append("x-a", HeaderValue::from_static("3"));
+        map.append("x-b", HeaderValue::from_static("4"));
+        let headers = Headers {
+            map,
+            raw: RawFields::parsed(b"X-A: 1\r\nHost: h\r\nx-a: 2\r\n\r\n"),
         };
-        let fields: Vec<Field> = parsed
-            .iter()
-            .take_while(|h| !h.name.is_empty())
-            .map(|h| Field::of(head, h))
-            .collect();
-        RawFields::new(Bytes::from_static(head), &fields)
+        let x_a = HeaderName::from_static("x-a");
+        assert_eq!(headers.len(), 5);
+        assert_eq!(headers.get(&x_a), Some(&b"1"[..]), "the fields first");
+        assert_eq!(
+            headers.get(&HeaderName::from_static("x-b")),
+            Some(&b"4"[..])
+        );
+        assert!(headers.contains(&http::header::HOST));
+        assert!(!headers.contains(&http::header::ACCEPT));
+        let all: Vec<&[u8]> = headers.get_all(&x_a).collect();
+        assert_eq!(all, [&b"1"[..], b"2", b"3"]);
+        let names: Vec<&[u8]> = headers.iter().map(|(n, _)| n).collect();
+        assert_eq!(names, [&b"X-A"[..], b"Host", b"x-a", b"x-a", b"x-b"]);
     }
 
     #[test]
     fn raw_fields_are_found_dropped_and_merged_into_a_map() {
-        let mut fields = raw(b"Content-Type: text/plain\r\nX-Worker: a\r\nx-worker: b\r\n\r\n");
+        let mut fields =
+            RawFields::parsed(b"Content-Type: text/plain\r\nX-Worker: a\r\nx-worker: b\r\n\r\n");
         assert_eq!(fields.len(), 3);
         assert_eq!(fields.get("content-type"), Some(&b"text/plain"[..]));
         assert_eq!(fields.get("x-worker"), Some(&b"a"[..]), "the first");

@@ -22,7 +22,7 @@ fn pool() -> H1Pool {
 
 /// The client's headers as forwarded for a client at 192.0.2.1.
 fn forwarded(headers: HeaderMap) -> Forwarded {
-    Forwarded::new(headers, "192.0.2.1".parse().unwrap(), "http", 0)
+    Forwarded::new(headers.into(), "192.0.2.1".parse().unwrap(), "http", 0)
 }
 
 fn request<'a>(headers: &'a Forwarded, body: &'static str) -> H1Request<'a> {

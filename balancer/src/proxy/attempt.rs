@@ -337,7 +337,7 @@ impl Proxy {
         *upstream.uri_mut() = uri;
         *upstream.headers_mut() = req.headers.to_map();
         if let Some(auth) = &worker.address.basic_auth
-            && !req.headers.client().contains_key(header::AUTHORIZATION)
+            && !req.headers.client().contains(&header::AUTHORIZATION)
             && let Ok(value) = http::HeaderValue::from_str(auth.expose())
         {
             upstream.headers_mut().insert(header::AUTHORIZATION, value);

@@ -160,7 +160,7 @@ pub(crate) async fn read_body(
     // A body the server read whole with its head is kept as it came (it
     // shares the connection's read buffer): no copy and no frame loop.
     // Only one larger than the replay buffer streams on, as any other.
-    if let Inbound::Whole(whole) = &mut body {
+    if let Inbound::Whole(whole, _) = &mut body {
         let data = whole.take().unwrap_or_default();
         if data.len() as u64 > limits.max_payload {
             return Err(BodyError::TooLarge);

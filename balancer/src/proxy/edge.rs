@@ -15,6 +15,8 @@ use std::net::IpAddr;
 use http::Method;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
+use crate::wire::Headers;
+
 /// Headers that describe one hop, not the message.
 const HOP_BY_HOP: [HeaderName; 7] = [
     header::CONNECTION,
@@ -223,7 +225,7 @@ fn decode_unreserved(path: &str) -> Option<String> {
 /// they sent) and `X-Forwarded-Proto` is `proto`, the scheme the client
 /// spoke (kept as a trusted proxy set it).
 pub(crate) struct Forwarded {
-    headers: HeaderMap,
+    headers: Headers,
     /// Headers named by `Connection` or `Proxy-Connection`; usually none.
     named: Vec<HeaderName>,
     forwarded_for: HeaderValue,
@@ -233,7 +235,7 @@ pub(crate) struct Forwarded {
 
 impl Forwarded {
     pub(crate) fn new(
-        headers: HeaderMap,
+        headers: Headers,
         peer: IpAddr,
         proto: &'static str,
         trusted_hops: u32,
@@ -242,8 +244,11 @@ impl Forwarded {
         // name would hash both names (one of them custom) every request.
         let named = headers
             .iter()
-            .filter(|(name, _)| *name == header::CONNECTION || *name == PROXY_CONNECTION)
-            .filter_map(|(_, v)| v.to_str().ok())
+            .filter(|(name, _)| {
+                name.eq_ignore_ascii_case(b"connection")
+                    || name.eq_ignore_ascii_case(b"proxy-connection")
+            })
+            .filter_map(|(_, v)| visible_ascii(v))
             .flat_map(|v| v.split(','))
             .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
             .collect();
@@ -253,7 +258,7 @@ impl Forwarded {
             // are replaced.
             (peer_value(peer), Some(proto))
         } else {
-            let kept = headers.contains_key(X_FORWARDED_PROTO);
+            let kept = headers.contains(&X_FORWARDED_PROTO);
             (forwarded_chain(&headers, peer), (!kept).then_some(proto))
         };
         Self {
@@ -265,39 +270,55 @@ impl Forwarded {
     }
 
     /// The client's headers, whether or not they are forwarded.
-    pub(crate) fn client(&self) -> &HeaderMap {
+    pub(crate) fn client(&self) -> &Headers {
         &self.headers
     }
 
+    /// Whether the client's header `name` (in any case) stays behind.
+    fn left_out(&self, name: &[u8]) -> bool {
+        let is = |wanted: &[u8]| name.eq_ignore_ascii_case(wanted);
+        is_hop_by_hop_name(name)
+            // The worker's authority comes from its URL, and the body may
+            // be rewritten (a fallback's model): the client's Host and
+            // length are not the worker's.
+            || is(b"host")
+            || is(b"content-length")
+            || is(b"x-forwarded-for")
+            || (self.forwarded_proto.is_some() && is(b"x-forwarded-proto"))
+            || self.named.iter().any(|n| is(n.as_str().as_bytes()))
+    }
+
     /// Every header forwarded, the gateway's own last.
-    pub(crate) fn each(&self, mut f: impl FnMut(&HeaderName, &HeaderValue)) {
-        let proto_kept = self.forwarded_proto.is_none();
-        for (name, value) in &self.headers {
-            let left_out = is_hop_by_hop(name)
-                // The worker's authority comes from its URL, and the body may
-                // be rewritten (a fallback's model): the client's Host and
-                // length are not the worker's.
-                || name == header::HOST
-                || name == header::CONTENT_LENGTH
-                || name == X_FORWARDED_FOR
-                || (name == X_FORWARDED_PROTO && !proto_kept)
-                || (!self.named.is_empty() && self.named.contains(name));
-            if !left_out {
+    pub(crate) fn each(&self, mut f: impl FnMut(&[u8], &[u8])) {
+        for (name, value) in self.headers.iter() {
+            if !self.left_out(name) {
                 f(name, value);
             }
         }
-        f(&X_FORWARDED_FOR, &self.forwarded_for);
+        f(b"x-forwarded-for", self.forwarded_for.as_bytes());
         if let Some(proto) = &self.forwarded_proto {
-            f(&X_FORWARDED_PROTO, proto);
+            f(b"x-forwarded-proto", proto.as_bytes());
         }
     }
 
     /// The forwarded headers as a map, for hyper's client.
     pub(crate) fn to_map(&self) -> HeaderMap {
         let mut map = HeaderMap::with_capacity(self.headers.len() + 2);
-        self.each(|name, value| {
-            map.append(name.clone(), value.clone());
-        });
+        // The fast path's fields were checked by `http`'s rules when parsed.
+        for (name, value) in self.headers.raw.typed().flatten() {
+            if !self.left_out(name.as_str().as_bytes()) {
+                map.append(name, value);
+            }
+        }
+        for (name, value) in &self.headers.map {
+            if !self.left_out(name.as_str().as_bytes()) {
+                map.append(name.clone(), value.clone());
+            }
+        }
+        map.append(X_FORWARDED_FOR, self.forwarded_for.clone());
+        if let Some(proto) = &self.forwarded_proto {
+            map.append(X_FORWARDED_PROTO, proto.clone());
+        }
         map
     }
 }
@@ -357,13 +378,19 @@ fn peer_value(peer: IpAddr) -> HeaderValue {
     })
 }
 
-/// A trusted proxy's `X-Forwarded-For` chain with the peer appended.
-fn forwarded_chain(headers: &HeaderMap, peer: IpAddr) -> HeaderValue {
-    let chain: Vec<&str> = headers
-        .get_all(X_FORWARDED_FOR)
+/// A header value as text when it is visible ASCII (and tabs), as
+/// [`HeaderValue::to_str`] takes it.
+fn visible_ascii(value: &[u8]) -> Option<&str> {
+    let visible = value
         .iter()
-        .filter_map(|v| v.to_str().ok())
-        .collect();
+        .all(|&b| b == b'\t' || (0x20..0x7f).contains(&b));
+    visible.then(|| std::str::from_utf8(value).ok()).flatten()
+}
+
+/// A trusted proxy's `X-Forwarded-For` chain with the peer appended.
+fn forwarded_chain(headers: &Headers, peer: IpAddr) -> HeaderValue {
+    let name = X_FORWARDED_FOR;
+    let chain: Vec<&str> = headers.get_all(&name).filter_map(visible_ascii).collect();
     let mut joined = chain.join(", ");
     if !joined.is_empty() {
         joined.push_str(", ");
@@ -405,6 +432,7 @@ fn ip_value(ip: IpAddr) -> HeaderValue {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::RawFields;
 
     #[test]
     fn wire_names_are_hop_by_hop_exactly_when_their_header_is() {
@@ -544,24 +572,58 @@ mod tests {
         h.insert("x-kept", HeaderValue::from_static("1"));
         h.insert(X_FORWARDED_FOR, HeaderValue::from_static("6.6.6.6"));
         let peer: IpAddr = "127.0.0.9".parse().unwrap();
-        let out = Forwarded::new(h.clone(), peer, "https", 0).to_map();
-        for gone in ["x-secret", "x-other", "proxy-connection", "connection"] {
-            assert!(!out.contains_key(gone), "{gone}");
+        // As hyper delivers them (a map), and as the fast path does (the
+        // fields as they came, in the client's spelling).
+        let mut block = Vec::new();
+        for (name, value) in &h {
+            let name = name.as_str().to_ascii_uppercase();
+            block.extend_from_slice(format!("{name}: ").as_bytes());
+            block.extend_from_slice(value.as_bytes());
+            block.extend_from_slice(b"\r\n");
         }
-        assert!(out.contains_key("x-kept"));
-        assert_eq!(
-            out[X_FORWARDED_FOR], "127.0.0.9",
-            "a forged chain is replaced"
-        );
-        assert_eq!(
-            out[X_FORWARDED_PROTO], "https",
-            "the scheme the client spoke"
-        );
-        let trusted = Forwarded::new(h.clone(), peer, "http", 1).to_map();
+        block.extend_from_slice(b"\r\n");
+        let deliveries = || {
+            [
+                Headers::from(h.clone()),
+                Headers {
+                    map: HeaderMap::new(),
+                    raw: RawFields::parsed(&block),
+                },
+            ]
+        };
+        for (headers, trusted_headers) in deliveries().into_iter().zip(deliveries()) {
+            let raw = headers.raw.len() > 0;
+            let forwarded = Forwarded::new(headers, peer, "https", 0);
+            let out = forwarded.to_map();
+            for gone in ["x-secret", "x-other", "proxy-connection", "connection"] {
+                assert!(!out.contains_key(gone), "{gone} (raw: {raw})");
+            }
+            assert!(out.contains_key("x-kept"));
+            assert_eq!(
+                out[X_FORWARDED_FOR], "127.0.0.9",
+                "a forged chain is replaced"
+            );
+            assert_eq!(
+                out[X_FORWARDED_PROTO], "https",
+                "the scheme the client spoke"
+            );
+            // The fast client's writer sees the same headers.
+            let mut written = Vec::new();
+            forwarded.each(|name, value| {
+                written.push((name.to_ascii_lowercase(), value.to_vec()));
+            });
+            let mapped: Vec<_> = out
+                .iter()
+                .map(|(n, v)| (n.as_str().as_bytes().to_vec(), v.as_bytes().to_vec()))
+                .collect();
+            assert_eq!(written, mapped, "raw: {raw}");
+            let trusted = Forwarded::new(trusted_headers, peer, "http", 1).to_map();
+            assert_eq!(trusted[X_FORWARDED_FOR], "6.6.6.6, 127.0.0.9");
+            assert_eq!(trusted[X_FORWARDED_PROTO], "http", "none was sent to keep");
+        }
         // The next peer of this thread is not taken for the last one.
         let other: IpAddr = "10.1.2.3".parse().unwrap();
-        let out = Forwarded::new(h, other, "http", 0).to_map();
+        let out = Forwarded::new(h.into(), other, "http", 0).to_map();
         assert_eq!(out[X_FORWARDED_FOR], "10.1.2.3");
-        assert_eq!(trusted[X_FORWARDED_FOR], "6.6.6.6, 127.0.0.9");
     }
 }

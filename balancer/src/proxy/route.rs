@@ -9,7 +9,9 @@ use std::borrow::Cow;
 
 use bytes::Bytes;
 use http::Method;
-use http::header::{self, HeaderMap};
+use http::header;
+
+use crate::wire::Headers;
 
 use balancer_core::registry::Attempt;
 
@@ -207,11 +209,10 @@ pub(crate) fn with_usage_requested(body: &Bytes) -> Option<Bytes> {
 
 /// The `model` of a JSON body. A body that claims to be JSON and is not gets
 /// a 400 here rather than a worker's error, and records nothing.
-pub(crate) fn request_model(headers: &HeaderMap, body: &Bytes) -> Result<Option<String>, String> {
+pub(crate) fn request_model(headers: &Headers, body: &Bytes) -> Result<Option<String>, String> {
     let declared_json = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|ct| ct.contains("json"));
+        .get(&header::CONTENT_TYPE)
+        .is_some_and(|ct| ct.windows(4).any(|w| w == b"json"));
     let looks_json = body.first() == Some(&b'{');
     if body.is_empty() || !(declared_json || looks_json) {
         return Ok(None);

@@ -50,7 +50,7 @@ use tokio_util::io::poll_read_buf;
 
 use super::{Activity, Busy, Peer, stopped};
 use crate::bodies::{BoxError, Inbound, ResponseBody};
-use crate::wire::{Field, decimal, header_map, hex, parse_length, put_header};
+use crate::wire::{Field, RawFields, decimal, header_map, hex, parse_length, put_header};
 
 /// The largest head the fast path parses; a larger one goes to hyper,
 /// which answers 431 past its own limit.
@@ -94,18 +94,22 @@ pub(super) struct Fast<'a, IO> {
     /// The client has closed its side. What it sent before is still
     /// served; it is gone once that is used up (hyper's rule).
     eof: bool,
+    /// Requests carry their header fields as they came, with no map built
+    /// ([`ConnectionLimits::raw_fields`](super::ConnectionLimits)).
+    raw_fields: bool,
 }
 
 impl<'a, IO> Fast<'a, IO>
 where
     IO: AsyncRead + AsyncWrite + Unpin,
 {
-    pub(super) fn new(io: &'a mut IO) -> Self {
+    pub(super) fn new(io: &'a mut IO, raw_fields: bool) -> Self {
         Self {
             io,
             buf: BytesMut::new(),
             out: BytesMut::new(),
             eof: false,
+            raw_fields,
         }
     }
 
@@ -283,7 +287,7 @@ where
     fn take(&mut self, plain: &Plain, fields: &[Field]) -> Next {
         let head = self.buf.split_to(plain.head).freeze();
         let body = self.buf.split_to(plain.body).freeze();
-        match build(&head, plain, fields, body.clone()) {
+        match build(&head, plain, fields, body.clone(), self.raw_fields) {
             Some(request) => Next::Request(request, plain.close),
             None => {
                 // Not valid after all (a header value or the target): hyper
@@ -644,11 +648,24 @@ fn scan(buf: &[u8], fields: &mut [Field; MAX_HEADERS]) -> Scan {
 }
 
 /// The request from its frozen head; `None` when its target or a header
-/// is not valid for `http`'s types (hyper then answers it).
-fn build(head: &Bytes, plain: &Plain, fields: &[Field], body: Bytes) -> Option<Request<Inbound>> {
+/// is not valid for `http`'s types (hyper then answers it). With
+/// `raw_fields` the headers stay fields in the body and the map is empty:
+/// httparse checked them by `http`'s rules, so none is refused later.
+fn build(
+    head: &Bytes,
+    plain: &Plain,
+    fields: &[Field],
+    body: Bytes,
+    raw_fields: bool,
+) -> Option<Request<Inbound>> {
     let uri = Uri::from_maybe_shared(head.slice(plain.target.clone())).ok()?;
-    let headers = header_map(head, fields).ok()?;
-    let mut request = Request::new(Inbound::whole(body));
+    let (headers, body) = if raw_fields {
+        let raw = RawFields::new(head.clone(), fields);
+        (HeaderMap::new(), Inbound::with_fields(body, raw))
+    } else {
+        (header_map(head, fields).ok()?, Inbound::whole(body))
+    };
+    let mut request = Request::new(body);
     *request.method_mut() = plain.method.clone();
     *request.uri_mut() = uri;
     *request.version_mut() = Version::HTTP_11;
@@ -668,7 +685,7 @@ pub(crate) fn read_request(wire: &[u8]) -> Option<(usize, usize)> {
     let whole = wire.get(..plain.len())?;
     let head = Bytes::copy_from_slice(&whole[..plain.head]);
     let body = Bytes::copy_from_slice(&whole[plain.head..]);
-    build(&head, &plain, &fields[..plain.headers], body)?;
+    build(&head, &plain, &fields[..plain.headers], body, false)?;
     Some((plain.head, plain.body))
 }
 

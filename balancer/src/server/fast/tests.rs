@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use http::HeaderValue;
 use http_body_util::{BodyExt, Full};
-use tokio::io::{AsyncReadExt, DuplexStream};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -29,11 +29,24 @@ where
     H: Fn(Request<Inbound>, Peer) -> F + Send + Sync + 'static,
     F: Future<Output = Response<ResponseBody>> + Send,
 {
+    start_with(handler, false)
+}
+
+/// [`start`], with requests carrying their fields as they came when
+/// `raw_fields`.
+fn start_with<H, F>(
+    handler: H,
+    raw_fields: bool,
+) -> (DuplexStream, JoinHandle<End>, watch::Sender<bool>)
+where
+    H: Fn(Request<Inbound>, Peer) -> F + Send + Sync + 'static,
+    F: Future<Output = Response<ResponseBody>> + Send,
+{
     let (client, mut server) = tokio::io::duplex(1 << 20);
     let (stop, stopping) = watch::channel(false);
     let task = tokio::spawn(async move {
         let activity = Arc::new(Activity::new());
-        Fast::new(&mut server)
+        Fast::new(&mut server, raw_fields)
             .serve(&handler, peer(), &activity, &stopping)
             .await
     });
@@ -50,7 +63,7 @@ async fn echo(req: Request<Inbound>, peer: Peer) -> Response<ResponseBody> {
     assert_eq!(req.version(), Version::HTTP_11);
     let (parts, body) = req.into_parts();
     assert!(
-        matches!(body, Inbound::Whole(_)),
+        matches!(body, Inbound::Whole(..)),
         "a plain request's body is whole"
     );
     let body = body.collect().await.unwrap().to_bytes();
@@ -93,6 +106,39 @@ async fn read_until(client: &mut DuplexStream, until: &str) -> String {
         got.extend_from_slice(&chunk[..n]);
     }
     String::from_utf8(got).unwrap()
+}
+
+#[tokio::test]
+async fn with_raw_fields_a_plain_request_carries_its_headers_as_they_came() {
+    let handler = |req: Request<Inbound>, _: Peer| async move {
+        let (parts, mut body) = req.into_parts();
+        assert!(parts.headers.is_empty(), "no map is built");
+        let said: Vec<String> = body
+            .take_fields()
+            .iter()
+            .map(|(n, v)| {
+                let (n, v) = (String::from_utf8_lossy(n), String::from_utf8_lossy(v));
+                format!("{n}={v}")
+            })
+            .collect();
+        let body = body.collect().await.unwrap().to_bytes();
+        Response::new(text(format!(
+            "{} {}",
+            said.join(","),
+            String::from_utf8_lossy(&body)
+        )))
+    };
+    let (mut client, task, _stop) = start_with(handler, true);
+    client
+        .write_all(b"POST /x HTTP/1.1\r\nHost: h\r\nX-Test:  a b \r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi")
+        .await
+        .unwrap();
+    let got = read_to_end(&mut client).await;
+    assert!(
+        got.ends_with("\r\n\r\nHost=h,X-Test=a b,Content-Length=2,Connection=close hi"),
+        "{got}"
+    );
+    assert!(matches!(task.await.unwrap(), End::Closed));
 }
 
 #[tokio::test]
@@ -348,7 +394,7 @@ async fn a_client_that_pipelines_and_half_closes_gets_its_first_answer() {
 #[tokio::test]
 async fn a_kept_alive_connection_gives_back_what_a_large_exchange_grew() {
     let (_client, mut server) = tokio::io::duplex(64);
-    let mut fast = Fast::new(&mut server);
+    let mut fast = Fast::new(&mut server, false);
     fast.out.reserve(WRITE_BATCH);
     fast.buf.reserve(MAX_REQUEST);
     fast.trim();
@@ -403,7 +449,7 @@ async fn a_head_that_stalls_is_cut_at_the_header_read_timeout() {
     let task = tokio::spawn(async move {
         let activity = Arc::new(Activity::new());
         activity.await_heads(true);
-        let serving = Fast::new(&mut server).serve(&echo, peer(), &activity, &stopping);
+        let serving = Fast::new(&mut server, false).serve(&echo, peer(), &activity, &stopping);
         tokio::select! {
             _ = serving => "closed by the fast path",
             why = super::super::watchdog(&activity, TIMEOUT * 10, TIMEOUT * 10, TIMEOUT) => why,
