@@ -31,17 +31,17 @@ impl ResponseBody {
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
-        Self::relayed(body, RawFields::default())
+        Self::relayed(body.map_err(Into::into), RawFields::default())
     }
 
-    /// `body`, under the worker's `fields`.
+    /// `body`, under the worker's `fields`. Its errors are boxed already:
+    /// a body this large is moved once, into its box.
     pub(crate) fn relayed<B>(body: B, fields: RawFields) -> Self
     where
-        B: Body<Data = Bytes> + Send + 'static,
-        B::Error: Into<BoxError>,
+        B: Body<Data = Bytes, Error = BoxError> + Send + 'static,
     {
         Self {
-            inner: body.map_err(Into::into).boxed_unsync(),
+            inner: UnsyncBoxBody::new(body),
             fields,
         }
     }

@@ -6,6 +6,7 @@
 //! `Retry-After`, and the hand-over of the chosen response to the relay. A
 //! gateway answer (no worker, exhausted retries) records nothing.
 
+use std::pin::pin;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -129,12 +130,16 @@ impl Proxy {
                 None => unreachable!("a streaming body gets exactly one attempt"),
             };
             let classifier = worker.classifier();
-            let send = self.send(client, &worker, req, payload, attempt_started);
             let result = match classifier.slow_ttfb() {
-                None => send.await,
+                // Awaited where it is made: a future this size is not moved.
+                None => {
+                    self.send(client, &worker, req, payload, attempt_started)
+                        .await
+                }
                 // Boxed: the budget's race is rare (the option is off by
                 // default) and would otherwise widen every request's future.
                 Some(budget) => {
+                    let send = self.send(client, &worker, req, payload, attempt_started);
                     let watched = self.send_watched(
                         send,
                         budget,
@@ -279,7 +284,9 @@ impl Proxy {
             Payload::Whole(_) if address.is_resolved() => address.resolve(),
             _ => None,
         };
-        let sending = async {
+        // Pinned where it is built: moved into the timeout, a future this
+        // size would be copied twice more.
+        let sending = pin!(async {
             match (fast, payload) {
                 (Some(addr), Payload::Whole(body)) => {
                     let request = H1Request {
@@ -305,7 +312,7 @@ impl Proxy {
                     Ok(response.map(WorkerBody::Hyper))
                 }
             }
-        };
+        });
         match tokio::time::timeout_at(deadline.into(), sending).await {
             Ok(Ok(response)) => Ok(response),
             Ok(Err(e)) => {
