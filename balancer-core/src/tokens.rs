@@ -64,8 +64,15 @@ pub fn find_usage(tail: &[u8]) -> Option<Usage> {
             .trim_ascii_start()
             .strip_prefix(b":")?
             .trim_ascii_start();
+        // Folded by hand: cheaper than text and `parse` for a few digits;
+        // a count past u64 is no count.
         let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
-        std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
+        if digits == 0 {
+            return None;
+        }
+        rest[..digits].iter().try_fold(0u64, |n, &b| {
+            n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
+        })
     };
     Some(Usage {
         prompt: number(&PROMPT).unwrap_or(0),
