@@ -179,10 +179,7 @@ impl Headers {
 
     /// The first value of `name`.
     pub(crate) fn get(&self, name: &HeaderName) -> Option<&[u8]> {
-        match self.raw.get(name.as_str()) {
-            Some(value) => Some(value),
-            None => self.map.get(name).map(HeaderValue::as_bytes),
-        }
+        first_value(&self.raw, &self.map, name)
     }
 
     /// Every value of `name`, in order.
@@ -206,6 +203,19 @@ impl Headers {
             .iter()
             .map(|(n, v)| (n.as_str().as_bytes(), v.as_bytes()));
         self.raw.iter().chain(map)
+    }
+}
+
+/// The first value of `name` among a message's fields as they came, else in
+/// its map: where one reads a header whichever way it was delivered.
+pub(crate) fn first_value<'a>(
+    raw: &'a RawFields,
+    map: &'a HeaderMap,
+    name: &HeaderName,
+) -> Option<&'a [u8]> {
+    match raw.get(name.as_str()) {
+        Some(value) => Some(value),
+        None => map.get(name).map(HeaderValue::as_bytes),
     }
 }
 

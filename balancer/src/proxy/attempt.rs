@@ -28,6 +28,7 @@ use super::relay::WorkerBody;
 use super::route::Outgoing;
 use super::{BoxError, Proxy, ResponseBody, UpstreamBody, UpstreamClient};
 use crate::h1::H1Request;
+use crate::wire::{RawFields, first_value};
 
 /// Retry schedule, from the `--retry-*` flags.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -354,10 +355,9 @@ impl Proxy {
 }
 
 fn retry_after(response: &Response<WorkerBody>) -> Option<Duration> {
-    let value = match response.headers().get(header::RETRY_AFTER) {
-        Some(v) => v.as_bytes(),
-        None => response.body().fields()?.get("retry-after")?,
-    };
+    let none = RawFields::default();
+    let raw = response.body().fields().unwrap_or(&none);
+    let value = first_value(raw, response.headers(), &header::RETRY_AFTER)?;
     let secs: f64 = std::str::from_utf8(value).ok()?.trim().parse().ok()?;
     // Clamped before conversion: a worker's `Retry-After: 1e20` must not
     // panic the gateway, and the backoff caps it further anyway.

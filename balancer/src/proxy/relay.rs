@@ -32,7 +32,7 @@ use super::edge::{is_hop_by_hop, is_hop_by_hop_name, strip};
 use super::stats::GatewayStats;
 use super::{BoxError, FALLBACK_HEADER, Proxy, ResponseBody};
 use crate::h1::H1Body;
-use crate::wire::RawFields;
+use crate::wire::{RawFields, first_value};
 
 /// Everything that must happen exactly once when a response ends.
 pub struct Completion {
@@ -348,11 +348,8 @@ impl Proxy {
         }
         strip(&mut parts.headers, is_hop_by_hop);
         fields.remove_where(is_hop_by_hop_name);
-        let content_type = match parts.headers.get(header::CONTENT_TYPE) {
-            Some(v) => Some(v.as_bytes()),
-            None => fields.get("content-type"),
-        };
-        let sse = content_type.is_some_and(|ct| ct.starts_with(b"text/event-stream"));
+        let sse = first_value(&fields, &parts.headers, &header::CONTENT_TYPE)
+            .is_some_and(|ct| ct.starts_with(b"text/event-stream"));
         if sse {
             // The relay may append an error event to a cut stream.
             parts.headers.remove(header::CONTENT_LENGTH);
