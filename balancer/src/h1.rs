@@ -310,11 +310,11 @@ fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, H1Err
             let _ = buf.split_to(len);
             continue;
         }
-        let mut fields = [Field::default(); MAX_HEADERS];
+        // At the size of the head, and kept as it is.
+        let mut fields = Vec::with_capacity(parsed.headers.len());
         let mut chunked = false;
         let mut length = None;
         let mut close = parsed.version == Some(0);
-        let mut kept = 0;
         for h in parsed.headers.iter() {
             let (name, value) = (h.name.as_bytes(), h.value);
             if name.eq_ignore_ascii_case(b"date") {
@@ -347,12 +347,11 @@ fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, H1Err
                 }
                 length = Some(n);
             }
-            fields[kept] = Field::of(buf, h);
-            kept += 1;
+            fields.push(Field::of(buf, h));
         }
         // Kept as they came, sharing the head's bytes: no map is built and
         // nothing is copied until the writer's head.
-        let mut fields = RawFields::new(buf.split_to(len).freeze(), &fields[..kept]);
+        let mut fields = RawFields::new(buf.split_to(len).freeze(), fields);
         let bodiless = *method == Method::HEAD
             || status == StatusCode::NO_CONTENT
             || status == StatusCode::NOT_MODIFIED;

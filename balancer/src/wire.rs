@@ -77,11 +77,8 @@ pub struct RawFields {
 
 impl RawFields {
     /// The fields at `fields` of `head`.
-    pub(crate) fn new(head: Bytes, fields: &[Field]) -> Self {
-        Self {
-            head,
-            fields: fields.to_vec(),
-        }
+    pub(crate) fn new(head: Bytes, fields: Vec<Field>) -> Self {
+        Self { head, fields }
     }
 
     /// The fields of `block` (header lines and the blank line), for tests.
@@ -98,7 +95,7 @@ impl RawFields {
             .take_while(|h| !h.name.is_empty())
             .map(|h| Field::of(&head, h))
             .collect();
-        Self::new(head.clone(), &fields)
+        Self::new(head.clone(), fields)
     }
 
     /// Every `(name, value)`, in the sender's order.

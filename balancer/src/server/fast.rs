@@ -183,12 +183,9 @@ where
     /// is needed. Not async: the header slots live on the stack only while
     /// a head is scanned, not in every waiting connection's future.
     fn buffered(&mut self) -> Option<Next> {
-        let mut fields = [Field::default(); MAX_HEADERS];
-        match scan(&self.buf, &mut fields) {
+        match scan(&self.buf) {
             Scan::Unusual => Some(Next::Unusual),
-            Scan::Plain(plain) if self.buf.len() >= plain.len() => {
-                Some(self.take(&plain, &fields[..plain.headers]))
-            }
+            Scan::Plain(plain) if self.buf.len() >= plain.len() => Some(self.take(plain)),
             Scan::Plain(_) => {
                 // The body has not all come with the head. What the socket
                 // holds already is taken; if that is not enough, hyper reads
@@ -196,10 +193,8 @@ where
                 if !self.drain_ready() {
                     return Some(Next::Closed);
                 }
-                Some(match scan(&self.buf, &mut fields) {
-                    Scan::Plain(plain) if self.buf.len() >= plain.len() => {
-                        self.take(&plain, &fields[..plain.headers])
-                    }
+                Some(match scan(&self.buf) {
+                    Scan::Plain(plain) if self.buf.len() >= plain.len() => self.take(plain),
                     _ => Next::Unusual,
                 })
             }
@@ -284,15 +279,16 @@ where
 
     /// The request scanned as `plain`, taken out of the buffer. Values
     /// share the buffer: nothing is copied.
-    fn take(&mut self, plain: &Plain, fields: &[Field]) -> Next {
+    fn take(&mut self, plain: Plain) -> Next {
         let head = self.buf.split_to(plain.head).freeze();
         let body = self.buf.split_to(plain.body).freeze();
-        match build(&head, plain, fields, body.clone(), self.raw_fields) {
-            Some(request) => Next::Request(request, plain.close),
+        let close = plain.close;
+        match build(&head, plain, body.clone(), self.raw_fields) {
+            Some(request) => Next::Request(request, close),
             None => {
                 // Not valid after all (a header value or the target): hyper
                 // answers it, from its first byte.
-                let mut whole = BytesMut::with_capacity(plain.len() + self.buf.len());
+                let mut whole = BytesMut::with_capacity(head.len() + body.len() + self.buf.len());
                 whole.extend_from_slice(&head);
                 whole.extend_from_slice(&body);
                 whole.extend_from_slice(&self.buf);
@@ -551,7 +547,8 @@ struct Plain {
     body: usize,
     method: Method,
     target: Range<usize>,
-    headers: usize,
+    /// Where its headers sit in the head.
+    fields: Vec<Field>,
     /// The client asked to close after this request.
     close: bool,
 }
@@ -571,7 +568,7 @@ enum Scan {
 }
 
 /// Whether `buf` starts with a plain request head, and where its parts are.
-fn scan(buf: &[u8], fields: &mut [Field; MAX_HEADERS]) -> Scan {
+fn scan(buf: &[u8]) -> Scan {
     if buf.is_empty() {
         return Scan::Partial;
     }
@@ -606,7 +603,10 @@ fn scan(buf: &[u8], fields: &mut [Field; MAX_HEADERS]) -> Scan {
     }
     let mut length = None;
     let mut close = false;
-    for (slot, h) in fields.iter_mut().zip(parsed.headers.iter()) {
+    // Allocated once the head is whole, at its size: the list goes on with
+    // the request as it is.
+    let mut fields = Vec::with_capacity(parsed.headers.len());
+    for h in parsed.headers.iter() {
         let (name, value) = (h.name.as_bytes(), h.value);
         if name.eq_ignore_ascii_case(b"content-length") {
             match parse_length(value) {
@@ -629,7 +629,7 @@ fn scan(buf: &[u8], fields: &mut [Field; MAX_HEADERS]) -> Scan {
                 }
             }
         }
-        *slot = Field::of(buf, h);
+        fields.push(Field::of(buf, h));
     }
     let body = match length {
         Some(n) if n > (MAX_REQUEST - head) as u64 => return Scan::Unusual,
@@ -642,7 +642,7 @@ fn scan(buf: &[u8], fields: &mut [Field; MAX_HEADERS]) -> Scan {
         body,
         method,
         target: at..at + path.len(),
-        headers: parsed.headers.len(),
+        fields,
         close,
     })
 }
@@ -651,22 +651,16 @@ fn scan(buf: &[u8], fields: &mut [Field; MAX_HEADERS]) -> Scan {
 /// is not valid for `http`'s types (hyper then answers it). With
 /// `raw_fields` the headers stay fields in the body and the map is empty:
 /// httparse checked them by `http`'s rules, so none is refused later.
-fn build(
-    head: &Bytes,
-    plain: &Plain,
-    fields: &[Field],
-    body: Bytes,
-    raw_fields: bool,
-) -> Option<Request<Inbound>> {
-    let uri = Uri::from_maybe_shared(head.slice(plain.target.clone())).ok()?;
+fn build(head: &Bytes, plain: Plain, body: Bytes, raw_fields: bool) -> Option<Request<Inbound>> {
+    let uri = Uri::from_maybe_shared(head.slice(plain.target)).ok()?;
     let (headers, body) = if raw_fields {
-        let raw = RawFields::new(head.clone(), fields);
+        let raw = RawFields::new(head.clone(), plain.fields);
         (HeaderMap::new(), Inbound::with_fields(body, raw))
     } else {
-        (header_map(head, fields).ok()?, Inbound::whole(body))
+        (header_map(head, &plain.fields).ok()?, Inbound::whole(body))
     };
     let mut request = Request::new(body);
-    *request.method_mut() = plain.method.clone();
+    *request.method_mut() = plain.method;
     *request.uri_mut() = uri;
     *request.version_mut() = Version::HTTP_11;
     *request.headers_mut() = headers;
@@ -678,15 +672,15 @@ fn build(
 /// The fuzz target's entry ([`crate::fuzzing::client_request`]); it must
 /// only return.
 pub(crate) fn read_request(wire: &[u8]) -> Option<(usize, usize)> {
-    let mut fields = [Field::default(); MAX_HEADERS];
-    let Scan::Plain(plain) = scan(wire, &mut fields) else {
+    let Scan::Plain(plain) = scan(wire) else {
         return None;
     };
     let whole = wire.get(..plain.len())?;
-    let head = Bytes::copy_from_slice(&whole[..plain.head]);
-    let body = Bytes::copy_from_slice(&whole[plain.head..]);
-    build(&head, &plain, &fields[..plain.headers], body, false)?;
-    Some((plain.head, plain.body))
+    let (head_len, body_len) = (plain.head, plain.body);
+    let head = Bytes::copy_from_slice(&whole[..head_len]);
+    let body = Bytes::copy_from_slice(&whole[head_len..]);
+    build(&head, plain, body, false)?;
+    Some((head_len, body_len))
 }
 
 /// The `Date` value, formatted once a second per thread.
