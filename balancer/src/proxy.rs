@@ -233,157 +233,165 @@ impl Lane {
     /// One request, phase by phase: the gateway's own endpoints, the edge
     /// (route and method), the body under its bounds, the model, admission,
     /// token budgets and fallbacks, then the attempts.
-    pub async fn handle(
+    ///
+    /// An async block, not an async function: a function's future keeps
+    /// each argument twice (as passed, and as the local it becomes), where
+    /// a block uses what it captured in place. The request is 312 bytes of
+    /// a future that is copied whole into its box.
+    pub fn handle(
         self: Arc<Self>,
         req: Request<Inbound>,
         peer: Peer,
-    ) -> Response<ResponseBody> {
-        let proxy = &*self.proxy;
-        let started = Instant::now();
-        if req.method() == Method::GET {
-            match req.uri().path() {
-                "/health" | "/liveness" => {
-                    return json_response(StatusCode::OK, serde_json::json!({"status": "ok"}));
+    ) -> impl Future<Output = Response<ResponseBody>> + Send + 'static {
+        async move {
+            let proxy = &*self.proxy;
+            let started = Instant::now();
+            if req.method() == Method::GET {
+                match req.uri().path() {
+                    "/health" | "/liveness" => {
+                        return json_response(StatusCode::OK, serde_json::json!({"status": "ok"}));
+                    }
+                    "/readiness" => return proxy.readiness(),
+                    _ => {}
                 }
-                "/readiness" => return proxy.readiness(),
-                _ => {}
             }
-        }
-        let (path, inference) = match proxy.config.routes.route(req.method(), req.uri().path()) {
-            Route::Inference(path) => (Cow::Borrowed(path), true),
-            Route::Forward(path) => (Cow::Owned(path), false),
-            Route::MethodNotAllowed(allow) => return proxy.method_not_allowed(allow),
-            Route::NotFound => {
-                return proxy.gateway_error(
-                    ErrorCode::NotFound,
-                    "this gateway forwards no such route",
-                    None,
-                );
-            }
-            Route::BadPath => {
-                return proxy.gateway_error(
-                    ErrorCode::InvalidRequest,
-                    "the request path is malformed",
-                    None,
-                );
-            }
-        };
-        let proto = if peer.tls { "https" } else { "http" };
-        let (parts, mut body) = req.into_parts();
-        // The fast path's fields as they came, or hyper's map: both are
-        // read through one view.
-        let raw = body.take_fields();
-        // Read before admission, under the stall deadline: a client that
-        // sends half a body never holds a permit.
-        let body = match read_body(&parts.headers, body, &proxy.body_limits).await {
-            Ok(b) => b,
-            Err(e) => return proxy.body_error(&e),
-        };
-        let headers = Headers {
-            map: parts.headers,
-            raw,
-        };
-        let model = match &body {
-            RequestBody::Replayable(bytes, _) if inference => inference_model(bytes),
-            RequestBody::Replayable(bytes, _) => request_model(&headers, bytes),
-            // Past the buffered limit only the prefix is here: an inference
-            // body must name its model there to be routed by it.
-            RequestBody::Streaming(prefix, _) if inference => {
-                match model_in_prefix(&prefix.concat()) {
-                    Some(m) if m.len() > MAX_MODEL_LEN => Err(format!(
-                        "the model name is longer than {MAX_MODEL_LEN} bytes"
-                    )),
-                    Some(m) => Ok(Some(m)),
-                    None => {
-                        return proxy.gateway_error(
+            let (path, inference) = match proxy.config.routes.route(req.method(), req.uri().path())
+            {
+                Route::Inference(path) => (Cow::Borrowed(path), true),
+                Route::Forward(path) => (Cow::Owned(path), false),
+                Route::MethodNotAllowed(allow) => return proxy.method_not_allowed(allow),
+                Route::NotFound => {
+                    return proxy.gateway_error(
+                        ErrorCode::NotFound,
+                        "this gateway forwards no such route",
+                        None,
+                    );
+                }
+                Route::BadPath => {
+                    return proxy.gateway_error(
+                        ErrorCode::InvalidRequest,
+                        "the request path is malformed",
+                        None,
+                    );
+                }
+            };
+            let proto = if peer.tls { "https" } else { "http" };
+            let (parts, mut body) = req.into_parts();
+            // The fast path's fields as they came, or hyper's map: both are
+            // read through one view.
+            let raw = body.take_fields();
+            // Read before admission, under the stall deadline: a client that
+            // sends half a body never holds a permit.
+            let body = match read_body(&parts.headers, body, &proxy.body_limits).await {
+                Ok(b) => b,
+                Err(e) => return proxy.body_error(&e),
+            };
+            let headers = Headers {
+                map: parts.headers,
+                raw,
+            };
+            let model = match &body {
+                RequestBody::Replayable(bytes, _) if inference => inference_model(bytes),
+                RequestBody::Replayable(bytes, _) => request_model(&headers, bytes),
+                // Past the buffered limit only the prefix is here: an inference
+                // body must name its model there to be routed by it.
+                RequestBody::Streaming(prefix, _) if inference => {
+                    match model_in_prefix(&prefix.concat()) {
+                        Some(m) if m.len() > MAX_MODEL_LEN => Err(format!(
+                            "the model name is longer than {MAX_MODEL_LEN} bytes"
+                        )),
+                        Some(m) => Ok(Some(m)),
+                        None => {
+                            return proxy.gateway_error(
                             ErrorCode::PayloadTooLarge,
                             "an inference body larger than --max-buffered-request-bytes must name its model within that many bytes",
                             None,
                         );
-                    }
-                }
-            }
-            RequestBody::Streaming(..) => Ok(None),
-        };
-        let model = match model {
-            Ok(m) => m,
-            Err(msg) => return proxy.gateway_error(ErrorCode::InvalidRequest, &msg, None),
-        };
-        let permit = match &proxy.admission {
-            None => None,
-            Some(a) => match a.admit().await {
-                Ok(p) => Some(p),
-                Err(shed) => {
-                    let (code, msg) = match shed {
-                        Shed::QueueFull => {
-                            (ErrorCode::AdmissionQueueFull, "the admission queue is full")
                         }
-                        Shed::QueueTimeout => (
-                            ErrorCode::AdmissionQueueTimeout,
-                            "the request waited too long for admission",
-                        ),
-                    };
-                    return proxy.gateway_error(code, msg, Some(a.retry_after_secs()));
+                    }
                 }
-            },
-        };
-        // Only consistent hashing routes by key: other policies are spared
-        // the lookup of a custom header name (hashed byte by byte).
-        let key = (proxy.selector.policy() == Policy::ConsistentHash)
-            .then(|| headers.get(&proxy.config.routing_key_header))
-            .flatten()
-            .map(hash_key);
-        let headers = Forwarded::new(
-            headers,
-            peer.addr.ip(),
-            proto,
-            proxy.config.trusted_proxy_hops,
-        );
-        let path = match parts.uri.query() {
-            Some(query) => Cow::Owned(format!("{path}?{query}")),
-            None => path,
-        };
-        let mut request = Outgoing {
-            method: parts.method,
-            path,
-            headers,
-            model,
-            key,
-            fallback_from: None,
-        };
-        let mut body = Some(body);
-        let mut budgeted = false;
-        while let Some(model) = request.model.as_deref() {
-            match proxy.tokens.allowance(model, || proxy.clock.now()) {
-                Allowance::Unbudgeted => break,
-                Allowance::Within => {
-                    budgeted = true;
-                    break;
-                }
-                Allowance::Spent(wait) => {
-                    if !proxy.take_fallback(&mut request, &mut body) {
-                        let model = request.model.as_deref().unwrap_or_default();
-                        return proxy.gateway_error(
-                            ErrorCode::TokenBudgetExceeded,
-                            &format!(
-                                "the token budget of model {model:?} is spent for this minute"
+                RequestBody::Streaming(..) => Ok(None),
+            };
+            let model = match model {
+                Ok(m) => m,
+                Err(msg) => return proxy.gateway_error(ErrorCode::InvalidRequest, &msg, None),
+            };
+            let permit = match &proxy.admission {
+                None => None,
+                Some(a) => match a.admit().await {
+                    Ok(p) => Some(p),
+                    Err(shed) => {
+                        let (code, msg) = match shed {
+                            Shed::QueueFull => {
+                                (ErrorCode::AdmissionQueueFull, "the admission queue is full")
+                            }
+                            Shed::QueueTimeout => (
+                                ErrorCode::AdmissionQueueTimeout,
+                                "the request waited too long for admission",
                             ),
-                            Some(wait),
-                        );
+                        };
+                        return proxy.gateway_error(code, msg, Some(a.retry_after_secs()));
+                    }
+                },
+            };
+            // Only consistent hashing routes by key: other policies are spared
+            // the lookup of a custom header name (hashed byte by byte).
+            let key = (proxy.selector.policy() == Policy::ConsistentHash)
+                .then(|| headers.get(&proxy.config.routing_key_header))
+                .flatten()
+                .map(hash_key);
+            let headers = Forwarded::new(
+                headers,
+                peer.addr.ip(),
+                proto,
+                proxy.config.trusted_proxy_hops,
+            );
+            let path = match parts.uri.query() {
+                Some(query) => Cow::Owned(format!("{path}?{query}")),
+                None => path,
+            };
+            let mut request = Outgoing {
+                method: parts.method,
+                path,
+                headers,
+                model,
+                key,
+                fallback_from: None,
+            };
+            let mut body = Some(body);
+            let mut budgeted = false;
+            while let Some(model) = request.model.as_deref() {
+                match proxy.tokens.allowance(model, || proxy.clock.now()) {
+                    Allowance::Unbudgeted => break,
+                    Allowance::Within => {
+                        budgeted = true;
+                        break;
+                    }
+                    Allowance::Spent(wait) => {
+                        if !proxy.take_fallback(&mut request, &mut body) {
+                            let model = request.model.as_deref().unwrap_or_default();
+                            return proxy.gateway_error(
+                                ErrorCode::TokenBudgetExceeded,
+                                &format!(
+                                    "the token budget of model {model:?} is spent for this minute"
+                                ),
+                                Some(wait),
+                            );
+                        }
                     }
                 }
             }
+            let mut body = body.expect("a request body is only ever swapped for another");
+            // A budget counts streamed tokens only if the worker reports them.
+            if budgeted
+                && let RequestBody::Replayable(bytes, lease) = &body
+                && let Some(asking) = with_usage_requested(bytes)
+            {
+                body = RequestBody::Replayable(asking, lease.clone());
+            }
+            proxy
+                .attempts(&self.client, &mut request, body, permit, started)
+                .await
         }
-        let mut body = body.expect("a request body is only ever swapped for another");
-        // A budget counts streamed tokens only if the worker reports them.
-        if budgeted
-            && let RequestBody::Replayable(bytes, lease) = &body
-            && let Some(asking) = with_usage_requested(bytes)
-        {
-            body = RequestBody::Replayable(asking, lease.clone());
-        }
-        proxy
-            .attempts(&self.client, &mut request, body, permit, started)
-            .await
     }
 }
