@@ -238,6 +238,10 @@ impl Lane {
     /// each argument twice (as passed, and as the local it becomes), where
     /// a block uses what it captured in place. The request is 312 bytes of
     /// a future that is copied whole into its box.
+    #[expect(
+        clippy::manual_async_fn,
+        reason = "an async fn would keep its moved-in arguments twice"
+    )]
     pub fn handle(
         self: Arc<Self>,
         req: Request<Inbound>,

@@ -6,6 +6,7 @@
 //! `Retry-After`, and the hand-over of the chosen response to the relay. A
 //! gateway answer (no worker, exhausted retries) records nothing.
 
+use std::future::Future;
 use std::pin::pin;
 use std::time::{Duration, Instant};
 
@@ -80,163 +81,172 @@ enum AttemptError {
 }
 
 impl Proxy {
-    /// The retry loop. `req` is borrowed rather than moved in: an async
-    /// function keeps a moved-in argument's bytes for its whole life, next
-    /// to the local it becomes, and this future is part of every request's.
-    pub(crate) async fn attempts(
+    /// The retry loop. `req` is borrowed rather than moved in, and the loop
+    /// is an async block over its arguments rather than an async function:
+    /// a function's future keeps a moved-in argument's bytes for its whole
+    /// life, next to the local it becomes, and this future is part of every
+    /// request's.
+    #[expect(
+        clippy::manual_async_fn,
+        reason = "an async fn would keep its moved-in arguments twice"
+    )]
+    pub(crate) fn attempts(
         &self,
         client: &UpstreamClient,
         req: &mut Outgoing,
         body: RequestBody,
         permit: Option<Permit>,
         started: Instant,
-    ) -> Response<ResponseBody> {
-        let mut charges = RequestCharges::default();
-        // Inline for the usual few attempts: no allocation per request.
-        let mut tried: SmallVec<[u64; 4]> = SmallVec::new();
-        // A streamed body's faults are the client's: found there, an
-        // attempt's failure is answered for the client and charged to no one.
-        let fault = match &body {
-            RequestBody::Streaming(_, rest) => Some(rest.fault()),
-            RequestBody::Replayable(..) => None,
-        };
-        let max_attempts = match body {
-            RequestBody::Replayable(..) => self.config.retry.max_attempts,
-            RequestBody::Streaming(..) => 1,
-        };
-        let mut body = Some(body);
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            let last = attempt >= max_attempts;
-            let Some(mut admitted) = self.select(req, &tried) else {
-                if self.take_fallback(req, &mut body) {
-                    // Finding no worker was not an attempt.
-                    attempt -= 1;
-                    continue;
-                }
-                return self.no_available_workers(req.model.as_deref());
+    ) -> impl Future<Output = Response<ResponseBody>> {
+        async move {
+            let mut charges = RequestCharges::default();
+            // Inline for the usual few attempts: no allocation per request.
+            let mut tried: SmallVec<[u64; 4]> = SmallVec::new();
+            // A streamed body's faults are the client's: found there, an
+            // attempt's failure is answered for the client and charged to no one.
+            let fault = match &body {
+                RequestBody::Streaming(_, rest) => Some(rest.fault()),
+                RequestBody::Replayable(..) => None,
             };
-            let worker = admitted.worker().clone();
-            let attempt_started = Instant::now();
-            tried.push(worker.breaker.id());
-            let payload = match body.take() {
-                Some(RequestBody::Replayable(b, lease)) => {
-                    body = Some(RequestBody::Replayable(b.clone(), lease));
-                    Payload::Whole(b)
-                }
-                Some(RequestBody::Streaming(prefix, rest)) => {
-                    Payload::Streamed(chain(prefix, rest))
-                }
-                None => unreachable!("a streaming body gets exactly one attempt"),
+            let max_attempts = match body {
+                RequestBody::Replayable(..) => self.config.retry.max_attempts,
+                RequestBody::Streaming(..) => 1,
             };
-            let classifier = worker.classifier();
-            let result = match classifier.slow_ttfb() {
-                // Awaited where it is made: a future this size is not moved.
-                None => {
-                    self.send(client, &worker, req, payload, attempt_started)
-                        .await
-                }
-                // Boxed: the budget's race is rare (the option is off by
-                // default) and would otherwise widen every request's future.
-                Some(budget) => {
-                    let send = self.send(client, &worker, req, payload, attempt_started);
-                    let watched = self.send_watched(
-                        send,
-                        budget,
-                        &mut admitted,
-                        &mut charges,
-                        fault.as_ref(),
-                    );
-                    Box::pin(watched).await
-                }
-            };
-            let failure = match result {
-                Ok(response) => {
-                    let status = response.status().as_u16();
-                    let outcome = classifier.classify(status);
-                    let retryable = RETRY_STATUSES.contains(&status);
-                    if retryable && !last {
-                        let retry_after = retry_after(&response);
-                        admitted.record(&mut charges, outcome, &*self.clock);
-                        drop(admitted);
-                        drop(response);
-                        self.stats.retry();
-                        tokio::time::sleep(self.config.retry.backoff(attempt, retry_after)).await;
+            let mut body = Some(body);
+            let mut attempt = 0;
+            loop {
+                attempt += 1;
+                let last = attempt >= max_attempts;
+                let Some(mut admitted) = self.select(req, &tried) else {
+                    if self.take_fallback(req, &mut body) {
+                        // Finding no worker was not an attempt.
+                        attempt -= 1;
                         continue;
                     }
-                    if retryable {
-                        self.stats.retries_exhausted();
+                    return self.no_available_workers(req.model.as_deref());
+                };
+                let worker = admitted.worker().clone();
+                let attempt_started = Instant::now();
+                tried.push(worker.breaker.id());
+                let payload = match body.take() {
+                    Some(RequestBody::Replayable(b, lease)) => {
+                        body = Some(RequestBody::Replayable(b.clone(), lease));
+                        Payload::Whole(b)
                     }
-                    let headers_at = Instant::now();
-                    self.stats.ttfb.observe(headers_at - started);
-                    self.stats.upstream_response(status);
-                    // A success waits for the body; anything else is decided
-                    // by the status.
-                    if outcome != Outcome::Success {
-                        admitted.record(&mut charges, outcome, &*self.clock);
+                    Some(RequestBody::Streaming(prefix, rest)) => {
+                        Payload::Streamed(chain(prefix, rest))
                     }
-                    let completion = Completion {
-                        attempt: admitted,
-                        charges,
-                        permit,
-                        started,
-                        attempt_started,
-                        headers_after: headers_at - attempt_started,
-                        classifier,
-                        tokens: req.model.as_deref().map(|m| self.model_tokens(m)),
-                        stats: self.stats.clone(),
-                        clock: self.clock.clone(),
-                    };
-                    let fallback = req
-                        .fallback_from
-                        .as_ref()
-                        .zip(req.model.as_ref())
-                        .map(|(from, to)| format!("{from}->{to}"));
-                    return self.relay(response, completion, fallback);
+                    None => unreachable!("a streaming body gets exactly one attempt"),
+                };
+                let classifier = worker.classifier();
+                let result = match classifier.slow_ttfb() {
+                    // Awaited where it is made: a future this size is not moved.
+                    None => {
+                        self.send(client, &worker, req, payload, attempt_started)
+                            .await
+                    }
+                    // Boxed: the budget's race is rare (the option is off by
+                    // default) and would otherwise widen every request's future.
+                    Some(budget) => {
+                        let send = self.send(client, &worker, req, payload, attempt_started);
+                        let watched = self.send_watched(
+                            send,
+                            budget,
+                            &mut admitted,
+                            &mut charges,
+                            fault.as_ref(),
+                        );
+                        Box::pin(watched).await
+                    }
+                };
+                let failure = match result {
+                    Ok(response) => {
+                        let status = response.status().as_u16();
+                        let outcome = classifier.classify(status);
+                        let retryable = RETRY_STATUSES.contains(&status);
+                        if retryable && !last {
+                            let retry_after = retry_after(&response);
+                            admitted.record(&mut charges, outcome, &*self.clock);
+                            drop(admitted);
+                            drop(response);
+                            self.stats.retry();
+                            tokio::time::sleep(self.config.retry.backoff(attempt, retry_after))
+                                .await;
+                            continue;
+                        }
+                        if retryable {
+                            self.stats.retries_exhausted();
+                        }
+                        let headers_at = Instant::now();
+                        self.stats.ttfb.observe(headers_at - started);
+                        self.stats.upstream_response(status);
+                        // A success waits for the body; anything else is decided
+                        // by the status.
+                        if outcome != Outcome::Success {
+                            admitted.record(&mut charges, outcome, &*self.clock);
+                        }
+                        let completion = Completion {
+                            attempt: admitted,
+                            charges,
+                            permit,
+                            started,
+                            attempt_started,
+                            headers_after: headers_at - attempt_started,
+                            classifier,
+                            tokens: req.model.as_deref().map(|m| self.model_tokens(m)),
+                            stats: self.stats.clone(),
+                            clock: self.clock.clone(),
+                        };
+                        let fallback = req
+                            .fallback_from
+                            .as_ref()
+                            .zip(req.model.as_ref())
+                            .map(|(from, to)| format!("{from}->{to}"));
+                        return self.relay(response, completion, fallback);
+                    }
+                    Err(e) => e,
+                };
+                if let Some(error) = fault.as_ref().and_then(|f| f.fault()) {
+                    // The client's body broke its bounds or broke off: the
+                    // attempt is dropped unrecorded, the answer is the client's.
+                    drop(admitted);
+                    return self.body_error(error);
                 }
-                Err(e) => e,
-            };
-            if let Some(error) = fault.as_ref().and_then(|f| f.fault()) {
-                // The client's body broke its bounds or broke off: the
-                // attempt is dropped unrecorded, the answer is the client's.
+                if matches!(failure, AttemptError::Timeout)
+                    && fault.as_ref().is_some_and(|f| !f.is_done())
+                {
+                    // The request timeout ran out while the client was still
+                    // sending its body: the client's doing, not the worker's.
+                    drop(admitted);
+                    return self.body_error(&BodyError::Stalled);
+                }
+                let reason = match failure {
+                    AttemptError::Timeout => FailureReason::Timeout,
+                    AttemptError::Unreachable => FailureReason::Connect,
+                };
+                // Recorded as the 502 or 504 the gateway answers for it.
+                let outcome = classifier.classify_no_response(reason);
+                admitted.record(&mut charges, outcome, &*self.clock);
                 drop(admitted);
-                return self.body_error(error);
+                if !last {
+                    self.stats.retry();
+                    tokio::time::sleep(self.config.retry.backoff(attempt, None)).await;
+                    continue;
+                }
+                self.stats.retries_exhausted();
+                return match failure {
+                    AttemptError::Timeout => self.gateway_error(
+                        ErrorCode::UpstreamTimeout,
+                        "the worker did not answer within the request timeout",
+                        None,
+                    ),
+                    AttemptError::Unreachable => self.gateway_error(
+                        ErrorCode::UpstreamUnreachable,
+                        "the worker could not be reached, or its connection broke",
+                        None,
+                    ),
+                };
             }
-            if matches!(failure, AttemptError::Timeout)
-                && fault.as_ref().is_some_and(|f| !f.is_done())
-            {
-                // The request timeout ran out while the client was still
-                // sending its body: the client's doing, not the worker's.
-                drop(admitted);
-                return self.body_error(&BodyError::Stalled);
-            }
-            let reason = match failure {
-                AttemptError::Timeout => FailureReason::Timeout,
-                AttemptError::Unreachable => FailureReason::Connect,
-            };
-            // Recorded as the 502 or 504 the gateway answers for it.
-            let outcome = classifier.classify_no_response(reason);
-            admitted.record(&mut charges, outcome, &*self.clock);
-            drop(admitted);
-            if !last {
-                self.stats.retry();
-                tokio::time::sleep(self.config.retry.backoff(attempt, None)).await;
-                continue;
-            }
-            self.stats.retries_exhausted();
-            return match failure {
-                AttemptError::Timeout => self.gateway_error(
-                    ErrorCode::UpstreamTimeout,
-                    "the worker did not answer within the request timeout",
-                    None,
-                ),
-                AttemptError::Unreachable => self.gateway_error(
-                    ErrorCode::UpstreamUnreachable,
-                    "the worker could not be reached, or its connection broke",
-                    None,
-                ),
-            };
         }
     }
 
@@ -269,58 +279,65 @@ impl Proxy {
     /// One attempt's request, until the response head: on the fast path
     /// when the worker's address is known and the body is whole, through
     /// hyper's client otherwise. Either way within the
-    /// request timeout; any failure before the head is `Unreachable`.
-    async fn send(
+    /// request timeout; any failure before the head is `Unreachable`. An
+    /// async block, as [`Proxy::attempts`] is.
+    #[expect(
+        clippy::manual_async_fn,
+        reason = "an async fn would keep its moved-in arguments twice"
+    )]
+    fn send(
         &self,
         client: &UpstreamClient,
         worker: &Worker,
         req: &Outgoing,
         payload: Payload,
         started: Instant,
-    ) -> Result<Response<WorkerBody>, AttemptError> {
-        // From the attempt's own start: no second clock read.
-        let deadline = started + self.config.request_timeout;
-        let address = &worker.address;
-        let fast = match &payload {
-            Payload::Whole(_) if address.is_resolved() => address.resolve(),
-            _ => None,
-        };
-        // Pinned where it is built: moved into the timeout, a future this
-        // size would be copied twice more.
-        let sending = pin!(async {
-            match (fast, payload) {
-                (Some(addr), Payload::Whole(body)) => {
-                    let request = H1Request {
-                        method: &req.method,
-                        path: &req.path,
-                        authority: address.authority.as_str(),
-                        tls: address.is_tls(),
-                        headers: &req.headers,
-                        authorization: address.basic_auth.as_ref().map(|a| a.expose()),
-                        body,
-                    };
-                    let response = client.h1.send(addr, &request).await?;
-                    Ok::<_, BoxError>(response.map(WorkerBody::H1))
+    ) -> impl Future<Output = Result<Response<WorkerBody>, AttemptError>> {
+        async move {
+            // From the attempt's own start: no second clock read.
+            let deadline = started + self.config.request_timeout;
+            let address = &worker.address;
+            let fast = match &payload {
+                Payload::Whole(_) if address.is_resolved() => address.resolve(),
+                _ => None,
+            };
+            // Pinned where it is built: moved into the timeout, a future this
+            // size would be copied twice more.
+            let sending = pin!(async {
+                match (fast, payload) {
+                    (Some(addr), Payload::Whole(body)) => {
+                        let request = H1Request {
+                            method: &req.method,
+                            path: &req.path,
+                            authority: address.authority.as_str(),
+                            tls: address.is_tls(),
+                            headers: &req.headers,
+                            authorization: address.basic_auth.as_ref().map(|a| a.expose()),
+                            body,
+                        };
+                        let response = client.h1.send(addr, &request).await?;
+                        Ok::<_, BoxError>(response.map(WorkerBody::H1))
+                    }
+                    (_, payload) => {
+                        let body = match payload {
+                            Payload::Whole(body) => boxed(Full::new(body)),
+                            Payload::Streamed(body) => body,
+                        };
+                        // Boxed for the same reason as a fast-path connect:
+                        // hyper's request future is large and off the fast path.
+                        let response = Box::pin(self.send_hyper(client, worker, req, body)).await?;
+                        Ok(response.map(WorkerBody::Hyper))
+                    }
                 }
-                (_, payload) => {
-                    let body = match payload {
-                        Payload::Whole(body) => boxed(Full::new(body)),
-                        Payload::Streamed(body) => body,
-                    };
-                    // Boxed for the same reason as a fast-path connect:
-                    // hyper's request future is large and off the fast path.
-                    let response = Box::pin(self.send_hyper(client, worker, req, body)).await?;
-                    Ok(response.map(WorkerBody::Hyper))
+            });
+            match tokio::time::timeout_at(deadline.into(), sending).await {
+                Ok(Ok(response)) => Ok(response),
+                Ok(Err(e)) => {
+                    tracing::debug!(worker = %worker.url, error = %error_chain(&*e), "attempt failed");
+                    Err(AttemptError::Unreachable)
                 }
+                Err(_) => Err(AttemptError::Timeout),
             }
-        });
-        match tokio::time::timeout_at(deadline.into(), sending).await {
-            Ok(Ok(response)) => Ok(response),
-            Ok(Err(e)) => {
-                tracing::debug!(worker = %worker.url, error = %error_chain(&*e), "attempt failed");
-                Err(AttemptError::Unreachable)
-            }
-            Err(_) => Err(AttemptError::Timeout),
         }
     }
 
