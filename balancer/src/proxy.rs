@@ -388,10 +388,10 @@ impl Lane {
             let mut body = body.expect("a request body is only ever swapped for another");
             // A budget counts streamed tokens only if the worker reports them.
             if budgeted
-                && let RequestBody::Replayable(bytes, lease) = &body
+                && let RequestBody::Replayable(bytes, _) = &mut body
                 && let Some(asking) = with_usage_requested(bytes)
             {
-                body = RequestBody::Replayable(asking, lease.clone());
+                *bytes = asking;
             }
             proxy
                 .attempts(&self.client, &mut request, body, permit, started)

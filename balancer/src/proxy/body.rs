@@ -135,8 +135,9 @@ impl Drop for Lease {
 /// The request body as the attempts see it.
 pub(crate) enum RequestBody {
     /// Small enough to keep: every attempt sends a copy. The lease holds
-    /// its bytes in the process-wide budget.
-    Replayable(Bytes, Arc<Lease>),
+    /// its bytes in the process-wide budget; it moves with the body (a
+    /// rewritten body keeps it), so it needs no count of its own.
+    Replayable(Bytes, Lease),
     /// Too large to keep: the prefix read so far and the rest, for one attempt.
     Streaming(Vec<Bytes>, ClientBody),
 }
@@ -170,7 +171,7 @@ pub(crate) async fn read_body(
             if !lease.grow(data.len()) {
                 return Err(BodyError::OverBudget);
             }
-            return Ok(RequestBody::Replayable(data, Arc::new(lease)));
+            return Ok(RequestBody::Replayable(data, lease));
         }
         *whole = Some(data);
     }
@@ -222,7 +223,7 @@ pub(crate) async fn read_body(
         }
         buf.extend_from_slice(&data);
     }
-    Ok(RequestBody::Replayable(buf.freeze(), Arc::new(lease)))
+    Ok(RequestBody::Replayable(buf.freeze(), lease))
 }
 
 /// The rest of a client's body as it streams to a worker, still under the

@@ -44,20 +44,19 @@ impl Proxy {
         let Some(to) = self.config.fallbacks.get(from) else {
             return false;
         };
-        let Some(RequestBody::Replayable(bytes, lease)) = body.as_ref() else {
+        let Some(RequestBody::Replayable(bytes, _)) = body.as_mut() else {
             return false;
         };
         let Some(rewritten) = with_model(bytes, to) else {
             return false;
         };
         // A model name is bounded, so the rewritten body stays within a few
-        // bytes of the lease's count.
-        let lease = lease.clone();
+        // bytes of the lease's count: it keeps the lease.
+        *bytes = rewritten;
         tracing::debug!(from, to, "model fallback");
         self.stats.fallback(from, to);
         req.fallback_from.get_or_insert_with(|| from.to_owned());
         req.model = Some(to.clone());
-        *body = Some(RequestBody::Replayable(rewritten, lease));
         true
     }
 
