@@ -196,26 +196,37 @@ struct Head {
 type Exchanged = Result<(Head, Conn), H1Error>;
 
 /// Writes the request and reads the response head. `Err(Stale)` when a
-/// reused connection ended before a single byte of the answer.
-async fn exchange(mut conn: Conn, request: &H1Request<'_>) -> Result<Exchanged, Stale> {
-    let reused = conn.reused;
-    let stale = |e: &H1Error| reused && conn_ended_early(e);
-    // The head is encoded for this write alone (again for a second
-    // connection after a stale one): its buffer goes back to the thread
-    // before the answer is awaited, which for a model can take seconds.
-    let written = {
-        let mut head = Scratch::take();
-        request.encode(&mut head.0);
-        write_all(&mut conn.stream, &head.0, &request.body).await
-    };
-    if let Err(e) = written {
-        let e = H1Error::Io(e);
-        return if stale(&e) { Err(Stale) } else { Ok(Err(e)) };
-    }
-    match read_head(&mut conn, request.method).await {
-        Err(e) if stale(&e) && conn.buf.is_empty() => Err(Stale),
-        Err(e) => Ok(Err(e)),
-        Ok(head) => Ok(Ok((head, conn))),
+/// reused connection ended before a single byte of the answer. An async
+/// block, as the request path's are: an async function keeps its moved-in
+/// connection twice.
+#[expect(
+    clippy::manual_async_fn,
+    reason = "an async fn would keep its moved-in arguments twice"
+)]
+fn exchange(
+    mut conn: Conn,
+    request: &H1Request<'_>,
+) -> impl Future<Output = Result<Exchanged, Stale>> {
+    async move {
+        let reused = conn.reused;
+        let stale = |e: &H1Error| reused && conn_ended_early(e);
+        // The head is encoded for this write alone (again for a second
+        // connection after a stale one): its buffer goes back to the thread
+        // before the answer is awaited, which for a model can take seconds.
+        let written = {
+            let mut head = Scratch::take();
+            request.encode(&mut head.0);
+            write_all(&mut conn.stream, &head.0, &request.body).await
+        };
+        if let Err(e) = written {
+            let e = H1Error::Io(e);
+            return if stale(&e) { Err(Stale) } else { Ok(Err(e)) };
+        }
+        match read_head(&mut conn, request.method).await {
+            Err(e) if stale(&e) && conn.buf.is_empty() => Err(Stale),
+            Err(e) => Ok(Err(e)),
+            Ok(head) => Ok(Ok((head, conn))),
+        }
     }
 }
 

@@ -6,7 +6,6 @@
 //! `Retry-After`, and the hand-over of the chosen response to the relay. A
 //! gateway answer (no worker, exhausted retries) records nothing.
 
-use std::future::Future;
 use std::pin::pin;
 use std::time::{Duration, Instant};
 

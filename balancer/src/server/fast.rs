@@ -131,8 +131,19 @@ where
         let mut watching = shutdown.clone();
         let mut stopping = pin!(stopped(&mut watching));
         loop {
-            let next = self.next_request(stopping.as_mut());
-            let (request, close) = match next.await {
+            // The next plain request. How long it may take is the
+            // watchdog's header-read timeout: waiting here arms no timer.
+            // Inline rather than a future of its own, whose output (a whole
+            // request) would be moved out of it twice more.
+            let next = loop {
+                if let Some(next) = self.buffered() {
+                    break next;
+                }
+                if !self.read_head(stopping.as_mut()).await {
+                    break Next::Closed;
+                }
+            };
+            let (request, close) = match next {
                 Next::Request(request, close) => (request, close),
                 Next::Closed => return End::Closed,
                 Next::Unusual => return End::HandOver(self.buf.freeze()),
@@ -163,19 +174,6 @@ where
         }
         if self.buf.is_empty() && self.buf.capacity() > 2 * READ_CHUNK {
             self.buf = BytesMut::new();
-        }
-    }
-
-    /// The next plain request. How long it may take is the watchdog's
-    /// header-read timeout: waiting here arms no timer.
-    async fn next_request(&mut self, mut stopping: Pin<&mut impl Future<Output = ()>>) -> Next {
-        loop {
-            if let Some(next) = self.buffered() {
-                return next;
-            }
-            if !self.read_head(stopping.as_mut()).await {
-                return Next::Closed;
-            }
         }
     }
 
