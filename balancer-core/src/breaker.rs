@@ -25,8 +25,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub use classify::{
-    Classifier, DEFAULT_CAPACITY_CODES, DEFAULT_FAILURE_CODES, FailureReason, GrpcCode, Outcome,
-    StatusSet, grpc_to_http,
+    BodyRules, Classifier, DEFAULT_CAPACITY_CODES, DEFAULT_FAILURE_CODES, FailureReason, GrpcCode,
+    Outcome, StatusSet, grpc_to_http,
 };
 use window::Window;
 

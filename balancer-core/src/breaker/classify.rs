@@ -127,6 +127,38 @@ pub const DEFAULT_CAPACITY_CODES: &[u16] = &[429];
 /// The document's default `retryable_status_codes` (the failure list).
 pub const DEFAULT_FAILURE_CODES: &[u16] = &[408, 429, 500, 502, 503, 504];
 
+/// The rules of a [`Classifier`] that decide a response once its head is
+/// in: the first-byte budget and whether a cut stream counts. A response in
+/// flight carries these few bytes rather than the status sets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BodyRules {
+    slow_ttfb: Option<std::time::Duration>,
+    stream_failures: bool,
+}
+
+impl BodyRules {
+    /// See [`Classifier::with_latency`].
+    #[inline]
+    pub fn with_latency(&self, outcome: Outcome, first_byte: std::time::Duration) -> Outcome {
+        match (outcome, self.slow_ttfb) {
+            (Outcome::Success, Some(budget)) if first_byte > budget => {
+                Outcome::Failure(FailureReason::Slow)
+            }
+            _ => outcome,
+        }
+    }
+
+    /// See [`Classifier::classify_cut`].
+    #[inline]
+    pub fn classify_cut(&self, status_outcome: Outcome, reason: FailureReason) -> Outcome {
+        if self.stream_failures {
+            Outcome::Failure(reason)
+        } else {
+            status_outcome
+        }
+    }
+}
+
 /// Per-worker status classification.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Classifier {
@@ -204,10 +236,14 @@ impl Classifier {
     /// outcome by default, the failure with `--cb-stream-failures`.
     #[inline]
     pub fn classify_cut(&self, status_outcome: Outcome, reason: FailureReason) -> Outcome {
-        if self.stream_failures {
-            Outcome::Failure(reason)
-        } else {
-            status_outcome
+        self.body_rules().classify_cut(status_outcome, reason)
+    }
+
+    /// What a response's body phase needs of this classifier.
+    pub fn body_rules(&self) -> BodyRules {
+        BodyRules {
+            slow_ttfb: self.slow_ttfb,
+            stream_failures: self.stream_failures,
         }
     }
 
@@ -225,12 +261,7 @@ impl Classifier {
     /// a worker that answers 200 in 45 s is failing its callers all the same.
     #[inline]
     pub fn with_latency(&self, outcome: Outcome, first_byte: std::time::Duration) -> Outcome {
-        match (outcome, self.slow_ttfb) {
-            (Outcome::Success, Some(budget)) if first_byte > budget => {
-                Outcome::Failure(FailureReason::Slow)
-            }
-            _ => outcome,
-        }
+        self.body_rules().with_latency(outcome, first_byte)
     }
 
     /// Capacity codes win over failure codes: the document skips a code that

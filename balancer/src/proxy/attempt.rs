@@ -191,7 +191,7 @@ impl Proxy {
                             started,
                             attempt_started,
                             headers_after: headers_at - attempt_started,
-                            classifier,
+                            rules: classifier.body_rules(),
                             tokens: req.model.as_deref().map(|m| self.model_tokens(m)),
                             stats: self.stats.clone(),
                             clock: self.clock.clone(),

@@ -20,7 +20,7 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 use tokio::time::{Instant, Sleep};
 
 use balancer_core::admission::Permit;
-use balancer_core::breaker::{Classifier, FailureReason, Outcome, RequestCharges};
+use balancer_core::breaker::{BodyRules, FailureReason, Outcome, RequestCharges};
 use balancer_core::clock::Clock;
 use balancer_core::registry::Attempt;
 use balancer_core::tokens::{ModelTokens, find_usage};
@@ -52,7 +52,8 @@ pub struct Completion {
     pub attempt_started: std::time::Instant,
     /// How long after `attempt_started` the response headers came.
     pub headers_after: Duration,
-    pub classifier: Classifier,
+    /// The worker's rules for the body phase.
+    pub rules: BodyRules,
     /// The counters of the request's model (by its metrics label), where
     /// the response's tokens count.
     pub tokens: Option<Arc<ModelTokens>>,
@@ -70,7 +71,7 @@ impl Completion {
             if let (Some(tokens), Some(usage)) = (&self.tokens, tail.usage()) {
                 tokens.record(usage, self.clock.now());
             }
-            self.classifier.with_latency(outcome, first_byte)
+            self.rules.with_latency(outcome, first_byte)
         } else {
             outcome
         };
@@ -248,7 +249,7 @@ impl RelayBody {
         // The status was a success (anything else was recorded at header
         // time): it stands, unless `--cb-stream-failures` charges the cut.
         let outcome = self.completion.as_ref().map_or(Outcome::Ignored, |c| {
-            c.classifier.classify_cut(Outcome::Success, reason)
+            c.rules.classify_cut(Outcome::Success, reason)
         });
         self.complete(outcome);
         tracing::warn!(code, message, "upstream stream cut");
