@@ -1,7 +1,7 @@
 //! The request path, as named phases.
 //!
 //! Owns one request's life from arrival to the response headers, in this
-//! order: the gateway's own endpoints and admission ([`Proxy::handle`]),
+//! order: the gateway's own endpoints and admission ([`Lane::handle`]),
 //! reading the body ([`body`]), finding the model and the routing key and
 //! taking fallbacks ([`route`], with [`scan`] reading the common body's
 //! model in one pass), the attempt and retry loop with one breaker

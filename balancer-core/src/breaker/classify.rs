@@ -137,7 +137,8 @@ pub struct BodyRules {
 }
 
 impl BodyRules {
-    /// See [`Classifier::with_latency`].
+    /// A success whose first byte came after the budget is a `slow` failure:
+    /// a worker that answers 200 in 45 s is failing its callers all the same.
     #[inline]
     pub fn with_latency(&self, outcome: Outcome, first_byte: std::time::Duration) -> Outcome {
         match (outcome, self.slow_ttfb) {
@@ -148,7 +149,9 @@ impl BodyRules {
         }
     }
 
-    /// See [`Classifier::classify_cut`].
+    /// The outcome of a response whose body broke off (`Broken`) or went
+    /// silent (`Stall`) after a status classified as `status_outcome`: that
+    /// outcome by default, the failure with `--cb-stream-failures`.
     #[inline]
     pub fn classify_cut(&self, status_outcome: Outcome, reason: FailureReason) -> Outcome {
         if self.stream_failures {
@@ -231,14 +234,6 @@ impl Classifier {
         }
     }
 
-    /// The outcome of a response whose body broke off (`Broken`) or went
-    /// silent (`Stall`) after a status classified as `status_outcome`: that
-    /// outcome by default, the failure with `--cb-stream-failures`.
-    #[inline]
-    pub fn classify_cut(&self, status_outcome: Outcome, reason: FailureReason) -> Outcome {
-        self.body_rules().classify_cut(status_outcome, reason)
-    }
-
     /// What a response's body phase needs of this classifier.
     pub fn body_rules(&self) -> BodyRules {
         BodyRules {
@@ -255,13 +250,6 @@ impl Classifier {
     /// The first-byte budget past which a success becomes a `slow` failure; `None` when off.
     pub fn slow_ttfb(&self) -> Option<std::time::Duration> {
         self.slow_ttfb
-    }
-
-    /// A success whose first byte came after the budget is a `slow` failure:
-    /// a worker that answers 200 in 45 s is failing its callers all the same.
-    #[inline]
-    pub fn with_latency(&self, outcome: Outcome, first_byte: std::time::Duration) -> Outcome {
-        self.body_rules().with_latency(outcome, first_byte)
     }
 
     /// Capacity codes win over failure codes: the document skips a code that
@@ -466,7 +454,9 @@ mod tests {
         let by_status = Classifier::default();
         for reason in [FailureReason::Stall, FailureReason::Broken] {
             assert_eq!(
-                by_status.classify_cut(Outcome::Success, reason),
+                by_status
+                    .body_rules()
+                    .classify_cut(Outcome::Success, reason),
                 Outcome::Success,
                 "the document: a 2xx is a success"
             );
@@ -474,7 +464,7 @@ mod tests {
         let charged = Classifier::default().with_stream_failures(true);
         for reason in [FailureReason::Stall, FailureReason::Broken] {
             assert_eq!(
-                charged.classify_cut(Outcome::Success, reason),
+                charged.body_rules().classify_cut(Outcome::Success, reason),
                 Outcome::Failure(reason)
             );
         }

@@ -694,20 +694,22 @@ fn half_open_probe_interval_spreads_the_trial_in_time() {
 fn slow_successes_are_failures_with_reason_slow() {
     let c = Classifier::default().with_slow_ttfb(Some(Duration::from_millis(1000)));
     assert_eq!(
-        c.with_latency(Outcome::Success, Duration::from_millis(999)),
+        c.body_rules()
+            .with_latency(Outcome::Success, Duration::from_millis(999)),
         Outcome::Success
     );
     assert_eq!(
-        c.with_latency(Outcome::Success, Duration::from_millis(1001)),
+        c.body_rules()
+            .with_latency(Outcome::Success, Duration::from_millis(1001)),
         Outcome::Failure(FailureReason::Slow)
     );
     assert_eq!(
-        c.with_latency(Outcome::Ignored, SECOND * 9),
+        c.body_rules().with_latency(Outcome::Ignored, SECOND * 9),
         Outcome::Ignored
     );
     let off = Classifier::default();
     assert_eq!(
-        off.with_latency(Outcome::Success, SECOND * 60),
+        off.body_rules().with_latency(Outcome::Success, SECOND * 60),
         Outcome::Success
     );
 }
