@@ -32,7 +32,7 @@ use crate::discovery::etcd::EtcdDiscovery;
 use crate::discovery::{Discovery, FleetUpdates, OnAdded, StaticList};
 use crate::metrics::Exposition;
 use crate::proxy::{GatewayStats, Lane, Prober, Proxy, ResponseBody};
-use crate::server::{ConnectionLimits, serve};
+use crate::server::{ConnectionLimits, Listener, Member, members, serve};
 use crate::tls::{ServingTls, TlsStats, WorkerTls};
 
 /// Connections at once on the metrics and the admin listeners.
@@ -57,8 +57,9 @@ pub struct Gateway {
 }
 
 /// One listening socket per serving thread on the same address
-/// (`SO_REUSEPORT`), so the kernel spreads connections over the threads
-/// without a shared accept queue.
+/// (`SO_REUSEPORT`), so the threads share no accept queue; the kernel picks
+/// a thread by a hash of the connection's addresses, and the threads even
+/// out what it picked ([`crate::server::Member`]).
 fn bind_reuseport(addr: SocketAddr, count: usize) -> anyhow::Result<Vec<std::net::TcpListener>> {
     let mut sockets = Vec::with_capacity(count);
     let mut at = addr;
@@ -89,7 +90,8 @@ fn bind_reuseport(addr: SocketAddr, count: usize) -> anyhow::Result<Vec<std::net
 /// connections, so no wake-up or pool lock crosses threads.
 fn serving_thread(
     index: usize,
-    socket: std::net::TcpListener,
+    // Its socket, and its part in spreading the port's connections.
+    (socket, spread): (std::net::TcpListener, Member),
     proxy: Arc<Proxy>,
     limits: ConnectionLimits,
     tls: Option<Arc<ServingTls>>,
@@ -119,6 +121,7 @@ fn serving_thread(
                 // each instead of 3.3). It owns its lane, so no wrapper
                 // future (and no copy into one) stands around it.
                 let handler = move |req, peer| Box::pin(lane.clone().handle(req, peer));
+                let listener = Listener::spread(listener, spread);
                 serve(listener, handler, limits, tls, stop, grace).await;
             });
         })
@@ -285,13 +288,15 @@ impl Gateway {
                 OPERATOR_CONNECTIONS,
             )
         };
+        let spread = members(main.len());
         let serving = main
             .into_iter()
+            .zip(spread)
             .enumerate()
-            .map(|(i, socket)| {
+            .map(|(i, share)| {
                 serving_thread(
                     i,
-                    socket,
+                    share,
                     proxy.clone(),
                     public.clone(),
                     serving_tls.clone(),

@@ -3,7 +3,8 @@
 //! meets and graceful shutdown.
 //!
 //! Owns sockets and connection tasks only: the connection cap (at the cap,
-//! accept waits), the time a request head may take (the header-read
+//! accept waits), the even spread of a public port's connections over the
+//! serving threads ([`spread`]), the time a request head may take (the header-read
 //! timeout, which also closes a keep-alive connection whose next head
 //! stalls), the idle timeout of a connection with nothing in flight, the
 //! send timeout of a client that stops reading, HTTP/2 keep-alive pings, the
@@ -35,7 +36,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::time::Instant;
 use tokio_util::either::Either;
 
@@ -43,6 +44,9 @@ use crate::bodies::{BoxError, Inbound, ResponseBody};
 use crate::tls::ServingTls;
 
 mod fast;
+mod spread;
+
+pub use spread::{Member, members};
 
 pub(crate) use fast::read_request;
 
@@ -99,11 +103,112 @@ impl ConnectionLimits {
     }
 }
 
+/// Where a serving loop's connections come from: its socket and, when it is
+/// one of several threads serving a public port, the connections the others
+/// hand it ([`spread`]).
+#[derive(Debug)]
+pub struct Listener {
+    socket: TcpListener,
+    spread: Option<Member>,
+}
+
+impl From<TcpListener> for Listener {
+    fn from(socket: TcpListener) -> Self {
+        Self {
+            socket,
+            spread: None,
+        }
+    }
+}
+
+/// A connection to serve on this thread.
+#[derive(Debug)]
+struct Accepted {
+    stream: TcpStream,
+    peer: SocketAddr,
+    /// Its place under `--max-connections`.
+    permit: OwnedSemaphorePermit,
+    /// Its place in this thread's count, with a spread.
+    seat: Option<spread::Seat>,
+}
+
+impl Listener {
+    /// `socket`, one thread's share of a port, spread with the others.
+    pub fn spread(socket: TcpListener, member: Member) -> Self {
+        Self {
+            socket,
+            spread: Some(member),
+        }
+    }
+
+    /// The next connection to serve here; `None` once shutdown is asked.
+    async fn next(
+        &mut self,
+        limits: &ConnectionLimits,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> Option<Accepted> {
+        let Self { socket, spread } = self;
+        loop {
+            let handed = async {
+                match spread {
+                    Some(member) => member.handed().await,
+                    None => std::future::pending().await,
+                }
+            };
+            let (stream, peer) = tokio::select! {
+                accepted = socket.accept() => match accepted {
+                    Ok(s) => s,
+                    Err(e) => {
+                        // Out of file descriptors and the like: back off
+                        // instead of spinning.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+                handed = handed => match handed {
+                    Ok(accepted) => return Some(accepted),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "a handed-over connection cannot be served");
+                        continue;
+                    }
+                },
+                _ = stopped(shutdown) => return None,
+            };
+            // At the cap, this connection waits unserved (and this thread
+            // accepts no other) until one closes. The permit is taken after
+            // accept: the serving threads' sockets share one cap, and a
+            // thread holding a permit while its own queue is empty would
+            // starve the others.
+            let permit = tokio::select! {
+                permit = limits.connections.clone().acquire_owned() => permit.ok()?,
+                _ = stopped(shutdown) => return None,
+            };
+            let accepted = Accepted {
+                stream,
+                peer,
+                permit,
+                seat: None,
+            };
+            let Some(member) = spread else {
+                return Some(accepted);
+            };
+            match member.place(accepted) {
+                Ok(Some(here)) => return Some(here),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "an accepted connection cannot be handed over")
+                }
+            }
+        }
+    }
+}
+
 /// Serves `handler` on `listener` (over TLS with `tls`) until `shutdown`
 /// flips to true, then lets open connections finish their requests for at
 /// most `grace`.
 pub async fn serve<H, F>(
-    listener: TcpListener,
+    listener: impl Into<Listener>,
     handler: H,
     limits: ConnectionLimits,
     tls: Option<Arc<ServingTls>>,
@@ -126,33 +231,14 @@ pub async fn serve<H, F>(
         .keep_alive_interval(limits.http2_keepalive)
         .keep_alive_timeout(limits.http2_keepalive);
     let builder = Arc::new(builder);
-    loop {
-        let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
-            _ = stopped(&mut shutdown) => break,
-        };
-        let (stream, peer) = match accepted {
-            Ok(s) => s,
-            Err(e) => {
-                // Out of file descriptors and the like: back off instead of
-                // spinning.
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        // At the cap, this connection waits unserved (and this thread
-        // accepts no other) until one closes. The permit is taken after
-        // accept: the serving threads' sockets share one cap, and a thread
-        // holding a permit while its own queue is empty would starve the
-        // others.
-        let permit = tokio::select! {
-            permit = limits.connections.clone().acquire_owned() => match permit {
-                Ok(p) => p,
-                Err(_) => break,
-            },
-            _ = stopped(&mut shutdown) => break,
-        };
+    let mut listener = listener.into();
+    while let Some(Accepted {
+        stream,
+        peer,
+        permit,
+        seat,
+    }) = listener.next(&limits, &mut shutdown).await
+    {
         let _ = stream.set_nodelay(true);
         let activity = Arc::new(Activity::new());
         let handler = handler.clone();
@@ -227,7 +313,7 @@ pub async fn serve<H, F>(
                     tracing::debug!(%peer, why, "connection closed by the gateway");
                 }
             }
-            drop(permit);
+            drop((permit, seat));
         });
     }
     drop(listener);
