@@ -7,14 +7,13 @@
 //! per request to read or add to its minute.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwap;
 // Looked up several times per request by model name; the keys are the
 // configured and declared models plus `other`, never a client's invention,
 // so a fast hash is safe.
 use foldhash::HashMap;
-use memchr::memmem;
 
 use crate::clock::Nanos;
 use crate::metrics::{MetricsSource, Writer};
@@ -43,41 +42,109 @@ impl Usage {
 /// a body without usage yields `None` and is simply not counted.
 pub fn find_usage(tail: &[u8]) -> Option<Usage> {
     // Bytes, not text: every key is ASCII, and a tail cut inside a UTF-8
-    // character must still be read. The searchers are built once: building
-    // one costs more than searching a chunk. The last `usage` is found
-    // searching forward: the forward searcher is vectorised, the reverse
-    // one is not, and a tail holds one `usage` or a few.
-    static USAGE: LazyLock<memmem::Finder<'static>> =
-        LazyLock::new(|| memmem::Finder::new(b"\"usage\""));
-    static PROMPT: LazyLock<memmem::Finder<'static>> =
-        LazyLock::new(|| memmem::Finder::new(b"\"prompt_tokens\""));
-    static COMPLETION: LazyLock<memmem::Finder<'static>> =
-        LazyLock::new(|| memmem::Finder::new(b"\"completion_tokens\""));
-    let mut at = USAGE.find(tail)?;
-    while let Some(next) = USAGE.find(&tail[at + 1..]) {
-        at += 1 + next;
+    // character must still be read. The last `"usage"` is found from the
+    // end, where it sits, by its `g` (a vectorised search for one byte, and
+    // a byte that JSON's own punctuation and the usage object's keys never
+    // hold); the object after it is then read in place.
+    const KEY: &[u8] = b"\"usage\"";
+    let mut end = tail.len();
+    while let Some(g) = memchr::memrchr(b'g', &tail[..end]) {
+        if g >= 4 && tail.get(g - 4..g + 3) == Some(KEY) {
+            return usage_object(&tail[g + 3..]);
+        }
+        end = g;
     }
-    let object = &tail[at..];
-    let number = |key: &memmem::Finder<'_>| -> Option<u64> {
-        let rest = &object[key.find(object)? + key.needle().len()..];
-        let rest = rest
-            .trim_ascii_start()
-            .strip_prefix(b":")?
-            .trim_ascii_start();
-        // Folded by hand: cheaper than text and `parse` for a few digits;
-        // a count past u64 is no count.
-        let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
-        if digits == 0 {
+    None
+}
+
+/// `: { "key": value, ... }` with its two counts read; `None` when it is not
+/// an object of counts (`null`, cut short, a count past u64, an escaped
+/// key). Slices and byte searches, not a byte-at-a-time cursor: this runs
+/// once per response.
+fn usage_object(rest: &[u8]) -> Option<Usage> {
+    let mut rest = past(past(rest, b':')?, b'{')?;
+    let (mut prompt, mut completion) = (None, None);
+    loop {
+        rest = past(rest, b'"')?;
+        let close = memchr::memchr(b'"', rest)?;
+        let key = &rest[..close];
+        if key.ends_with(b"\\") {
             return None;
         }
-        rest[..digits].iter().try_fold(0u64, |n, &b| {
-            n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
-        })
-    };
+        rest = past(&rest[close + 1..], b':')?.trim_ascii_start();
+        rest = match key {
+            b"prompt_tokens" => count(rest, &mut prompt)?,
+            b"completion_tokens" => count(rest, &mut completion)?,
+            _ => skip_value(rest)?,
+        }
+        .trim_ascii_start();
+        match rest.first()? {
+            b',' => rest = &rest[1..],
+            b'}' => break,
+            _ => return None,
+        }
+    }
     Some(Usage {
-        prompt: number(&PROMPT).unwrap_or(0),
-        completion: number(&COMPLETION)?,
+        prompt: prompt.unwrap_or(0),
+        completion: completion?,
     })
+}
+
+/// `rest` past its leading whitespace and then `want`.
+fn past(rest: &[u8], want: u8) -> Option<&[u8]> {
+    let rest = rest.trim_ascii_start();
+    (rest.first() == Some(&want)).then(|| &rest[1..])
+}
+
+/// An unsigned count into `into`, folded by hand (cheaper than text and
+/// `parse` for a few digits); a fraction or exponent after the digits is
+/// passed over. What follows it is returned.
+fn count<'a>(rest: &'a [u8], into: &mut Option<u64>) -> Option<&'a [u8]> {
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    if digits == 0 {
+        return None;
+    }
+    let n = rest[..digits].iter().try_fold(0u64, |n, &b| {
+        n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
+    })?;
+    *into = Some(n);
+    let more = rest[digits..]
+        .iter()
+        .take_while(|b| matches!(b, b'0'..=b'9' | b'.' | b'e' | b'E' | b'+' | b'-'))
+        .count();
+    Some(&rest[digits + more..])
+}
+
+/// Any other value (a string, a literal, a number, or a nested object or
+/// array such as `completion_tokens_details`); what follows it is returned.
+fn skip_value(mut rest: &[u8]) -> Option<&[u8]> {
+    let mut depth = 0usize;
+    loop {
+        match *rest.first()? {
+            b',' | b'}' | b']' if depth == 0 => return Some(rest),
+            b'"' => rest = skip_string(&rest[1..])?,
+            b'{' | b'[' => {
+                depth += 1;
+                rest = &rest[1..];
+            }
+            b'}' | b']' => {
+                depth -= 1;
+                rest = &rest[1..];
+            }
+            _ => rest = &rest[1..],
+        }
+    }
+}
+
+/// Past the closing quote of a string whose opening quote was read.
+fn skip_string(mut rest: &[u8]) -> Option<&[u8]> {
+    loop {
+        let at = memchr::memchr2(b'"', b'\\', rest)?;
+        if rest[at] == b'"' {
+            return Some(&rest[at + 1..]);
+        }
+        rest = rest.get(at + 2..)?;
+    }
 }
 
 /// A rolling one-minute budget: 60 one-second slots.
@@ -340,6 +407,57 @@ data: [DONE]
             })
         );
         assert_eq!(find_usage(br#"{"completion_tokens":4}"#), None);
+    }
+
+    #[test]
+    fn usage_keys_are_read_inside_its_object_only() {
+        // Details with strings holding braces and quotes, a fraction, and
+        // key order reversed: vLLM's and OpenAI's shapes.
+        let full = br#"{"id":"x","usage":{"completion_tokens":8.0,"prompt_tokens_details":{"note":"a}\"b","cached_tokens":[1,{"x":2}]},"prompt_tokens":21,"total_tokens":29}}"#;
+        assert_eq!(
+            find_usage(full),
+            Some(Usage {
+                prompt: 21,
+                completion: 8
+            })
+        );
+        // Counts outside the usage object are not its counts.
+        assert_eq!(
+            find_usage(br#"{"usage":{"total_tokens":4},"completion_tokens":4}"#),
+            None
+        );
+        // A stream's `usage: null` chunks before the final one, and after.
+        let stream = br#"data: {"usage":null}
+
+data: {"usage":{"prompt_tokens":2,"completion_tokens":3}}
+
+"#;
+        assert_eq!(
+            find_usage(stream),
+            Some(Usage {
+                prompt: 2,
+                completion: 3
+            })
+        );
+        assert_eq!(
+            find_usage(br#"{"usage":{"completion_tokens":3}} {"usage":null}"#),
+            None
+        );
+        // Cut short, or an escape as the last byte: no count, no panic.
+        assert_eq!(find_usage(br#"{"usage":{"completion_tokens":3"#), None);
+        assert_eq!(find_usage(br#"{"usage":{"k":""#), None);
+    }
+
+    proptest::proptest! {
+        /// Whatever the bytes, reading them ends without a panic; and with
+        /// no `"usage"` in them, a usage object appended is the one read.
+        #[test]
+        fn any_tail_is_read_without_panic(mut tail in proptest::collection::vec(proptest::num::u8::ANY, 0..300)) {
+            let _ = find_usage(&tail);
+            tail.retain(|&b| b != b'"');
+            tail.extend_from_slice(br#""usage" : {"x":[{}],"completion_tokens":5}"#);
+            proptest::prop_assert_eq!(find_usage(&tail), Some(Usage { prompt: 0, completion: 5 }));
+        }
     }
 
     #[test]
