@@ -69,6 +69,25 @@ static SPECIAL: [bool; 256] = {
     table
 };
 
+/// Whether eight bytes may hold a [`SPECIAL`] one: a quote, a backslash, a
+/// control character or a non-ASCII byte. Never wrong when it says no (a
+/// "yes" may be wrong: the byte loop then decides), so a string's plain run
+/// is skipped a word at a time, as memchr does for one byte.
+fn maybe_special(eight: &[u8]) -> bool {
+    const ONES: u64 = u64::from_le_bytes([1; 8]);
+    const HIGH: u64 = ONES * 0x80;
+    let Ok(bytes) = <[u8; 8]>::try_from(eight) else {
+        return true;
+    };
+    let w = u64::from_le_bytes(bytes);
+    // A byte below `n` sets its high bit in `v - n` (each byte of `v` under
+    // 0x80); a byte equal to `c` is a zero byte of `w ^ c`.
+    let below = |v: u64, n: u64| v.wrapping_sub(ONES * n) & !v & HIGH;
+    let quote = below(w ^ (ONES * u64::from(b'"')), 1);
+    let backslash = below(w ^ (ONES * u64::from(b'\\')), 1);
+    (quote | backslash | below(w, 0x20) | (w & HIGH)) != 0
+}
+
 struct Scanner<'a> {
     b: &'a [u8],
     i: usize,
@@ -97,13 +116,16 @@ impl<'a> Scanner<'a> {
         let start = self.i;
         let mut ascii = true;
         loop {
-            // Most of a string is plain: skip to the next byte that means
-            // something in one tight loop.
-            self.i += self
-                .b
-                .get(self.i..)?
-                .iter()
-                .position(|&c| SPECIAL[c as usize])?;
+            // Most of a string is plain (a prompt's text): skip eight bytes
+            // at a time while none of them can mean something, then to the
+            // next byte that does in one tight loop.
+            let rest = self.b.get(self.i..)?;
+            let plain = rest
+                .chunks_exact(8)
+                .take_while(|eight| !maybe_special(eight))
+                .count()
+                * 8;
+            self.i += plain + rest[plain..].iter().position(|&c| SPECIAL[c as usize])?;
             let c = self.next()?;
             match c {
                 b'"' => break,
@@ -307,6 +329,31 @@ mod tests {
         );
         assert_eq!(model(deep.as_bytes()), None);
         assert_eq!(model(b"{\"a\":\"\xff\"}"), None, "invalid UTF-8");
+    }
+
+    #[test]
+    fn a_word_with_any_special_byte_is_never_taken_for_plain() {
+        for special in (0..=255u8).filter(|&c| SPECIAL[usize::from(c)]) {
+            for at in 0..8 {
+                let mut eight = *b"abcdefgh";
+                eight[at] = special;
+                assert!(maybe_special(&eight), "{special:#x} at {at}");
+            }
+        }
+        assert!(!maybe_special(b"plain te"));
+        assert!(!maybe_special(b" !#[]~\x7f0"));
+    }
+
+    #[test]
+    fn long_strings_are_read_past_each_word() {
+        let text = "lorem ipsum dolor sit amet ".repeat(40);
+        for tail in ["", "\\n", "\\u00e9", "é", "\\\"inner\\\""] {
+            let body =
+                format!(r#"{{"messages":[{{"content":"{text}{tail}{text}"}}],"model":"m"}}"#);
+            assert_eq!(model(body.as_bytes()), Some(Found::Model("m")), "{tail}");
+        }
+        let control = format!("{{\"a\":\"{text}{}\",\"model\":\"m\"}}", '\u{1}');
+        assert_eq!(model(control.as_bytes()), None);
     }
 
     proptest::proptest! {
