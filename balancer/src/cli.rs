@@ -229,7 +229,8 @@ pub struct LaunchArgs {
     #[arg(long, default_value_t = 0)]
     pub trusted_proxy_hops: u32,
     /// Threads serving the HTTP port, each with its own runtime, socket and
-    /// worker connections (0: one per core).
+    /// worker connections (0: one per core). Their client connections are
+    /// kept even: a thread holding more than another hands a new one over.
     #[arg(long, default_value_t = 0)]
     pub serving_threads: usize,
     /// In-flight requests get this long to finish after SIGTERM.
