@@ -69,6 +69,11 @@ static SPECIAL: [bool; 256] = {
     table
 };
 
+/// Bytes of a string read one at a time before the word skip starts: the
+/// keys and values of a request's other fields are shorter, and for them the
+/// words cost more than they save.
+const SHORT_RUN: usize = 16;
+
 /// Whether eight bytes may hold a [`SPECIAL`] one: a quote, a backslash, a
 /// control character or a non-ASCII byte. Never wrong when it says no (a
 /// "yes" may be wrong: the byte loop then decides), so a string's plain run
@@ -116,16 +121,26 @@ impl<'a> Scanner<'a> {
         let start = self.i;
         let mut ascii = true;
         loop {
-            // Most of a string is plain (a prompt's text): skip eight bytes
-            // at a time while none of them can mean something, then to the
-            // next byte that does in one tight loop.
+            // Most of a string is plain: skip to the next byte that means
+            // something. Keys and model names end within a few bytes, found
+            // by the byte loop; past those, a long run (a prompt's text) is
+            // skipped eight bytes at a time while none of them can mean
+            // something.
             let rest = self.b.get(self.i..)?;
-            let plain = rest
-                .chunks_exact(8)
-                .take_while(|eight| !maybe_special(eight))
-                .count()
-                * 8;
-            self.i += plain + rest[plain..].iter().position(|&c| SPECIAL[c as usize])?;
+            let special = |c: &u8| SPECIAL[usize::from(*c)];
+            let short = rest.len().min(SHORT_RUN);
+            self.i += match rest[..short].iter().position(special) {
+                Some(at) => at,
+                None => {
+                    let long = &rest[short..];
+                    let plain = long
+                        .chunks_exact(8)
+                        .take_while(|eight| !maybe_special(eight))
+                        .count()
+                        * 8;
+                    short + plain + long[plain..].iter().position(special)?
+                }
+            };
             let c = self.next()?;
             match c {
                 b'"' => break,
