@@ -78,13 +78,10 @@ const SHORT_RUN: usize = 16;
 /// control character or a non-ASCII byte. Never wrong when it says no (a
 /// "yes" may be wrong: the byte loop then decides), so a string's plain run
 /// is skipped a word at a time, as memchr does for one byte.
-fn maybe_special(eight: &[u8]) -> bool {
+fn maybe_special(eight: [u8; 8]) -> bool {
     const ONES: u64 = u64::from_le_bytes([1; 8]);
     const HIGH: u64 = ONES * 0x80;
-    let Ok(bytes) = <[u8; 8]>::try_from(eight) else {
-        return true;
-    };
-    let w = u64::from_le_bytes(bytes);
+    let w = u64::from_le_bytes(eight);
     // A byte below `n` sets its high bit in `v - n` (each byte of `v` under
     // 0x80); a byte equal to `c` is a zero byte of `w ^ c`.
     let below = |v: u64, n: u64| v.wrapping_sub(ONES * n) & !v & HIGH;
@@ -134,8 +131,10 @@ impl<'a> Scanner<'a> {
                 None => {
                     let long = &rest[short..];
                     let plain = long
-                        .chunks_exact(8)
-                        .take_while(|eight| !maybe_special(eight))
+                        .as_chunks::<8>()
+                        .0
+                        .iter()
+                        .take_while(|&&eight| !maybe_special(eight))
                         .count()
                         * 8;
                     short + plain + long[plain..].iter().position(special)?
@@ -352,11 +351,11 @@ mod tests {
             for at in 0..8 {
                 let mut eight = *b"abcdefgh";
                 eight[at] = special;
-                assert!(maybe_special(&eight), "{special:#x} at {at}");
+                assert!(maybe_special(eight), "{special:#x} at {at}");
             }
         }
-        assert!(!maybe_special(b"plain te"));
-        assert!(!maybe_special(b" !#[]~\x7f0"));
+        assert!(!maybe_special(*b"plain te"));
+        assert!(!maybe_special(*b" !#[]~\x7f0"));
     }
 
     #[test]
