@@ -362,6 +362,7 @@ fn launch(balancer: &Path, addr: SocketAddr, urls: &[String]) -> Result<Command>
 
 /// Builds the agent in release mode; returns the binary.
 pub(crate) fn release_balancer() -> Result<PathBuf> {
+    crate::setup::build_packages()?;
     run(Command::new("cargo")
         .args([
             "build",

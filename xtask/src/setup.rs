@@ -16,12 +16,14 @@ use crate::shell::{capture, display, stdout_of, with_cargo_bin};
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
 /// Debian packages that building the agent needs: etcd-client compiles
-/// etcd's protos with `protoc` at build time. `cargo xtask run` installs
-/// these too.
-const BUILD_PACKAGES: [&str; 1] = ["protobuf-compiler"];
+/// etcd's protos with `protoc` at build time, and they import Google's
+/// well-known types, which come with libprotobuf-dev (only a recommendation
+/// of protobuf-compiler, and recommendations are not installed here).
+/// `cargo xtask run` installs these too.
+const BUILD_PACKAGES: [&str; 2] = ["protobuf-compiler", "libprotobuf-dev"];
 
 /// Debian packages the build, the tests and benchmarks call.
-const PACKAGES: [&str; 9] = [
+const PACKAGES: [&str; 10] = [
     "iproute2",
     "ethtool",
     "bpftool",
@@ -29,6 +31,7 @@ const PACKAGES: [&str; 9] = [
     "wrk",
     "iputils-ping",
     "protobuf-compiler",
+    "libprotobuf-dev",
     // The discovery tests start their own etcd (the packaged service is not used).
     "etcd-server",
     "etcd-client",
@@ -58,6 +61,12 @@ pub fn run(scope: Scope) -> Result<()> {
         bail!("setup incomplete: {}", failed.join("; "));
     }
     Ok(())
+}
+
+/// The Debian packages a build of the agent needs (`bench` builds it
+/// without the rest of the setup).
+pub fn build_packages() -> Result<()> {
+    install_packages(&BUILD_PACKAGES)
 }
 
 /// Each step needs the previous one, so the first failure ends the chain.
