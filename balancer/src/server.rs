@@ -20,10 +20,10 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
-use std::pin::Pin;
-use std::sync::Arc;
+use std::pin::{Pin, pin};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::task::{Context, Poll};
+use std::sync::{Arc, PoisonError};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -307,9 +307,12 @@ pub async fn serve<H, F>(
                 // How a connection ended is the client's business.
                 let _ = watcher.watch(conn.into_owned()).await;
             };
+            let watching = pin!(watchdog(&activity, idle, send, header_read));
+            let watching = OwnWakes::new(watching);
             tokio::select! {
+                biased;
                 _ = serving => {}
-                why = watchdog(&activity, idle, send, header_read) => {
+                why = watching => {
                     tracing::debug!(%peer, why, "connection closed by the gateway");
                 }
             }
@@ -423,6 +426,77 @@ async fn watchdog(
             wait = wait.min(idle - quiet);
         }
         tokio::time::sleep(Duration::from_millis(wait.max(10))).await;
+    }
+}
+
+/// A future polled only when it asked to be: by its own waker, or on its
+/// first poll. The watchdog shares its connection's task, which wakes a few
+/// times per request for the sockets; polling the watchdog's timer on each
+/// of those wakes (re-registering its waker every time) cost more than the
+/// rest of the wake.
+struct OwnWakes<F> {
+    future: F,
+    flag: Arc<WakeFlag>,
+    /// The flag, as the waker the inner future is polled with.
+    waker: Waker,
+    /// The task's waker last handed to the flag.
+    task: Option<Waker>,
+}
+
+/// Set by the inner future's waker, which then wakes the task.
+struct WakeFlag {
+    woken: AtomicBool,
+    task: std::sync::Mutex<Option<Waker>>,
+}
+
+impl Wake for WakeFlag {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.store(true, Ordering::Release);
+        let task = self.task.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(task) = &*task {
+            task.wake_by_ref();
+        }
+    }
+}
+
+impl<F: Future + Unpin> OwnWakes<F> {
+    fn new(future: F) -> Self {
+        let flag = Arc::new(WakeFlag {
+            // The first poll runs it.
+            woken: AtomicBool::new(true),
+            task: std::sync::Mutex::new(None),
+        });
+        Self {
+            future,
+            waker: Waker::from(flag.clone()),
+            flag,
+            task: None,
+        }
+    }
+}
+
+impl<F: Future + Unpin> Future for OwnWakes<F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = &mut *self;
+        if !this.task.as_ref().is_some_and(|t| t.will_wake(cx.waker())) {
+            let task = cx.waker().clone();
+            *this
+                .flag
+                .task
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Some(task.clone());
+            this.task = Some(task);
+        }
+        if !this.flag.woken.swap(false, Ordering::AcqRel) {
+            return Poll::Pending;
+        }
+        Pin::new(&mut this.future).poll(&mut Context::from_waker(&this.waker))
     }
 }
 

@@ -111,9 +111,19 @@ impl RawFields {
     /// The first value of `name` (given in lower case), compared without
     /// regard to case.
     pub(crate) fn get(&self, name: &str) -> Option<&[u8]> {
-        self.iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
-            .map(|(_, v)| v)
+        let wanted = name.as_bytes();
+        let head = &self.head[..];
+        self.fields.iter().find_map(|f| {
+            let (start, end) = (f.name.0 as usize, f.name.1 as usize);
+            // Lengths first, from the offsets: most names differ in length,
+            // and no slice is cut for them.
+            if end.wrapping_sub(start) != wanted.len()
+                || !head.get(start..end)?.eq_ignore_ascii_case(wanted)
+            {
+                return None;
+            }
+            head.get(f.value.0 as usize..f.value.1 as usize)
+        })
     }
 
     pub(crate) fn len(&self) -> usize {

@@ -650,7 +650,7 @@ fn scan(buf: &[u8]) -> Scan {
 /// `raw_fields` the headers stay fields in the body and the map is empty:
 /// httparse checked them by `http`'s rules, so none is refused later.
 fn build(head: &Bytes, plain: Plain, body: Bytes, raw_fields: bool) -> Option<Request<Inbound>> {
-    let uri = Uri::from_maybe_shared(head.slice(plain.target)).ok()?;
+    let uri = target_uri(head, plain.target)?;
     let (headers, body) = if raw_fields {
         let raw = RawFields::new(head.clone(), plain.fields);
         (HeaderMap::new(), Inbound::with_fields(body, raw))
@@ -679,6 +679,30 @@ pub(crate) fn read_request(wire: &[u8]) -> Option<(usize, usize)> {
     let body = Bytes::copy_from_slice(&whole[head_len..]);
     build(&head, plain, body, false)?;
     Some((head_len, body_len))
+}
+
+/// The request target as a `Uri`. The last one parsed on this thread is
+/// kept: clients send the same target over and over (`/v1/chat/completions`),
+/// and checking it byte by byte again cost more than the rest of the
+/// request's building. A hit compares the bytes and clones the `Uri`.
+fn target_uri(head: &Bytes, target: Range<usize>) -> Option<Uri> {
+    use std::cell::RefCell;
+    thread_local! {
+        static LAST: RefCell<Option<Uri>> = const { RefCell::new(None) };
+    }
+    let bytes = head.get(target.clone())?;
+    LAST.with_borrow_mut(|last| {
+        if let Some(uri) = last.as_ref()
+            && uri.path_and_query().map(|p| p.as_str().as_bytes()) == Some(bytes)
+        {
+            return Some(uri.clone());
+        }
+        // Its own copy when kept: a slice of the head would hold the
+        // connection's read buffer.
+        let uri = Uri::from_maybe_shared(Bytes::copy_from_slice(bytes)).ok()?;
+        *last = Some(uri.clone());
+        Some(uri)
+    })
 }
 
 /// The `Date` value, formatted once a second per thread.
