@@ -5,7 +5,8 @@
 //! reading the body ([`body`]), finding the model and the routing key and
 //! taking fallbacks ([`route`], with [`scan`] reading the common body's
 //! model in one pass), the attempt and retry loop with one breaker
-//! charge per worker per request ([`attempt`]), then the worker's body
+//! charge per worker per request ([`attempt`], its timeouts on the thread's
+//! kept timers in [`deadline`]), then the worker's body
 //! ([`relay`]). The gateway's own answers live in [`answer`], the background
 //! health and model probes in [`probe`], the path's own series in [`stats`]. It may read the registry and record
 //! on breakers; it never changes the fleet.
@@ -13,6 +14,7 @@
 mod answer;
 mod attempt;
 mod body;
+mod deadline;
 mod edge;
 mod probe;
 mod relay;
@@ -74,6 +76,8 @@ pub struct UpstreamClient {
     /// Everything else: streamed request bodies, host names not resolved
     /// yet.
     hyper: Client<WorkerConnector, UpstreamBody>,
+    /// The attempts' request timeouts.
+    timers: deadline::Timers,
 }
 
 /// What the request path is told at start.
@@ -161,6 +165,7 @@ impl Proxy {
                 .retry_canceled_requests(false)
                 .pool_idle_timeout(UPSTREAM_IDLE_TIMEOUT)
                 .build(self.worker_tls.connector(self.config.connect_timeout)),
+            timers: deadline::Timers::default(),
         }
     }
 

@@ -329,7 +329,7 @@ impl Proxy {
                     }
                 }
             });
-            match tokio::time::timeout_at(deadline.into(), sending).await {
+            match client.timers.within(deadline.into(), sending).await {
                 Ok(Ok(response)) => Ok(response),
                 Ok(Err(e)) => {
                     tracing::debug!(worker = %worker.url, error = %error_chain(&*e), "attempt failed");
