@@ -128,7 +128,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_fired_timer_kept_is_armed_again_for_an_earlier_deadline() {
+    async fn a_kept_timer_that_fired_is_armed_again() {
         let timers = Timers::default();
         let started = Instant::now();
         let out = timers
