@@ -688,6 +688,29 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_future_behind_own_wakes_is_polled_on_its_own_wakes_only() {
+        let polls = std::cell::Cell::new(0);
+        let mut timer = pin!(tokio::time::sleep(Duration::from_secs(1)));
+        let inner = std::future::poll_fn(|cx| {
+            polls.set(polls.get() + 1);
+            timer.as_mut().poll(cx)
+        });
+        let inner = pin!(inner);
+        let mut gated = OwnWakes::new(inner);
+        // The task is polled ten times for other reasons: the inner future
+        // only on the first.
+        for _ in 0..10 {
+            let poll = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut gated).poll(cx))).await;
+            assert!(poll.is_pending());
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(polls.get(), 1);
+        // Its timer's wake gets it polled again, and its output through.
+        gated.await;
+        assert_eq!(polls.get(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn an_open_stream_that_the_client_reads_is_never_idle() {
         let activity = Activity::new();
         activity.inflight.store(1, Ordering::Release);

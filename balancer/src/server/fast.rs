@@ -690,7 +690,7 @@ fn target_uri(head: &Bytes, target: Range<usize>) -> Option<Uri> {
     thread_local! {
         static LAST: RefCell<Option<Uri>> = const { RefCell::new(None) };
     }
-    let bytes = head.get(target.clone())?;
+    let bytes = head.get(target)?;
     LAST.with_borrow_mut(|last| {
         if let Some(uri) = last.as_ref()
             && uri.path_and_query().map(|p| p.as_str().as_bytes()) == Some(bytes)
