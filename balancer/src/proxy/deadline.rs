@@ -4,9 +4,10 @@
 //! not a fresh `tokio::time::timeout` per attempt: arming a new timer puts
 //! it into the runtime's timer wheel under the driver's lock and dropping
 //! it takes it out again, about 450 instructions per request. A timer that
-//! is kept and moved to a later deadline costs one atomic exchange, as tokio
-//! extends a registered timer in place and moves it in the wheel only when
-//! its old expiry comes round. A spare timer still registered fires at its
+//! is kept and moved to a later deadline is extended by tokio in place (one
+//! atomic exchange) and moved in the wheel only when its old expiry comes
+//! round; with the poll that registers the task and this module's own lock,
+//! the whole costs about 120 instructions less per request in callgrind. A spare timer still registered fires at its
 //! last deadline and wakes the task that last polled it, which then polls
 //! once for nothing: harmless, and at most once per request timeout per
 //! spare timer.
