@@ -249,7 +249,7 @@ impl Lane {
     )]
     pub fn handle(
         self: Arc<Self>,
-        req: Request<Inbound>,
+        mut req: Request<Inbound>,
         peer: Peer,
     ) -> impl Future<Output = Response<ResponseBody>> + Send + 'static {
         async move {
@@ -285,19 +285,21 @@ impl Lane {
                 }
             };
             let proto = if peer.tls { "https" } else { "http" };
-            let (parts, mut body) = req.into_parts();
+            // The request's parts are used where they lie in this future
+            // (taken piece by piece), not moved out of it whole: each move
+            // of a value this size is a copy into lines of memory the request
+            // had not touched yet.
             // The fast path's fields as they came, or hyper's map: both are
             // read through one view.
-            let raw = body.take_fields();
+            let headers = Headers {
+                map: std::mem::take(req.headers_mut()),
+                raw: req.body_mut().take_fields(),
+            };
             // Read before admission, under the stall deadline: a client that
             // sends half a body never holds a permit.
-            let body = match read_body(&parts.headers, body, &proxy.body_limits).await {
+            let body = match read_body(&headers.map, req.body_mut(), &proxy.body_limits).await {
                 Ok(b) => b,
                 Err(e) => return proxy.body_error(&e),
-            };
-            let headers = Headers {
-                map: parts.headers,
-                raw,
             };
             let model = match &body {
                 RequestBody::Replayable(bytes, _) if inference => inference_model(bytes),
@@ -355,12 +357,12 @@ impl Lane {
                 proto,
                 proxy.config.trusted_proxy_hops,
             );
-            let path = match parts.uri.query() {
+            let path = match req.uri().query() {
                 Some(query) => Cow::Owned(format!("{path}?{query}")),
                 None => path,
             };
             let mut request = Outgoing {
-                method: parts.method,
+                method: req.method().clone(),
                 path,
                 headers,
                 model,
@@ -377,7 +379,7 @@ impl Lane {
                         break;
                     }
                     Allowance::Spent(wait) => {
-                        if !proxy.take_fallback(&mut request, &mut body) {
+                        if !proxy.take_fallback(&mut request, body.as_mut()) {
                             let model = request.model.as_deref().unwrap_or_default();
                             return proxy.gateway_error(
                                 ErrorCode::TokenBudgetExceeded,
@@ -390,16 +392,15 @@ impl Lane {
                     }
                 }
             }
-            let mut body = body.expect("a request body is only ever swapped for another");
             // A budget counts streamed tokens only if the worker reports them.
             if budgeted
-                && let RequestBody::Replayable(bytes, _) = &mut body
+                && let Some(RequestBody::Replayable(bytes, _)) = &mut body
                 && let Some(asking) = with_usage_requested(bytes)
             {
                 *bytes = asking;
             }
             proxy
-                .attempts(&self.client, &mut request, body, permit, started)
+                .attempts(&self.client, &mut request, &mut body, permit, started)
                 .await
         }
     }

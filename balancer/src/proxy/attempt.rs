@@ -80,11 +80,12 @@ enum AttemptError {
 }
 
 impl Proxy {
-    /// The retry loop. `req` is borrowed rather than moved in, and the loop
+    /// The retry loop. `req` and `body` are borrowed rather than moved in
+    /// (a move is a copy of their bytes into the new future), and the loop
     /// is an async block over its arguments rather than an async function:
     /// a function's future keeps a moved-in argument's bytes for its whole
     /// life, next to the local it becomes, and this future is part of every
-    /// request's.
+    /// request's. A streamed `body` is taken by its one attempt.
     #[expect(
         clippy::manual_async_fn,
         reason = "an async fn would keep its moved-in arguments twice"
@@ -93,7 +94,7 @@ impl Proxy {
         &self,
         client: &UpstreamClient,
         req: &mut Outgoing,
-        body: RequestBody,
+        body: &mut Option<RequestBody>,
         permit: Option<Permit>,
         started: Instant,
     ) -> impl Future<Output = Response<ResponseBody>> {
@@ -104,20 +105,19 @@ impl Proxy {
             // A streamed body's faults are the client's: found there, an
             // attempt's failure is answered for the client and charged to no one.
             let fault = match &body {
-                RequestBody::Streaming(_, rest) => Some(rest.fault()),
-                RequestBody::Replayable(..) => None,
+                Some(RequestBody::Streaming(_, rest)) => Some(rest.fault()),
+                _ => None,
             };
             let max_attempts = match body {
-                RequestBody::Replayable(..) => self.config.retry.max_attempts,
-                RequestBody::Streaming(..) => 1,
+                Some(RequestBody::Streaming(..)) => 1,
+                _ => self.config.retry.max_attempts,
             };
-            let mut body = Some(body);
             let mut attempt = 0;
             loop {
                 attempt += 1;
                 let last = attempt >= max_attempts;
                 let Some(mut admitted) = self.select(req, &tried) else {
-                    if self.take_fallback(req, &mut body) {
+                    if self.take_fallback(req, body.as_mut()) {
                         // Finding no worker was not an attempt.
                         attempt -= 1;
                         continue;
@@ -127,15 +127,14 @@ impl Proxy {
                 let worker = admitted.worker().clone();
                 let attempt_started = Instant::now();
                 tried.push(worker.breaker.id());
-                let payload = match body.take() {
-                    Some(RequestBody::Replayable(b, lease)) => {
-                        body = Some(RequestBody::Replayable(b.clone(), lease));
-                        Payload::Whole(b)
-                    }
-                    Some(RequestBody::Streaming(prefix, rest)) => {
-                        Payload::Streamed(chain(prefix, rest))
-                    }
-                    None => unreachable!("a streaming body gets exactly one attempt"),
+                let payload = match body {
+                    Some(RequestBody::Replayable(b, _)) => Payload::Whole(b.clone()),
+                    _ => match body.take() {
+                        Some(RequestBody::Streaming(prefix, rest)) => {
+                            Payload::Streamed(chain(prefix, rest))
+                        }
+                        _ => unreachable!("a streaming body gets exactly one attempt"),
+                    },
                 };
                 let classifier = worker.classifier();
                 let result = match classifier.slow_ttfb() {

@@ -137,7 +137,14 @@ pub(crate) enum RequestBody {
     /// Small enough to keep: every attempt sends a copy. The lease holds
     /// its bytes in the process-wide budget; it moves with the body (a
     /// rewritten body keeps it), so it needs no count of its own.
-    Replayable(Bytes, Lease),
+    Replayable(
+        Bytes,
+        #[cfg_attr(
+            not(test),
+            expect(dead_code, reason = "held, never read: dropping it returns the bytes")
+        )]
+        Lease,
+    ),
     /// Too large to keep: the prefix read so far and the rest, for one attempt.
     Streaming(Vec<Bytes>, ClientBody),
 }
@@ -155,13 +162,13 @@ where
 /// limit, otherwise up to there (the rest streams to the worker).
 pub(crate) async fn read_body(
     headers: &HeaderMap,
-    mut body: Inbound,
+    body: &mut Inbound,
     limits: &BodyLimits,
 ) -> Result<RequestBody, BodyError> {
     // A body the server read whole with its head is kept as it came (it
     // shares the connection's read buffer): no copy and no frame loop.
     // Only one larger than the replay buffer streams on, as any other.
-    if let Inbound::Whole(whole, _) = &mut body {
+    if let Inbound::Whole(whole, _) = body {
         let data = whole.take().unwrap_or_default();
         if data.len() as u64 > limits.max_payload {
             return Err(BodyError::TooLarge);
@@ -215,7 +222,7 @@ pub(crate) async fn read_body(
                 return Err(BodyError::OverBudget);
             }
             let read = (buf.len() + data.len()) as u64;
-            let rest = ClientBody::new(body, limits, read, lease);
+            let rest = ClientBody::new(body.take(), limits, read, lease);
             return Ok(RequestBody::Streaming(vec![buf.freeze(), data], rest));
         }
         if !lease.grow(data.len()) {
@@ -350,15 +357,16 @@ mod tests {
     }
 
     async fn read(body: &'static [u8], limits: &BodyLimits) -> Result<RequestBody, BodyError> {
-        let body = Inbound::whole(Bytes::from_static(body));
-        read_body(&HeaderMap::new(), body, limits).await
+        let mut body = Inbound::whole(Bytes::from_static(body));
+        read_body(&HeaderMap::new(), &mut body, limits).await
     }
 
     #[tokio::test]
     async fn a_whole_body_is_kept_as_it_came_under_the_bounds() {
         let limits = bounds(100, 10, 100);
         let sent = Bytes::from_static(b"{\"a\":1}");
-        let body = read_body(&HeaderMap::new(), Inbound::whole(sent.clone()), &limits).await;
+        let mut whole = Inbound::whole(sent.clone());
+        let body = read_body(&HeaderMap::new(), &mut whole, &limits).await;
         let Ok(RequestBody::Replayable(kept, lease)) = body else {
             panic!("a small whole body is replayable");
         };

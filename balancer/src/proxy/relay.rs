@@ -31,6 +31,7 @@ use super::answer::sse_error_event;
 use super::edge::{is_hop_by_hop, is_hop_by_hop_name, strip};
 use super::stats::GatewayStats;
 use super::{BoxError, FALLBACK_HEADER, Proxy, ResponseBody};
+use crate::bodies::in_box;
 use crate::h1::H1Body;
 use crate::wire::{RawFields, first_value};
 
@@ -356,7 +357,8 @@ impl Proxy {
             parts.headers.remove(header::CONTENT_LENGTH);
             fields.remove_where(|name| name.eq_ignore_ascii_case(b"content-length"));
         }
-        let relay = RelayBody::new(body, sse, self.config.stream_idle_timeout, completion);
+        let timeout = self.config.stream_idle_timeout;
+        let relay = in_box(|| RelayBody::new(body, sse, timeout, completion));
         Response::from_parts(parts, ResponseBody::relayed(relay, fields))
     }
 }

@@ -37,14 +37,14 @@ impl Proxy {
     /// Switches a request to its model's fallback model: the body's `model`
     /// is rewritten and the response will name the fallback. Only a body kept
     /// for replay can be rewritten.
-    pub(crate) fn take_fallback(&self, req: &mut Outgoing, body: &mut Option<RequestBody>) -> bool {
+    pub(crate) fn take_fallback(&self, req: &mut Outgoing, body: Option<&mut RequestBody>) -> bool {
         let Some(from) = req.model.as_deref() else {
             return false;
         };
         let Some(to) = self.config.fallbacks.get(from) else {
             return false;
         };
-        let Some(RequestBody::Replayable(bytes, _)) = body.as_mut() else {
+        let Some(RequestBody::Replayable(bytes, _)) = body else {
             return false;
         };
         let Some(rewritten) = with_model(bytes, to) else {
