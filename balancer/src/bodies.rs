@@ -34,8 +34,8 @@ impl ResponseBody {
         Self::relayed(Box::pin(body.map_err(Into::into)), RawFields::default())
     }
 
-    /// `body`, under the worker's `fields`. Boxed by the caller, who can
-    /// build a large body in its box ([`in_box`]) rather than move it there.
+    /// `body`, under the worker's `fields`. Boxed by the caller, where it
+    /// is built: a body this large is moved once, into its box.
     pub(crate) fn relayed<B>(body: Pin<Box<B>>, fields: RawFields) -> Self
     where
         B: Body<Data = Bytes, Error = BoxError> + Send + 'static,
@@ -88,16 +88,6 @@ impl Body for ResponseBody {
 
 /// The body type of every request the gateway sends to a worker.
 pub type UpstreamBody = UnsyncBoxBody<Bytes, BoxError>;
-
-/// `make()` built in a heap slot allocated first. `Box::pin(make())` builds
-/// the value on the stack and then copies all of it into the box, a copy
-/// into memory that is cold (the request's future is ~4 KiB, a relayed
-/// body ~0.5 KiB); with the slot known first, the compiler writes the new
-/// value's fields straight into it.
-pub(crate) fn in_box<T>(make: impl FnOnce() -> T) -> Pin<Box<T>> {
-    let slot = Box::new_uninit();
-    Box::into_pin(Box::write(slot, make()))
-}
 
 /// A client's request body, as every handler takes it: hyper's, or whole
 /// when the server's HTTP/1.1 fast path read it along with its head.

@@ -27,7 +27,6 @@ use balancer_core::tokens::Tokens;
 use balancer_dataplane::steering::Steering;
 
 use crate::admin::Admin;
-use crate::bodies::in_box;
 use crate::config::GatewayConfig;
 use crate::discovery::etcd::EtcdDiscovery;
 use crate::discovery::{Discovery, FleetUpdates, OnAdded, StaticList};
@@ -128,6 +127,15 @@ fn serving_thread(
         })
         .context("cannot start a serving thread")?;
     Ok(thread)
+}
+
+/// `make()` built in a heap slot allocated first. `Box::pin(make())` builds
+/// the value on the stack and then copies all of it (the request's future
+/// is ~4 KiB, mostly room for later states); with the slot known first, the
+/// compiler writes the few fields of the new future straight into it.
+fn in_box<F>(make: impl FnOnce() -> F) -> std::pin::Pin<Box<F>> {
+    let slot = Box::new_uninit();
+    Box::into_pin(Box::write(slot, make()))
 }
 
 async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<TcpListener> {

@@ -31,7 +31,6 @@ use super::answer::sse_error_event;
 use super::edge::{is_hop_by_hop, is_hop_by_hop_name, strip};
 use super::stats::GatewayStats;
 use super::{BoxError, FALLBACK_HEADER, Proxy, ResponseBody};
-use crate::bodies::in_box;
 use crate::h1::H1Body;
 use crate::wire::{RawFields, first_value};
 
@@ -180,13 +179,16 @@ pub struct RelayBody {
 }
 
 impl RelayBody {
-    pub fn new(
+    /// Boxed where it is built: `Box::new` of a struct literal can write
+    /// the fields into the allocation, where a body built first and then
+    /// boxed is a copy of its 536 bytes.
+    pub fn boxed(
         inner: WorkerBody,
         sse: bool,
         idle_timeout: Duration,
         completion: Completion,
-    ) -> Self {
-        Self {
+    ) -> Pin<Box<Self>> {
+        Box::pin(Self {
             inner,
             idle: None,
             deadline: None,
@@ -199,7 +201,7 @@ impl RelayBody {
                 ..Tail::default()
             },
             completion: Some(completion),
-        }
+        })
     }
 
     fn complete(&mut self, outcome: Outcome) {
@@ -357,8 +359,7 @@ impl Proxy {
             parts.headers.remove(header::CONTENT_LENGTH);
             fields.remove_where(|name| name.eq_ignore_ascii_case(b"content-length"));
         }
-        let timeout = self.config.stream_idle_timeout;
-        let relay = in_box(|| RelayBody::new(body, sse, timeout, completion));
+        let relay = RelayBody::boxed(body, sse, self.config.stream_idle_timeout, completion);
         Response::from_parts(parts, ResponseBody::relayed(relay, fields))
     }
 }
