@@ -38,21 +38,30 @@ pub fn etcd_binary() -> Option<&'static str> {
 
 impl Etcd {
     /// A fresh single-member etcd; `None` (skipped) without the binary.
+    /// Its ports are found free and bound by etcd a moment later, when
+    /// another test may have taken one: an etcd that exits at start is
+    /// tried again on other ports, twice at most.
     pub fn start() -> Option<Self> {
         etcd_binary()?;
-        let dir = std::env::temp_dir().join(format!(
-            "balancer-etcd-{}-{}",
-            std::process::id(),
-            free_port()
-        ));
-        let mut etcd = Self {
-            child: None,
-            dir,
-            client_port: free_port(),
-            peer_port: free_port(),
-        };
-        etcd.run(etcd.client_port);
-        Some(etcd)
+        const TRIES: u32 = 3;
+        for tried in 1..=TRIES {
+            let mut etcd = Self {
+                child: None,
+                dir: std::env::temp_dir().join(format!(
+                    "balancer-etcd-{}-{}",
+                    std::process::id(),
+                    free_port()
+                )),
+                client_port: free_port(),
+                peer_port: free_port(),
+            };
+            match etcd.try_run(etcd.client_port) {
+                Ok(()) => return Some(etcd),
+                Err(why) if tried < TRIES => eprintln!("etcd start {tried} of {TRIES}: {why}"),
+                Err(why) => panic!("etcd did not start: {why}"),
+            }
+        }
+        unreachable!("the last try returns or panics")
     }
 
     pub fn url(&self) -> String {
@@ -61,9 +70,21 @@ impl Etcd {
 
     /// Starts (again) on the same data directory, serving clients on `port`.
     pub fn run(&mut self, port: u16) {
+        if let Err(why) = self.try_run(port) {
+            panic!("etcd did not start: {why}");
+        }
+    }
+
+    /// Where etcd's own log goes: beside its data, removed with it.
+    fn log(&self) -> PathBuf {
+        self.dir.with_extension("log")
+    }
+
+    fn try_run(&mut self, port: u16) -> Result<(), String> {
         self.stop();
         let client = format!("http://127.0.0.1:{port}");
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let log = std::fs::File::create(self.log()).map_err(|e| format!("its log: {e}"))?;
         let child = Command::new("/usr/bin/etcd")
             .arg("--name=test")
             .arg(format!("--data-dir={}", self.dir.display()))
@@ -74,11 +95,11 @@ impl Etcd {
             .arg(format!("--initial-cluster=test={peer}"))
             .arg("--initial-cluster-state=new")
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(log)
             .spawn()
-            .expect("etcd starts");
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(10);
+            .map_err(|e| format!("cannot spawn it: {e}"))?;
+        let child = self.child.insert(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let healthy = Command::new("/usr/bin/etcdctl")
                 .arg(format!("--endpoints={client}"))
@@ -87,9 +108,18 @@ impl Etcd {
                 .output()
                 .is_ok_and(|o| o.status.success());
             if healthy {
-                return;
+                return Ok(());
             }
-            assert!(Instant::now() < deadline, "etcd did not become healthy");
+            let exited = child.try_wait().ok().flatten();
+            if exited.is_some() || Instant::now() >= deadline {
+                let log = std::fs::read_to_string(self.log()).unwrap_or_default();
+                let lines: Vec<&str> = log.lines().collect();
+                let tail = &lines[lines.len().saturating_sub(5)..];
+                let state = exited.map_or("not healthy within 20 s".to_owned(), |s| {
+                    format!("it exited ({s})")
+                });
+                return Err(format!("{state}; its log ends: {}", tail.join(" | ")));
+            }
             std::thread::sleep(Duration::from_millis(100));
         }
     }
@@ -123,5 +153,6 @@ impl Drop for Etcd {
     fn drop(&mut self) {
         self.stop();
         let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::remove_file(self.log());
     }
 }
