@@ -114,28 +114,15 @@ fn serving_thread(
                     }
                 };
                 let lane = Arc::new(Lane::new(proxy));
-                // Boxed: the request's future is large. Unboxed it would be
-                // copied at every hand-over on its way into hyper's
-                // dispatcher, and it would be part of every connection's
-                // task, idle ones too (10,000 idle connections took 14.3 KiB
-                // each instead of 3.3). It owns its lane, so no wrapper
-                // future (and no copy into one) stands around it.
-                let handler = move |req, peer| in_box(|| lane.clone().handle(req, peer));
+                // The request's future owns its lane, so no wrapper future
+                // (and no copy into one) stands around it.
+                let handler = move |req, peer| lane.clone().handle(req, peer);
                 let listener = Listener::spread(listener, spread);
                 serve(listener, handler, limits, tls, stop, grace).await;
             });
         })
         .context("cannot start a serving thread")?;
     Ok(thread)
-}
-
-/// `make()` built in a heap slot allocated first. `Box::pin(make())` builds
-/// the value on the stack and then copies all of it (the request's future
-/// is ~4 KiB, mostly room for later states); with the slot known first, the
-/// compiler writes the few fields of the new future straight into it.
-fn in_box<F>(make: impl FnOnce() -> F) -> std::pin::Pin<Box<F>> {
-    let slot = Box::new_uninit();
-    Box::into_pin(Box::write(slot, make()))
 }
 
 async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<TcpListener> {

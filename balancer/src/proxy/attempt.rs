@@ -24,7 +24,7 @@ use balancer_core::registry::{Attempt, Worker};
 use super::answer::ErrorCode;
 use super::body::{BodyError, ClientFault, RequestBody, boxed, chain};
 use super::relay::Completion;
-use super::relay::WorkerBody;
+use super::relay::{WorkerBody, WorkerResponse};
 use super::route::Outgoing;
 use super::{BoxError, Proxy, ResponseBody, UpstreamBody, UpstreamClient};
 use crate::h1::H1Request;
@@ -255,12 +255,12 @@ impl Proxy {
     /// is the client's pace, not the worker's.
     async fn send_watched(
         &self,
-        send: impl Future<Output = Result<Response<WorkerBody>, AttemptError>>,
+        send: impl Future<Output = Result<WorkerResponse, AttemptError>>,
         budget: Duration,
         admitted: &mut Attempt,
         charges: &mut RequestCharges,
         fault: Option<&ClientFault>,
-    ) -> Result<Response<WorkerBody>, AttemptError> {
+    ) -> Result<WorkerResponse, AttemptError> {
         tokio::pin!(send);
         tokio::select! {
             r = &mut send => r,
@@ -290,7 +290,7 @@ impl Proxy {
         req: &Outgoing,
         payload: Payload,
         started: Instant,
-    ) -> impl Future<Output = Result<Response<WorkerBody>, AttemptError>> {
+    ) -> impl Future<Output = Result<WorkerResponse, AttemptError>> {
         async move {
             // From the attempt's own start: no second clock read.
             let deadline = started + self.config.request_timeout;
@@ -314,7 +314,7 @@ impl Proxy {
                             body,
                         };
                         let response = client.h1.send(addr, &request).await?;
-                        Ok::<_, BoxError>(response.map(WorkerBody::H1))
+                        Ok::<_, BoxError>(Box::new(response.map(WorkerBody::H1)))
                     }
                     (_, payload) => {
                         let body = match payload {
@@ -324,7 +324,7 @@ impl Proxy {
                         // Boxed for the same reason as a fast-path connect:
                         // hyper's request future is large and off the fast path.
                         let response = Box::pin(self.send_hyper(client, worker, req, body)).await?;
-                        Ok(response.map(WorkerBody::Hyper))
+                        Ok(Box::new(response.map(WorkerBody::Hyper)))
                     }
                 }
             });

@@ -133,29 +133,37 @@ where
         loop {
             // The next plain request. How long it may take is the
             // watchdog's header-read timeout: waiting here arms no timer.
-            // Inline rather than a future of its own, whose output (a whole
-            // request) would be moved out of it twice more.
-            let next = loop {
-                if let Some(next) = self.buffered() {
-                    break next;
-                }
-                if !self.read_head(stopping.as_mut()).await {
-                    break Next::Closed;
+            // Inline rather than a future of its own, and what it yields is
+            // the request's shape (88 bytes), not the request: a request is
+            // built where it is handed over, as each move of one is a copy
+            // of its 312 bytes.
+            let plain = loop {
+                match self.buffered() {
+                    Some(Next::Plain(plain)) => break plain,
+                    Some(Next::Unusual) => return End::HandOver(self.buf.freeze()),
+                    Some(Next::Closed) => return End::Closed,
+                    None => {
+                        if !self.read_head(stopping.as_mut()).await {
+                            return End::Closed;
+                        }
+                    }
                 }
             };
-            let (request, close) = match next {
-                Next::Request(request, close) => (request, close),
-                Next::Closed => return End::Closed,
-                Next::Unusual => return End::HandOver(self.buf.freeze()),
+            let close = plain.close;
+            let Some(request) = self.take(plain) else {
+                return End::HandOver(self.buf.freeze());
             };
             let busy = Busy::new(activity);
-            let Some(response) = self.answer(handler(request, peer)).await else {
+            let Some(mut response) = self.answer(handler(request, peer)).await else {
                 // The client left: dropping the handler's future cancels the
                 // request.
                 return End::Closed;
             };
             let close = close || *shutdown.borrow();
-            let wrote = self.respond(response, close).await;
+            // Lent, not moved: a move into `respond`'s future, then out of
+            // it into parts, were two copies of the response's 184 bytes.
+            let wrote = self.respond(&mut response, close).await;
+            drop(response);
             drop(busy);
             if !wrote || close {
                 let _ = self.io.shutdown().await;
@@ -177,13 +185,14 @@ where
         }
     }
 
-    /// The next request if what is read tells, `None` while more of a head
-    /// is needed. Not async: the header slots live on the stack only while
-    /// a head is scanned, not in every waiting connection's future.
+    /// What comes next if what is read tells (a plain request is all
+    /// read), `None` while more of a head is needed. Not async: the header
+    /// slots live on the stack only while a head is scanned, not in every
+    /// waiting connection's future.
     fn buffered(&mut self) -> Option<Next> {
         match scan(&self.buf) {
             Scan::Unusual => Some(Next::Unusual),
-            Scan::Plain(plain) if self.buf.len() >= plain.len() => Some(self.take(plain)),
+            Scan::Plain(plain) if self.buf.len() >= plain.len() => Some(Next::Plain(plain)),
             Scan::Plain(_) => {
                 // The body has not all come with the head. What the socket
                 // holds already is taken; if that is not enough, hyper reads
@@ -192,7 +201,7 @@ where
                     return Some(Next::Closed);
                 }
                 Some(match scan(&self.buf) {
-                    Scan::Plain(plain) if self.buf.len() >= plain.len() => self.take(plain),
+                    Scan::Plain(plain) if self.buf.len() >= plain.len() => Next::Plain(plain),
                     _ => Next::Unusual,
                 })
             }
@@ -276,24 +285,21 @@ where
     }
 
     /// The request scanned as `plain`, taken out of the buffer. Values
-    /// share the buffer: nothing is copied.
-    fn take(&mut self, plain: Plain) -> Next {
+    /// share the buffer: nothing is copied. `None` when it is not valid
+    /// after all (a header value or the target): the buffer is whole
+    /// again, for hyper to answer it from its first byte.
+    fn take(&mut self, plain: Plain) -> Option<Request<Inbound>> {
         let head = self.buf.split_to(plain.head).freeze();
         let body = self.buf.split_to(plain.body).freeze();
-        let close = plain.close;
-        match build(&head, plain, body.clone(), self.raw_fields) {
-            Some(request) => Next::Request(request, close),
-            None => {
-                // Not valid after all (a header value or the target): hyper
-                // answers it, from its first byte.
-                let mut whole = BytesMut::with_capacity(head.len() + body.len() + self.buf.len());
-                whole.extend_from_slice(&head);
-                whole.extend_from_slice(&body);
-                whole.extend_from_slice(&self.buf);
-                self.buf = whole;
-                Next::Unusual
-            }
+        let request = build(&head, plain, body.clone(), self.raw_fields);
+        if request.is_none() {
+            let mut whole = BytesMut::with_capacity(head.len() + body.len() + self.buf.len());
+            whole.extend_from_slice(&head);
+            whole.extend_from_slice(&body);
+            whole.extend_from_slice(&self.buf);
+            self.buf = whole;
         }
+        request
     }
 
     /// The handler's response, or `None` if the client left first.
@@ -316,19 +322,19 @@ where
 
     /// Writes `response`; false when the connection cannot carry another
     /// one (the client left, the body broke, or its length was wrong).
-    async fn respond(&mut self, response: Response<ResponseBody>, close: bool) -> bool {
-        let (parts, mut body) = response.into_parts();
+    async fn respond(&mut self, response: &mut Response<ResponseBody>, close: bool) -> bool {
         // A final 1xx (a worker's unasked 101 through hyper's client): what
         // follows it is no longer HTTP, so none of it is relayed and the
         // connection ends after the head, as hyper's server ends it.
-        let switched = parts.status.is_informational();
-        let mut framing = self.head(&parts.status, &parts.headers, &body, close || switched);
+        let switched = response.status().is_informational();
+        let mut framing = self.head(response, close || switched);
+        let body = response.body_mut();
         if switched {
             let _ = self.flush().await;
             return false;
         }
         loop {
-            let step = poll_fn(|cx| match Pin::new(&mut body).poll_frame(cx) {
+            let step = poll_fn(|cx| match Pin::new(&mut *body).poll_frame(cx) {
                 Poll::Ready(frame) => Poll::Ready(Step::Frame(frame)),
                 // Whatever is gathered goes out before the body is awaited:
                 // a stream reaches the client frame by frame.
@@ -379,13 +385,8 @@ where
     }
 
     /// The response head, into `out`; the framing its body takes.
-    fn head(
-        &mut self,
-        status: &StatusCode,
-        headers: &HeaderMap,
-        body: &ResponseBody,
-        close: bool,
-    ) -> Framing {
+    fn head(&mut self, response: &Response<ResponseBody>, close: bool) -> Framing {
+        let (status, headers, body) = (&response.status(), response.headers(), response.body());
         let out = &mut self.out;
         out.reserve(128 + (headers.len() + body.fields().len()) * 64);
         out.put_slice(b"HTTP/1.1 ");
@@ -511,12 +512,9 @@ where
 }
 
 /// What the fast path found next on a connection.
-#[expect(
-    clippy::large_enum_variant,
-    reason = "moved once per request; boxing it would allocate once per request"
-)]
 enum Next {
-    Request(Request<Inbound>, bool),
+    /// A plain request, all read.
+    Plain(Plain),
     Unusual,
     Closed,
 }
