@@ -7,7 +7,10 @@
 //! instructions does not move at all. It is the yardstick for a change to
 //! the request path. It leaves out the kernel's share (the same syscalls for
 //! both, see the module doc of `bench`) and the cost of cache misses, which
-//! CPU time includes.
+//! CPU time includes. `--cache-sim` adds callgrind's simulated L1 misses
+//! per request: with the instruction counts equal, they are what still
+//! told the two apart (values moved from future to future are copies into
+//! cold memory).
 //!
 //! Each server runs under `valgrind --tool=callgrind` with instrumentation
 //! off; after a warm-up, instrumentation is switched on for exactly the
@@ -36,7 +39,19 @@ pub struct Instructions {
     /// Requests counted per server (after a warm-up of a tenth as many).
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(100..=100_000))]
     requests: u64,
+    /// Also simulate the caches (`--cache-sim=yes`) and print L1 misses
+    /// per request: instruction fetches, data reads and data writes. At
+    /// the same instruction count, misses are what separates CPU times.
+    #[arg(long)]
+    cache_sim: bool,
 }
+
+/// The simulated events printed with `--cache-sim`, and what they count.
+const CACHE_EVENTS: [(&str, &str); 3] = [
+    ("I1mr", "L1 instruction misses"),
+    ("D1mr", "L1 data read misses"),
+    ("D1mw", "L1 data write misses"),
+];
 
 /// A server under callgrind, ready to be measured.
 struct Counted {
@@ -62,7 +77,7 @@ pub fn instructions(args: &Instructions) -> Result<()> {
         out: lab.dir.join("balancer.callgrind"),
     };
     let launch = launch(&balancer, gateway.addr, &urls)?;
-    let mut command = callgrind(&valgrind, &gateway.out);
+    let mut command = callgrind(&valgrind, &gateway.out, args.cache_sim);
     command.arg(launch.get_program()).args(launch.get_args());
     lab.start(gateway.name, &mut command)?;
 
@@ -73,7 +88,7 @@ pub fn instructions(args: &Instructions) -> Result<()> {
     };
     let conf = lab.dir.join("nginx-counted.conf");
     fs::write(&conf, nginx_conf(&lab.dir, proxy.addr, &workers))?;
-    let mut command = callgrind(&valgrind, &proxy.out);
+    let mut command = callgrind(&valgrind, &proxy.out, args.cache_sim);
     command
         .arg(&nginx)
         .arg("-p")
@@ -94,13 +109,27 @@ pub fn instructions(args: &Instructions) -> Result<()> {
         requests.run(args.requests)?;
         toggle(&control, &["--instr=off", &pid])?;
         toggle(&control, &["--dump=measured", &pid])?;
-        let total = dumped_total(&server.out)?;
-        let per_request = total as f64 / args.requests as f64;
+        let totals = dumped_totals(&server.out)?;
+        let per_request = |event: &str| {
+            let total = totals.iter().find(|(name, _)| name == event).map(|t| t.1);
+            total.map(|n| n as f64 / args.requests as f64)
+        };
+        let instructions = per_request("Ir").context("callgrind counted no instructions")?;
         eprintln!(
-            "{}: {total} instructions over {} requests",
-            server.name, args.requests
+            "{}: {:.0} instructions over {} requests",
+            server.name,
+            instructions * args.requests as f64,
+            args.requests
         );
-        counts.push((server.name, per_request));
+        let misses: Vec<f64> = if args.cache_sim {
+            CACHE_EVENTS
+                .iter()
+                .map(|(event, _)| per_request(event).with_context(|| format!("no {event} count")))
+                .collect::<Result<_>>()?
+        } else {
+            Vec::new()
+        };
+        counts.push((server.name, instructions, misses));
     }
 
     println!(
@@ -109,21 +138,38 @@ pub fn instructions(args: &Instructions) -> Result<()> {
         BODY.len(),
         args.requests
     );
-    for (name, per_request) in &counts {
+    for (name, per_request, _) in &counts {
         println!("  {name:<10} {:>8.0}", per_request);
     }
-    let (balancer, nginx) = (counts[0].1, counts[1].1);
+    let ((_, balancer, gateway_misses), (_, nginx, proxy_misses)) = (&counts[0], &counts[1]);
     println!("  ratio balancer / nginx: {:.2}x", balancer / nginx);
+    if args.cache_sim {
+        println!("\nsimulated cache misses per request (the same requests):");
+        println!(
+            "  {:<24} {:>9} {:>9} {:>7}",
+            "", "balancer", "nginx", "ratio"
+        );
+        for (((_, what), ours), theirs) in CACHE_EVENTS.iter().zip(gateway_misses).zip(proxy_misses)
+        {
+            println!(
+                "  {what:<24} {ours:>9.0} {theirs:>9.0} {:>6.2}x",
+                ours / theirs
+            );
+        }
+    }
     Ok(())
 }
 
 /// `valgrind --tool=callgrind` writing to `out`, instrumentation off until
-/// switched on.
-fn callgrind(valgrind: &Path, out: &Path) -> Command {
+/// switched on; simulating the caches with `cache_sim`.
+fn callgrind(valgrind: &Path, out: &Path, cache_sim: bool) -> Command {
     let mut command = Command::new(valgrind);
     command
         .args(["--tool=callgrind", "--instr-atstart=no"])
         .arg(format!("--callgrind-out-file={}", out.display()));
+    if cache_sim {
+        command.arg("--cache-sim=yes");
+    }
     command
 }
 
@@ -143,26 +189,30 @@ fn toggle(control: &Path, args: &[&str]) -> Result<()> {
     Ok(())
 }
 
-/// The instruction total of the dump beside `out` (`out.1`, written by
-/// `--dump`).
-fn dumped_total(out: &Path) -> Result<u64> {
+/// The event totals of the dump beside `out` (`out.1`, written by
+/// `--dump`), by event name.
+fn dumped_totals(out: &Path) -> Result<Vec<(String, u64)>> {
     let dump = out.with_file_name(format!(
         "{}.1",
         out.file_name().context("no file name")?.to_string_lossy()
     ));
     let text = fs::read_to_string(&dump).with_context(|| format!("reading {}", dump.display()))?;
-    total_of(&text).with_context(|| format!("no totals in {}", dump.display()))
+    totals_of(&text).with_context(|| format!("no totals in {}", dump.display()))
 }
 
 /// The `totals:` (or, in older formats, `summary:`) line of a callgrind
-/// file.
-fn total_of(text: &str) -> Option<u64> {
-    let line = |key: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(key))
-            .and_then(|n| n.trim().parse().ok())
-    };
-    line("totals:").or_else(|| line("summary:"))
+/// file, named by its `events:` line.
+fn totals_of(text: &str) -> Option<Vec<(String, u64)>> {
+    let line = |key: &str| text.lines().find_map(|l| l.strip_prefix(key));
+    let events = line("events:")?.split_whitespace();
+    let counts = line("totals:").or_else(|| line("summary:"))?;
+    let counts: Vec<u64> = counts
+        .split_whitespace()
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .ok()?;
+    let totals: Vec<(String, u64)> = events.map(str::to_owned).zip(counts).collect();
+    (!totals.is_empty()).then_some(totals)
 }
 
 /// nginx as one process (no master, one worker), so callgrind sees every
@@ -279,12 +329,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn callgrind_totals_are_read() {
+    fn callgrind_totals_are_read_by_event() {
+        let ir = |n: u64| Some(vec![("Ir".to_owned(), n)]);
         let dump =
             "version: 1\ncreator: callgrind-3.19.0\nevents: Ir\nsummary: 0\ntotals: 41726229\n";
-        assert_eq!(total_of(dump), Some(41_726_229));
-        assert_eq!(total_of("events: Ir\nsummary: 7\n"), Some(7));
-        assert_eq!(total_of("events: Ir\n"), None);
+        assert_eq!(totals_of(dump), ir(41_726_229));
+        assert_eq!(totals_of("events: Ir\nsummary: 7\n"), ir(7));
+        assert_eq!(totals_of("events: Ir\n"), None);
+        assert_eq!(totals_of("events: Ir\ntotals: x\n"), None);
+        let simulated = "events: Ir Dr Dw I1mr D1mr D1mw\ntotals: 100 40 30 9 8 7\n";
+        let totals = totals_of(simulated).unwrap();
+        assert_eq!(totals.len(), 6);
+        assert_eq!(totals[4], ("D1mr".to_owned(), 8));
+        assert_eq!(totals[5], ("D1mw".to_owned(), 7));
     }
 
     #[test]
