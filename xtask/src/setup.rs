@@ -22,16 +22,14 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 /// `cargo xtask run` installs these too.
 const BUILD_PACKAGES: [&str; 2] = ["protobuf-compiler", "libprotobuf-dev"];
 
-/// Debian packages the build, the tests and benchmarks call.
-const PACKAGES: [&str; 10] = [
+/// Debian packages the tests and benchmarks call, besides the build's.
+const TEST_PACKAGES: [&str; 8] = [
     "iproute2",
     "ethtool",
     "bpftool",
     "nftables",
     "wrk",
     "iputils-ping",
-    "protobuf-compiler",
-    "libprotobuf-dev",
     // The discovery tests start their own etcd (the packaged service is not used).
     "etcd-server",
     "etcd-client",
@@ -51,10 +49,10 @@ pub fn run(scope: Scope) -> Result<()> {
         failed.push(format!("{error:#}"));
     }
     let packages = match scope {
-        Scope::Toolchain => &BUILD_PACKAGES[..],
-        Scope::Everything => &PACKAGES[..],
+        Scope::Toolchain => BUILD_PACKAGES.to_vec(),
+        Scope::Everything => [&BUILD_PACKAGES[..], &TEST_PACKAGES[..]].concat(),
     };
-    if let Err(error) = install_packages(packages) {
+    if let Err(error) = install_packages(&packages) {
         failed.push(format!("{error:#}"));
     }
     if !failed.is_empty() {
