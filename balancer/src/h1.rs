@@ -119,10 +119,10 @@ impl H1Pool {
     /// Sends `request` to the worker at `addr`, on a pooled connection when
     /// one is idle; returns when the response head is in.
     ///
-    /// A pooled connection that turns out closed before any byte of the
-    /// answer (the worker's keep-alive timeout raced this request) is
+    /// A pooled connection that turns out closed while the request is
+    /// written (the worker's keep-alive timeout raced this request) is
     /// replaced by a new one, once: that is the pool's doing, not the
-    /// worker's failure.
+    /// worker's failure. Nothing is sent again once the request is written.
     pub(crate) async fn send(
         &self,
         addr: SocketAddr,
@@ -182,7 +182,7 @@ impl Drop for Scratch {
     }
 }
 
-/// A reused connection was closed before it carried the request.
+/// A reused connection was closed before it took the request.
 struct Stale;
 
 /// A parsed response head: status and version in `parts`, whose map stays
@@ -196,7 +196,7 @@ struct Head {
 type Exchanged = Result<(Head, Conn), H1Error>;
 
 /// Writes the request and reads the response head. `Err(Stale)` when a
-/// reused connection ended before a single byte of the answer. An async
+/// reused connection ended before the request could be written. An async
 /// block, as the request path's are: an async function keeps its moved-in
 /// connection twice.
 #[expect(
@@ -222,8 +222,11 @@ fn exchange(
             let e = H1Error::Io(e);
             return if stale(&e) { Err(Stale) } else { Ok(Err(e)) };
         }
+        // Once the request is written the worker may have read it and
+        // acted on it: whatever happens next is the retry loop's to judge,
+        // never a silent second send (hyper's `retry_canceled_requests`
+        // resends only what was never written either).
         match read_head(&mut conn, request.method).await {
-            Err(e) if stale(&e) && conn.buf.is_empty() => Err(Stale),
             Err(e) => Ok(Err(e)),
             Ok(head) => Ok(Ok((head, conn))),
         }
@@ -323,9 +326,16 @@ fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, H1Err
         }
         // At the size of the head, and kept as it is.
         let mut fields = Vec::with_capacity(parsed.headers.len());
-        let mut chunked = false;
+        // Any Transfer-Encoding, and whether its last coding is chunked
+        // (RFC 9112 6.3: only then does chunked frame the body).
+        let (mut coded, mut chunked) = (false, false);
         let mut length = None;
-        let mut close = parsed.version == Some(0);
+        let http10 = parsed.version == Some(0);
+        // HTTP/1.0 closes unless it asks to keep the connection.
+        let (mut close, mut keep) = (false, false);
+        // Headers the worker's `Connection` names describe its hop only
+        // (RFC 9110 7.6.1); almost always none.
+        let mut named: Vec<Vec<u8>> = Vec::new();
         for h in parsed.headers.iter() {
             let (name, value) = (h.name.as_bytes(), h.value);
             if name.eq_ignore_ascii_case(b"date") {
@@ -336,16 +346,21 @@ fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, H1Err
             // The framing headers describe this hop only: read here, and
             // left out of the map the relay would strip them from.
             if name.eq_ignore_ascii_case(b"transfer-encoding") {
+                coded = true;
                 chunked = value
                     .rsplit(|&b| b == b',')
                     .next()
                     .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
                 continue;
             } else if name.eq_ignore_ascii_case(b"connection") {
-                if value.eq_ignore_ascii_case(b"close") {
-                    close = true;
-                } else if value.eq_ignore_ascii_case(b"keep-alive") {
-                    close = false;
+                for token in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+                    if token.eq_ignore_ascii_case(b"close") {
+                        close = true;
+                    } else if token.eq_ignore_ascii_case(b"keep-alive") {
+                        keep = true;
+                    } else if !token.is_empty() {
+                        named.push(token.to_ascii_lowercase());
+                    }
                 }
                 continue;
             } else if name.eq_ignore_ascii_case(b"keep-alive") {
@@ -360,18 +375,37 @@ fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, H1Err
             }
             fields.push(Field::of(buf, h));
         }
+        close |= http10 && !keep;
+        if coded && http10 {
+            // RFC 9112 6.1: an HTTP/1.0 message has no transfer coding;
+            // hyper's client refuses it too.
+            return Err(H1Error::Malformed(
+                "transfer-encoding in an HTTP/1.0 response".to_owned(),
+            ));
+        }
         // Kept as they came, sharing the head's bytes: no map is built and
         // nothing is copied until the writer's head.
         let mut fields = RawFields::new(buf.split_to(len).freeze(), fields);
+        if !named.is_empty() {
+            fields.remove_where(|name| named.iter().any(|n| name.eq_ignore_ascii_case(n)));
+        }
         let bodiless = *method == Method::HEAD
             || status == StatusCode::NO_CONTENT
             || status == StatusCode::NOT_MODIFIED;
+        if coded {
+            // Transfer-Encoding wins over a Content-Length (RFC 9112 6.3),
+            // which frames nothing then and is not relayed; a response that
+            // carried both is not trusted with the connection again.
+            fields.remove_where(|name| name.eq_ignore_ascii_case(b"content-length"));
+            close |= length.is_some();
+        }
         let framing = if bodiless {
             Framing::empty(close)
         } else if chunked {
-            // Transfer-Encoding wins over a Content-Length (RFC 9112 6.3).
-            fields.remove_where(|name| name.eq_ignore_ascii_case(b"content-length"));
             Framing::chunked(close)
+        } else if coded {
+            // A coding other than chunked last: the body runs to the close.
+            Framing::until_close()
         } else if let Some(n) = length {
             Framing::sized(n, close)
         } else {

@@ -203,15 +203,31 @@ fn take_counted(left: &mut u64, buf: &mut BytesMut) -> Bytes {
     buf.split_to(take).freeze()
 }
 
-/// The size of a chunk-size line (hex, extensions after `;` ignored).
+/// The size of a chunk-size line, read as hyper reads it: hex digits
+/// first (no sign, no leading space), then optional spaces or tabs, then
+/// the end or `;` and extensions (ignored), with no bare CR or LF.
 fn chunk_size(line: &[u8]) -> Result<u64, H1Error> {
-    let digits = line.split(|&b| b == b';').next().unwrap_or_default();
-    let digits = std::str::from_utf8(digits)
-        .ok()
-        .map(|d| d.trim_matches([' ', '\t']))
-        .filter(|d| !d.is_empty() && d.len() <= 16)
-        .ok_or_else(|| H1Error::Malformed("a chunk size".to_owned()))?;
-    u64::from_str_radix(digits, 16).map_err(|_| H1Error::Malformed("a chunk size".to_owned()))
+    let bad = || H1Error::Malformed("a chunk size".to_owned());
+    let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
+    let (hex, rest) = line.split_at(digits);
+    let rest = rest.trim_ascii_start();
+    let whitespace = line.len() - digits - rest.len();
+    let tail_ok = rest.is_empty() || rest[0] == b';';
+    if hex.is_empty()
+        || !tail_ok
+        || line[digits..digits + whitespace]
+            .iter()
+            .any(|&b| b != b' ' && b != b'\t')
+        || line.iter().any(|&b| b == b'\r' || b == b'\n')
+    {
+        return Err(bad());
+    }
+    hex.iter()
+        .try_fold(0u64, |size, &b| {
+            let digit = char::from(b).to_digit(16).map(u64::from);
+            size.checked_mul(16)?.checked_add(digit?)
+        })
+        .ok_or_else(bad)
 }
 
 /// A worker's response body on a fast-path connection.

@@ -2,13 +2,17 @@
 //!
 //! Owns the connections between requests: a new one within the connect
 //! timeout, the most recently used idle one first, none kept past the idle
-//! timeout or after the worker closed it. The lock is per serving thread,
+//! timeout, after the worker closed it, or with a byte the worker sent
+//! unasked (a second response, a late body after a 204): such bytes would
+//! be read as the next client's answer. The lock is per serving thread,
 //! so it is never contended, and taken twice per request (out and back in).
 
+use std::io;
+use std::mem::MaybeUninit;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Waker};
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -25,13 +29,6 @@ use crate::tls::WorkerTls;
 
 /// Idle connections kept per worker; more are closed when they come back.
 const MAX_IDLE_PER_WORKER: usize = 256;
-
-/// A connection idle at least this long is checked for the worker's close
-/// before reuse. Sooner, no worker's keep-alive timeout (seconds, in every
-/// server of note) can have closed it, and the check would cost a read per
-/// request under load; a close that races anyway is retried unseen
-/// ([`super::H1Pool::send`]).
-const CHECK_AFTER: Duration = Duration::from_millis(500);
 
 /// A connection to a worker: plain, or TLS for `https://` workers.
 pub(crate) type Stream = Either<TcpStream, Box<TlsStream<TcpStream>>>;
@@ -61,20 +58,28 @@ impl Conn {
         }
     }
 
-    /// Whether the worker left the idle connection alone. The reactor's
-    /// readiness answers without a syscall when nothing arrived; when
-    /// something did (or a finished response left the readiness set), one
-    /// read through the stream tells nothing (alive; TLS session tickets
-    /// are taken in on the way) from an end or stray bytes.
+    /// Whether the worker left the idle connection alone: nothing arrived
+    /// on it since its last response ended. Asked of the kernel itself (one
+    /// `recv` with `MSG_PEEK`, which a non-blocking socket answers at once),
+    /// not of the reactor's readiness, which lags behind bytes the kernel
+    /// already holds: hyper's client learns the same from its connection
+    /// task, which reads while idle and fails on any byte. On a TLS
+    /// connection bytes may be the worker's session tickets, so they are
+    /// read through the stream, which takes tickets in and yields only
+    /// data (or the end).
     fn alive(&mut self) -> bool {
-        let mut cx = Context::from_waker(Waker::noop());
-        match self.tcp().poll_read_ready(&mut cx) {
-            Poll::Pending => return true,
-            Poll::Ready(Err(_)) => return false,
-            Poll::Ready(Ok(())) => {}
+        let mut probe = [MaybeUninit::<u8>::uninit(); 1];
+        match socket2::SockRef::from(self.tcp()).peek(&mut probe) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
+            // The end, or an error: gone.
+            Ok(0) | Err(_) => return false,
+            Ok(_) if matches!(self.stream, Either::Left(_)) => return false,
+            Ok(_) => {}
         }
+        let mut cx = Context::from_waker(Waker::noop());
         self.buf.reserve(READ_CHUNK);
         poll_read_buf(Pin::new(&mut self.stream), &mut cx, &mut self.buf).is_pending()
+            && self.buf.is_empty()
     }
 }
 
@@ -111,8 +116,7 @@ impl H1Pool {
         let mut idle = self.idle();
         let list = idle.get_mut(&key)?;
         while let Some((mut conn, since)) = list.pop() {
-            let idle = since.elapsed();
-            if idle < self.0.idle_timeout && (idle < CHECK_AFTER || conn.alive()) {
+            if since.elapsed() < self.0.idle_timeout && conn.alive() {
                 conn.reused = true;
                 return Some(conn);
             }

@@ -1,3 +1,4 @@
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -84,14 +85,38 @@ fn the_head_buffer_comes_back_empty_and_a_large_one_is_not_kept() {
 
 #[test]
 fn response_heads_are_parsed_with_their_framing() {
-    let cases: [(&[u8], Option<Framing>); 6] = [
+    let cases: [(&[u8], Option<Framing>); 11] = [
         (
             b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello",
             Some(Framing::sized(5, false)),
         ),
+        // Both framings: the coding frames it, and the connection is not
+        // trusted again (RFC 9112 6.3, as Pingora and hyper hold it).
         (
             b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 9\r\n\r\n",
+            Some(Framing::chunked(true)),
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n",
             Some(Framing::chunked(false)),
+        ),
+        // A coding other than chunked last: read to the close, whatever
+        // the length says.
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\ncontent-length: 5\r\n\r\n",
+            Some(Framing::until_close()),
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked, identity\r\ncontent-length: 5\r\n\r\n",
+            Some(Framing::until_close()),
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nconnection: x-foo, close\r\ncontent-length: 1\r\n\r\n",
+            Some(Framing::sized(1, true)),
+        ),
+        (
+            b"HTTP/1.0 200 OK\r\nconnection: keep-alive\r\ncontent-length: 1\r\n\r\n",
+            Some(Framing::sized(1, false)),
         ),
         (
             b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 1\r\n\r\n",
@@ -139,6 +164,8 @@ fn response_heads_are_parsed_with_their_framing() {
         b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n",
         b"SMTP ready\r\n\r\n",
         b"HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\n\r\n",
+        // HTTP/1.0 has no transfer coding: hyper's client refuses it too.
+        b"HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\n\r\n",
     ] {
         let mut buf = BytesMut::from(bad);
         assert!(parse_head(&mut buf, &Method::POST).is_err(), "{bad:?}");
@@ -228,6 +255,151 @@ async fn a_pooled_connection_the_worker_closed_is_replaced_unseen() {
     assert_eq!(body_of(second).await, "ok");
 }
 
+/// A worker that, on each connection, runs `script` for each request it
+/// reads: the bytes to answer, and the stray bytes to write a moment
+/// later (unasked). Counts connections and requests.
+async fn scripted_worker(
+    script: fn(usize) -> (Vec<u8>, Vec<u8>),
+) -> (
+    SocketAddr,
+    Arc<std::sync::atomic::AtomicUsize>,
+    Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (conns, requests) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (c, r) = (conns.clone(), requests.clone());
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut socket, _)) = listener.accept().await else {
+                return;
+            };
+            c.fetch_add(1, Ordering::SeqCst);
+            let r = r.clone();
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 4096];
+                loop {
+                    // A request: a head and its `content-length: 2` body.
+                    while !seen.windows(4).any(|w| w == b"\r\n\r\n")
+                        || seen.len() < seen.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 6
+                    {
+                        match socket.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => seen.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let end = seen.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 6;
+                    seen.drain(..end);
+                    let n = r.fetch_add(1, Ordering::SeqCst);
+                    let (answer, stray) = script(n);
+                    if answer.is_empty() {
+                        // Read in full, then closed without an answer.
+                        return;
+                    }
+                    socket.write_all(&answer).await.unwrap();
+                    if !stray.is_empty() {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        let _ = socket.write_all(&stray).await;
+                    }
+                }
+            });
+        }
+    });
+    (addr, conns, requests)
+}
+
+#[tokio::test]
+async fn unasked_bytes_from_a_worker_never_reach_the_next_request() {
+    use std::sync::atomic::Ordering;
+    // A second, unsolicited response on a kept-alive connection; a late
+    // body after a 204.
+    for stray in [
+        &b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nsecret"[..],
+        b"late body",
+    ] {
+        let (addr, conns, requests) = scripted_worker(if stray.starts_with(b"HTTP") {
+            |n| {
+                let answer = format!("HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nr{n:02}");
+                let stray = b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nsecret".to_vec();
+                (answer.into_bytes(), if n == 0 { stray } else { Vec::new() })
+            }
+        } else {
+            |n| {
+                if n == 0 {
+                    (
+                        b"HTTP/1.1 204 No Content\r\n\r\n".to_vec(),
+                        b"late body".to_vec(),
+                    )
+                } else {
+                    (
+                        format!("HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nr{n:02}").into_bytes(),
+                        Vec::new(),
+                    )
+                }
+            }
+        })
+        .await;
+        let pool = pool();
+        let headers = forwarded(HeaderMap::new());
+        let first = pool.send(addr, &request(&headers, "{}")).await.unwrap();
+        let _ = body_of(first).await;
+        // The stray bytes arrive while the connection idles in the pool,
+        // a moment before the next request (well within any idle check's
+        // grace a pool might give itself).
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        let second = pool.send(addr, &request(&headers, "{}")).await.unwrap();
+        assert_eq!(second.status(), 200);
+        assert_eq!(
+            body_of(second).await,
+            "r01",
+            "{}",
+            String::from_utf8_lossy(stray)
+        );
+        assert_eq!(
+            conns.load(Ordering::SeqCst),
+            2,
+            "the tainted connection was reused"
+        );
+        assert_eq!(requests.load(Ordering::SeqCst), 2);
+    }
+}
+
+#[tokio::test]
+async fn a_request_the_worker_read_is_never_sent_again() {
+    use std::sync::atomic::Ordering;
+    // The second request on the connection is read in full, and the worker
+    // closes without answering: the error is the retry loop's to judge.
+    let (addr, conns, requests) = scripted_worker(|n| {
+        if n == 1 {
+            (Vec::new(), Vec::new())
+        } else {
+            (
+                b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok".to_vec(),
+                Vec::new(),
+            )
+        }
+    })
+    .await;
+    let pool = pool();
+    let headers = forwarded(HeaderMap::new());
+    let first = pool.send(addr, &request(&headers, "{}")).await.unwrap();
+    assert_eq!(body_of(first).await, "ok");
+    let second = pool.send(addr, &request(&headers, "{}")).await;
+    assert!(
+        matches!(second, Err(H1Error::Closed)),
+        "{:?}",
+        second.map(|r| r.status())
+    );
+    assert_eq!(
+        requests.load(Ordering::SeqCst),
+        2,
+        "the request went to the worker twice"
+    );
+    assert_eq!(conns.load(Ordering::SeqCst), 1);
+}
+
 #[tokio::test]
 async fn a_body_cut_short_is_an_error_and_its_connection_is_not_reused() {
     let addr = server(
@@ -311,6 +483,46 @@ fn an_answer_is_read_as_the_fuzz_target_reads_it() {
         read_answer(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n"),
         None
     );
+}
+
+#[test]
+fn headers_the_workers_connection_names_are_not_relayed() {
+    let mut buf = BytesMut::from(
+        &b"HTTP/1.1 200 OK\r\nConnection: X-Secret, keep-alive\r\nX-Secret: hop\r\n\
+           x-secret: hop2\r\nX-Kept: 1\r\ncontent-length: 0\r\n\r\n"[..],
+    );
+    let head = parse_head(&mut buf, &Method::POST).unwrap().unwrap();
+    let names: Vec<&[u8]> = head.fields.iter().map(|(n, _)| n).collect();
+    assert_eq!(names, [&b"X-Kept"[..], b"content-length"]);
+}
+
+#[test]
+fn chunk_sizes_are_read_as_hyper_reads_them() {
+    for (line, ok) in [
+        (&b"5\r\nhello\r\n"[..], true),
+        (b"5 \r\nhello\r\n", true),
+        (b"5\t;ext=1\r\nhello\r\n", true),
+        (b"00000000000000005\r\nhello\r\n", true),
+        (b"+5\r\nhello\r\n", false),
+        (b" 5\r\nhello\r\n", false),
+        (b"0x5\r\nhello\r\n", false),
+        (b"5 5\r\nhello\r\n", false),
+        (b"\r\nhello\r\n", false),
+        (b"5;a\rb\r\nhello\r\n", false),
+        (b"10000000000000000\r\n", false),
+    ] {
+        let mut framing = Framing::chunked(false);
+        let mut buf = BytesMut::from(line);
+        let step = body::decode(&mut framing, &mut buf, true);
+        match step {
+            Ok(body::Step::Data(data)) => {
+                assert!(ok, "{} accepted", String::from_utf8_lossy(line));
+                assert_eq!(&data[..], b"hello");
+            }
+            Ok(_) => panic!("{}: no data", String::from_utf8_lossy(line)),
+            Err(_) => assert!(!ok, "{} refused", String::from_utf8_lossy(line)),
+        }
+    }
 }
 
 #[test]

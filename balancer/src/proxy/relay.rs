@@ -24,8 +24,8 @@ use balancer_core::breaker::{BodyRules, FailureReason, Outcome, RequestCharges};
 use balancer_core::clock::Clock;
 use balancer_core::registry::Attempt;
 use balancer_core::tokens::{ModelTokens, find_usage};
-use http::Response;
-use http::header::{self, HeaderValue};
+use http::header::{self, HeaderName, HeaderValue};
+use http::{Response, StatusCode};
 
 use super::answer::sse_error_event;
 use super::edge::{is_hop_by_hop, is_hop_by_hop_name, strip};
@@ -356,7 +356,29 @@ impl Proxy {
         if let Some(v) = fallback.and_then(|f| HeaderValue::try_from(f).ok()) {
             parts.headers.insert(FALLBACK_HEADER, v);
         }
-        strip(&mut parts.headers, is_hop_by_hop);
+        // The fast client read the framing and `Connection` of its fields
+        // already; hyper's leaves them in the map. A length beside a
+        // transfer coding frames nothing (hyper read the body by the
+        // coding), the names `Connection` lists are this hop's (RFC 9110
+        // 7.6.1), and a 204 has no length (RFC 9110 8.6): the same rules
+        // whichever side serves the client.
+        if parts.headers.contains_key(header::TRANSFER_ENCODING)
+            || parts.status == StatusCode::NO_CONTENT
+        {
+            parts.headers.remove(header::CONTENT_LENGTH);
+            fields.remove_where(|name| name.eq_ignore_ascii_case(b"content-length"));
+        }
+        let named: Vec<HeaderName> = parts
+            .headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+            .collect();
+        strip(&mut parts.headers, |name| {
+            is_hop_by_hop(name) || named.contains(name)
+        });
         fields.remove_where(is_hop_by_hop_name);
         let sse = first_value(&fields, &parts.headers, &header::CONTENT_TYPE)
             .is_some_and(|ct| ct.starts_with(b"text/event-stream"));
