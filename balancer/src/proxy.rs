@@ -16,6 +16,7 @@ mod attempt;
 mod body;
 mod deadline;
 mod edge;
+mod json_check;
 mod probe;
 mod relay;
 mod route;
@@ -55,7 +56,7 @@ use crate::server::Peer;
 use crate::tls::{WorkerConnector, WorkerTls};
 use crate::wire::Headers;
 use answer::json_response;
-use body::{BodyLimits, RequestBody, read_body};
+use body::{BodyError, BodyLimits, RequestBody, read_body};
 use edge::Route;
 use route::{
     MAX_MODEL_LEN, Outgoing, inference_model, model_in_prefix, request_model, with_usage_requested,
@@ -301,18 +302,32 @@ impl Lane {
                 map: std::mem::take(req.headers_mut()),
                 raw: req.body_mut().take_fields(),
             };
+            // RFC 9112 3.2: an HTTP/1.1 request names exactly one host (as
+            // nginx holds it); HTTP/2 names it in `:authority`.
+            if req.version() == http::Version::HTTP_11
+                && headers.get_all(&http::header::HOST).take(2).count() != 1
+            {
+                return proxy.gateway_error(
+                    ErrorCode::InvalidRequest,
+                    "an HTTP/1.1 request must carry exactly one Host header",
+                    None,
+                );
+            }
             // Read before admission, under the stall deadline: a client that
             // sends half a body never holds a permit.
-            let body = match read_body(&headers.map, req.body_mut(), &proxy.body_limits).await {
+            let mut body = match read_body(&headers.map, req.body_mut(), &proxy.body_limits).await {
                 Ok(b) => b,
                 Err(e) => return proxy.body_error(&e),
             };
-            let model = match &body {
+            let model = match &mut body {
                 RequestBody::Replayable(bytes, _) if inference => inference_model(bytes),
                 RequestBody::Replayable(bytes, _) => request_model(&headers, bytes),
                 // Past the buffered limit only the prefix is here: an inference
                 // body must name its model there to be routed by it.
-                RequestBody::Streaming(prefix, _) if inference => {
+                RequestBody::Streaming(prefix, rest) if inference => {
+                    if let Err(e) = rest.check_json(prefix) {
+                        return proxy.body_error(&BodyError::Invalid(e));
+                    }
                     match model_in_prefix(&prefix.concat()) {
                         Some(m) if m.len() > MAX_MODEL_LEN => Err(format!(
                             "the model name is longer than {MAX_MODEL_LEN} bytes"

@@ -182,6 +182,9 @@ impl Proxy {
                 "the request body sent nothing within --stream-body-stall-timeout-secs",
             ),
             BodyError::Aborted => (ErrorCode::InvalidRequest, "the request body broke off"),
+            BodyError::Invalid(e) => {
+                return self.gateway_error(ErrorCode::InvalidRequest, &e.to_string(), None);
+            }
             BodyError::OverBudget => (
                 ErrorCode::BodyBudgetExhausted,
                 "the gateway holds as many request bodies as it may; retry shortly",

@@ -25,6 +25,7 @@ use http_body_util::combinators::UnsyncBoxBody;
 use hyper::body::Frame;
 use tokio::time::{Instant, Sleep};
 
+use super::json_check::{JsonCheck, JsonError};
 use super::{BoxError, Inbound, UpstreamBody};
 
 /// What a client's body did wrong; never a worker's fault.
@@ -38,6 +39,9 @@ pub(crate) enum BodyError {
     Aborted,
     /// The process-wide budget of kept bodies is spent.
     OverBudget,
+    /// A streamed inference body is not one JSON object with one plain
+    /// top-level `model` (found by the time it ends).
+    Invalid(JsonError),
 }
 
 /// How a streamed body is doing, for the attempt loop: its fault, and
@@ -243,6 +247,8 @@ pub(crate) struct ClientBody {
     stall: Duration,
     idle: Pin<Box<Sleep>>,
     fault: ClientFault,
+    /// An inference body's JSON, checked as it passes.
+    json: Option<Box<JsonCheck>>,
     /// The budget share of the prefix read before streaming began.
     _lease: Lease,
 }
@@ -256,8 +262,19 @@ impl ClientBody {
             stall: limits.stall,
             idle: Box::pin(tokio::time::sleep(limits.stall)),
             fault: ClientFault::default(),
+            json: None,
             _lease: lease,
         }
+    }
+
+    /// Holds the body to the inference rule ([`JsonCheck`]): the prefix
+    /// already read is checked now, the rest as it streams, and the body
+    /// fails before its last bytes leave if the whole is not one object.
+    pub(crate) fn check_json(&mut self, prefix: &[Bytes]) -> Result<(), JsonError> {
+        let mut check = Box::<JsonCheck>::default();
+        prefix.iter().try_for_each(|chunk| check.feed(chunk))?;
+        self.json = Some(check);
+        Ok(())
     }
 
     /// Where this body's fault will be recorded.
@@ -283,13 +300,21 @@ impl hyper::body::Body for ClientBody {
         let this = &mut *self;
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
+                let end = this.inner.is_end_stream();
                 if let Some(data) = frame.data_ref() {
                     this.read += data.len() as u64;
                     if this.read > this.max_payload {
                         return this.fail(BodyError::TooLarge);
                     }
+                    if let Some(json) = this.json.as_mut()
+                        && let Err(e) = json
+                            .feed(data)
+                            .and_then(|()| if end { json.finish() } else { Ok(()) })
+                    {
+                        return this.fail(BodyError::Invalid(e));
+                    }
                 }
-                if this.inner.is_end_stream() {
+                if end {
                     this.fault.done.store(true, Ordering::Release);
                 }
                 let deadline = Instant::now() + this.stall;
@@ -298,6 +323,9 @@ impl hyper::body::Body for ClientBody {
             }
             Poll::Ready(Some(Err(_))) => this.fail(BodyError::Aborted),
             Poll::Ready(None) => {
+                if let Some(Err(e)) = this.json.as_ref().map(|json| json.finish()) {
+                    return this.fail(BodyError::Invalid(e));
+                }
                 this.fault.done.store(true, Ordering::Release);
                 Poll::Ready(None)
             }
