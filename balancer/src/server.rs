@@ -230,6 +230,8 @@ pub async fn serve<H, F>(
         .timer(TokioTimer::new())
         .keep_alive_interval(limits.http2_keepalive)
         .keep_alive_timeout(limits.http2_keepalive);
+    // After the fast path answered a request, a connection is HTTP/1's.
+    let http1_builder = Arc::new(builder.clone().http1_only());
     let builder = Arc::new(builder);
     let mut listener = listener.into();
     while let Some(Accepted {
@@ -267,7 +269,8 @@ pub async fn serve<H, F>(
             inner: stream,
             activity: activity.clone(),
         };
-        let (builder, watcher, tls) = (builder.clone(), graceful.watcher(), tls.clone());
+        let (builder, http1_builder) = (builder.clone(), http1_builder.clone());
+        let (watcher, tls) = (graceful.watcher(), tls.clone());
         let (idle, send) = (limits.idle_timeout, limits.send_timeout);
         let header_read = limits.header_read_timeout;
         let raw_fields = limits.raw_fields;
@@ -289,16 +292,16 @@ pub async fn serve<H, F>(
                 // HTTP/1.1 starts on the fast path; HTTP/2 (by ALPN here, by
                 // its preface there) and the unusual go to hyper.
                 let h2 = matches!(&transport, Either::Right(tls) if tls.get_ref().1.alpn_protocol() == Some(b"h2"));
-                let read = if h2 {
-                    Bytes::new()
+                let (read, builder) = if h2 {
+                    (Bytes::new(), builder)
                 } else {
                     activity.await_heads(true);
                     let fast = fast::Fast::new(&mut transport, raw_fields);
                     match fast.serve(&handler, client, &activity, &shutdown).await {
                         fast::End::Closed => return,
-                        fast::End::HandOver(read) => {
+                        fast::End::HandOver { read, http1_only } => {
                             activity.await_heads(false);
-                            read
+                            (read, if http1_only { http1_builder } else { builder })
                         }
                     }
                 };

@@ -116,6 +116,15 @@ impl Routes {
         let Some(path) = normalize_path(path) else {
             return Route::BadPath;
         };
+        // An encoded `/` or `\` stays encoded, and matches no route: a
+        // worker that decodes it before routing would see another path
+        // (`/v1/models/..%2F..%2Fflush_cache`). Only a path with an escape
+        // took the long way.
+        if let Cow::Owned(decoded) = &path
+            && (decoded.contains("%2F") || decoded.contains("%5C"))
+        {
+            return Route::NotFound;
+        }
         if let Some(&route) = INFERENCE_ROUTES.iter().find(|&&r| r == path) {
             return if method == Method::POST {
                 Route::Inference(route)
@@ -286,6 +295,10 @@ impl Forwarded {
             || is(b"x-forwarded-for")
             || (self.forwarded_proto.is_some() && is(b"x-forwarded-proto"))
             || self.named.iter().any(|n| is(n.as_str().as_bytes()))
+            // CGI-style servers read `X_Forwarded_For` as `X-Forwarded-For`:
+            // names with underscores are dropped, as nginx drops them by
+            // default (`underscores_in_headers off`).
+            || name.contains(&b'_')
     }
 
     /// Every header forwarded, the gateway's own last.

@@ -80,8 +80,10 @@ pub(super) enum End {
     /// Closed, or to be closed: nothing more is read from it.
     Closed,
     /// A request that is not plain: hyper serves the connection from here,
-    /// starting with these bytes.
-    HandOver(Bytes),
+    /// starting with these bytes; HTTP/1 alone once the fast path answered
+    /// a request (HTTP/2's preface is a connection's first bytes or
+    /// nothing, as hyper alone holds it).
+    HandOver { read: Bytes, http1_only: bool },
 }
 
 /// One connection's fast path.
@@ -97,6 +99,8 @@ pub(super) struct Fast<'a, IO> {
     /// Requests carry their header fields as they came, with no map built
     /// ([`ConnectionLimits::raw_fields`](super::ConnectionLimits)).
     raw_fields: bool,
+    /// A request was answered on this connection.
+    served: bool,
 }
 
 impl<'a, IO> Fast<'a, IO>
@@ -110,6 +114,7 @@ where
             out: BytesMut::new(),
             eof: false,
             raw_fields,
+            served: false,
         }
     }
 
@@ -140,7 +145,7 @@ where
             let plain = loop {
                 match self.buffered() {
                     Some(Next::Plain(plain)) => break plain,
-                    Some(Next::Unusual) => return End::HandOver(self.buf.freeze()),
+                    Some(Next::Unusual) => return self.hand_over(),
                     Some(Next::Closed) => return End::Closed,
                     None => {
                         if !self.read_head(stopping.as_mut()).await {
@@ -151,7 +156,7 @@ where
             };
             let close = plain.close;
             let Some(request) = self.take(plain) else {
-                return End::HandOver(self.buf.freeze());
+                return self.hand_over();
             };
             let busy = Busy::new(activity);
             let Some(mut response) = self.answer(handler(request, peer)).await else {
@@ -169,7 +174,15 @@ where
                 let _ = self.io.shutdown().await;
                 return End::Closed;
             }
+            self.served = true;
             self.trim();
+        }
+    }
+
+    fn hand_over(self) -> End {
+        End::HandOver {
+            read: self.buf.freeze(),
+            http1_only: self.served,
         }
     }
 
