@@ -56,3 +56,13 @@ pub fn client_request(wire: &[u8]) {
 pub fn worker_response(wire: &[u8]) {
     let _ = crate::h1::read_answer(wire);
 }
+
+/// A client's bytes and a worker's bytes through the hand-written HTTP/1.1
+/// paths and through hyper: panics where ours is laxer (the one entry here
+/// that may, as a finding).
+#[cfg(feature = "differential")]
+pub fn differential(client: &[u8], worker: &[u8]) {
+    if let Err(why) = crate::differential::compare(client, worker) {
+        panic!("{why}");
+    }
+}

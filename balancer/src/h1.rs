@@ -423,17 +423,40 @@ fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, H1Err
     }
 }
 
-/// A worker's answer as bytes, read as the fast path reads it: the head,
-/// then the body under its framing. The fuzz target's entry
-/// ([`crate::fuzzing::worker_response`]); it must only return.
-pub(crate) fn read_answer(wire: &[u8]) -> Option<(StatusCode, usize)> {
+/// What the fast client makes of a worker's answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Answered {
+    pub status: StatusCode,
+    pub body: Vec<u8>,
+    /// The connection would go back to the pool.
+    pub reusable: bool,
+}
+
+/// A worker's answer as bytes, read as the fast client reads it: the head,
+/// then the body under its framing, the worker closing after `wire` only
+/// if the body runs to the close. `None` where the client fails the
+/// exchange. The fuzz targets' entry ([`crate::fuzzing::worker_response`],
+/// the differential test); it must only return.
+pub(crate) fn read_answer(wire: &[u8]) -> Option<Answered> {
     let mut buf = BytesMut::from(wire);
     let mut head = parse_head(&mut buf, &Method::POST).ok()??;
-    let mut data = 0;
-    while let Ok(body::Step::Data(bytes)) = body::decode(&mut head.framing, &mut buf, true) {
-        data += bytes.len();
-    }
-    Some((head.parts.status, data))
+    let mut data = Vec::new();
+    let by_framing = loop {
+        match body::decode(&mut head.framing, &mut buf, true).ok()? {
+            body::Step::Data(bytes) => data.extend_from_slice(&bytes),
+            body::Step::End => break true,
+            // Only a body that runs to the close ends at the worker's end.
+            body::Step::More if head.framing.runs_to_close() => break false,
+            body::Step::More => return None,
+        }
+    };
+    Some(Answered {
+        status: head.parts.status,
+        body: data,
+        // As [`H1Body`] and the pool decide: the framing ended it, the
+        // worker did not ask to close, and nothing came after it.
+        reusable: by_framing && head.framing.keeps_connection() && buf.is_empty(),
+    })
 }
 
 #[cfg(test)]

@@ -21,6 +21,9 @@ pub mod admin;
 pub mod bodies;
 pub mod cli;
 pub mod config;
+#[cfg(any(test, feature = "differential"))]
+#[doc(hidden)]
+pub mod differential;
 pub mod discovery;
 #[doc(hidden)]
 pub mod fuzzing;

@@ -80,6 +80,16 @@ impl Framing {
         }
     }
 
+    /// Whether the connection may carry another request after this body.
+    pub(super) fn keeps_connection(&self) -> bool {
+        !self.close
+    }
+
+    /// Whether the body ends only when the worker closes.
+    pub(super) fn runs_to_close(&self) -> bool {
+        self.kind == Kind::UntilClose
+    }
+
     pub(super) fn until_close() -> Self {
         Self {
             kind: Kind::UntilClose,

@@ -478,7 +478,21 @@ proptest! {
 #[test]
 fn an_answer_is_read_as_the_fuzz_target_reads_it() {
     let answer = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n";
-    assert_eq!(read_answer(answer), Some((StatusCode::OK, 3)));
+    assert_eq!(
+        read_answer(answer),
+        Some(Answered {
+            status: StatusCode::OK,
+            body: b"abc".to_vec(),
+            reusable: true
+        })
+    );
+    let stray = b"HTTP/1.1 204 No Content\r\n\r\nlate";
+    assert_eq!(read_answer(stray).map(|a| a.reusable), Some(false));
+    let closing = b"HTTP/1.1 200 OK\r\n\r\nall of it";
+    assert_eq!(
+        read_answer(closing).map(|a| (a.body, a.reusable)),
+        Some((b"all of it".to_vec(), false))
+    );
     assert_eq!(
         read_answer(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n"),
         None

@@ -677,19 +677,20 @@ fn build(head: &Bytes, plain: Plain, body: Bytes, raw_fields: bool) -> Option<Re
 }
 
 /// A client's bytes as the fast path reads them: whether it takes them as
-/// a plain request, and then the lengths of its head and body.
-/// The fuzz target's entry ([`crate::fuzzing::client_request`]); it must
-/// only return.
-pub(crate) fn read_request(wire: &[u8]) -> Option<(usize, usize)> {
+/// a plain request, and then the request it hands on, the lengths of its
+/// head and body, and whether the connection closes after it.
+/// The fuzz targets' entry ([`crate::fuzzing::client_request`], the
+/// differential test); it must only return.
+pub(crate) fn read_request(wire: &[u8]) -> Option<(Request<Inbound>, usize, usize, bool)> {
     let Scan::Plain(plain) = scan(wire) else {
         return None;
     };
     let whole = wire.get(..plain.len())?;
-    let (head_len, body_len) = (plain.head, plain.body);
+    let (head_len, body_len, close) = (plain.head, plain.body, plain.close);
     let head = Bytes::copy_from_slice(&whole[..head_len]);
     let body = Bytes::copy_from_slice(&whole[head_len..]);
-    build(&head, plain, body, false)?;
-    Some((head_len, body_len))
+    let request = build(&head, plain, body, false)?;
+    Some((request, head_len, body_len, close))
 }
 
 /// The request target as a `Uri`. The last one parsed on this thread is
