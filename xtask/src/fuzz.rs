@@ -10,15 +10,21 @@ use anyhow::{Context, Result};
 use crate::shell::run;
 
 /// The targets, as `fuzz/Cargo.toml` names them.
-const TARGETS: [&str; 5] = [
+const TARGETS: [&str; 6] = [
     "request",
     "config_toml",
     "admin_body",
     "worker_response",
     "client_request",
+    "differential",
 ];
 
-pub fn fuzz(root: &Path, seconds: u64) -> Result<()> {
+pub fn fuzz(root: &Path, seconds: u64, only: Option<&str>) -> Result<()> {
+    if let Some(name) = only
+        && !TARGETS.contains(&name)
+    {
+        anyhow::bail!("no fuzz target {name:?} (targets: {})", TARGETS.join(", "));
+    }
     let installed = Command::new("cargo")
         .args(["+nightly", "fuzz", "--version"])
         .output()
@@ -27,7 +33,7 @@ pub fn fuzz(root: &Path, seconds: u64) -> Result<()> {
         run(Command::new("cargo").args(["install", "cargo-fuzz", "--locked"]))
             .context("installing cargo-fuzz")?;
     }
-    for target in TARGETS {
+    for target in TARGETS.into_iter().filter(|t| only.is_none_or(|o| o == *t)) {
         eprintln!("==> fuzz {target} for {seconds}s");
         run(Command::new("cargo")
             .args(["+nightly", "fuzz", "run", target, "--"])

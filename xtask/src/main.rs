@@ -58,11 +58,16 @@ enum Task {
     /// how fast each was isolated and how many client requests failed.
     Chaos,
     /// Run every cargo-fuzz target (request bodies and paths, the config
-    /// file, admin bodies) for a bounded time each; nightly.
+    /// file, admin bodies, workers' answers, client heads, and the
+    /// differential test of the HTTP/1.1 paths against hyper) for a bounded
+    /// time each; nightly.
     Fuzz {
         /// Seconds per target.
         #[arg(long, default_value_t = 30)]
         seconds: u64,
+        /// Only this target (e.g. `differential`).
+        #[arg(long)]
+        target: Option<String>,
     },
     /// What CI runs: setup, formatting, eBPF build, clippy, all tests.
     Test {
@@ -100,7 +105,7 @@ fn dispatch(task: Task) -> Result<()> {
             ])
             .current_dir(workspace_root())),
         Task::Test { test_threads } => test(test_threads),
-        Task::Fuzz { seconds } => fuzz::fuzz(workspace_root(), seconds),
+        Task::Fuzz { seconds, target } => fuzz::fuzz(workspace_root(), seconds, target.as_deref()),
     }
 }
 
