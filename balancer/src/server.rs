@@ -230,8 +230,14 @@ pub async fn serve<H, F>(
         .timer(TokioTimer::new())
         .keep_alive_interval(limits.http2_keepalive)
         .keep_alive_timeout(limits.http2_keepalive);
-    // After the fast path answered a request, a connection is HTTP/1's.
-    let http1_builder = Arc::new(builder.clone().http1_only());
+    // After the fast path answered a request, a connection is HTTP/1's:
+    // hyper's own HTTP/1 server, as the auto builder sniffs for HTTP/2's
+    // preface at whatever bytes it is handed first.
+    let mut http1 = hyper::server::conn::http1::Builder::new();
+    http1
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout);
+    let http1 = Arc::new(http1);
     let builder = Arc::new(builder);
     let mut listener = listener.into();
     while let Some(Accepted {
@@ -269,7 +275,7 @@ pub async fn serve<H, F>(
             inner: stream,
             activity: activity.clone(),
         };
-        let (builder, http1_builder) = (builder.clone(), http1_builder.clone());
+        let (builder, http1) = (builder.clone(), http1.clone());
         let (watcher, tls) = (graceful.watcher(), tls.clone());
         let (idle, send) = (limits.idle_timeout, limits.send_timeout);
         let header_read = limits.header_read_timeout;
@@ -292,8 +298,8 @@ pub async fn serve<H, F>(
                 // HTTP/1.1 starts on the fast path; HTTP/2 (by ALPN here, by
                 // its preface there) and the unusual go to hyper.
                 let h2 = matches!(&transport, Either::Right(tls) if tls.get_ref().1.alpn_protocol() == Some(b"h2"));
-                let (read, builder) = if h2 {
-                    (Bytes::new(), builder)
+                let (read, http1_only) = if h2 {
+                    (Bytes::new(), false)
                 } else {
                     activity.await_heads(true);
                     let fast = fast::Fast::new(&mut transport, raw_fields);
@@ -301,14 +307,18 @@ pub async fn serve<H, F>(
                         fast::End::Closed => return,
                         fast::End::HandOver { read, http1_only } => {
                             activity.await_heads(false);
-                            (read, if http1_only { http1_builder } else { builder })
+                            (read, http1_only)
                         }
                     }
                 };
                 let io = TokioIo::new(fast::Prefixed::new(read, transport));
-                let conn = builder.serve_connection_with_upgrades(io, service);
                 // How a connection ended is the client's business.
-                let _ = watcher.watch(conn.into_owned()).await;
+                if http1_only {
+                    let _ = watcher.watch(http1.serve_connection(io, service)).await;
+                } else {
+                    let conn = builder.serve_connection_with_upgrades(io, service);
+                    let _ = watcher.watch(conn.into_owned()).await;
+                }
             };
             let watching = pin!(watchdog(&activity, idle, send, header_read));
             let watching = OwnWakes::new(watching);

@@ -3,7 +3,8 @@
 //! it receives ([`capture`]), a real etcd ([`etcd`]), raw frames ([`packet`]),
 //! network namespaces ([`netns`]) and runtimes inside them ([`ns_runtime`]),
 //! L4 services written straight into the maps ([`l4`]), raw HTTP/1.1
-//! exchanges ([`http1`]), the namespace topologies of both forwarding modes
+//! exchanges ([`http1`]), a worker that answers by script, byte for byte
+//! ([`scripted`]), the namespace topologies of both forwarding modes
 //! ([`topology`]), and the namespace scenario both modes pass with what the
 //! namespace tests drive a gateway with ([`l4e2e`]), and certificates and
 //! TLS peers ([`tls`]). Helpers never assert on
@@ -54,6 +55,7 @@ pub mod l4e2e;
 pub mod netns;
 pub mod ns_runtime;
 pub mod packet;
+pub mod scripted;
 pub mod tls;
 pub mod topology;
 
