@@ -58,13 +58,14 @@ async fn compare_request(wire: &[u8]) -> Result<(), String> {
         }
     });
     let serving = tokio::spawn(
-        hyper::server::conn::http1::Builder::new()
-            .serve_connection(TokioIo::new(server), service),
+        hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(server), service),
     );
     client.write_all(wire).await.map_err(|e| e.to_string())?;
     let Ok(Some((parts, body))) = tokio::time::timeout(WAIT, seen_rx.recv()).await else {
         serving.abort();
-        return Err(format!("the fast path took a request hyper did not: {wire:?}"));
+        return Err(format!(
+            "the fast path took a request hyper did not: {wire:?}"
+        ));
     };
     let body = body.map_err(|e| format!("hyper failed the body the fast path took: {e}"))?;
     let same = parts.method == ours.method()
@@ -97,7 +98,9 @@ async fn compare_request(wire: &[u8]) -> Result<(), String> {
     // connection for their own sake.
     let pipelined = wire.len() > head_len + body_len;
     if ended && !close && !pipelined {
-        return Err(format!("hyper closes after a request the fast path keeps: {wire:?}"));
+        return Err(format!(
+            "hyper closes after a request the fast path keeps: {wire:?}"
+        ));
     }
     Ok(())
 }
@@ -259,7 +262,10 @@ mod tests {
             reusable(b"HTTP/1.1 200 OK\r\n\r\nto the end"),
             Some((200, b"to the end".to_vec(), false))
         );
-        assert_eq!(reusable(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nshort"), None);
+        assert_eq!(
+            reusable(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nshort"),
+            None
+        );
     }
 
     /// A worker's answer: a status line, a few framing and other headers in
@@ -290,8 +296,16 @@ mod tests {
             "x-hop: 1\r\n",
         ]);
         let body = prop::sample::select(vec![
-            "5\r\n", "+5\r\n", " 5\r\n", "5 \r\n", "5;e=1\r\n", "0\r\n\r\n", "hello",
-            "hello\r\n", "\r\n", "HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nsecret",
+            "5\r\n",
+            "+5\r\n",
+            " 5\r\n",
+            "5 \r\n",
+            "5;e=1\r\n",
+            "0\r\n\r\n",
+            "hello",
+            "hello\r\n",
+            "\r\n",
+            "HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nsecret",
         ]);
         (
             status,
