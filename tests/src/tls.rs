@@ -282,7 +282,7 @@ pub async fn open(
         .context("no server certificate")?
         .clone();
     let alpn = session.alpn_protocol().map(<[u8]>::to_vec);
-    let request = http::Request::post(format!("https://127.0.0.1{path}"))
+    let mut request = http::Request::post(format!("https://127.0.0.1{path}"))
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body.to_owned())))?;
     let io = TokioIo::new(tls);
@@ -292,6 +292,10 @@ pub async fn open(
         tokio::spawn(conn);
         tokio::time::timeout(BOUND, sender.send_request(request)).await??
     } else {
+        // hyper's connection-level client sends no Host of its own; an
+        // HTTP/1.1 request must carry one.
+        let host = http::HeaderValue::from_static("127.0.0.1");
+        request.headers_mut().insert(http::header::HOST, host);
         let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await?;
         tokio::spawn(conn);
         tokio::time::timeout(BOUND, sender.send_request(request)).await??
