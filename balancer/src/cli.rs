@@ -475,6 +475,13 @@ pub struct BreakerArgs {
     /// so the trial is spread in time rather than a burst (0: no spacing).
     #[arg(long, default_value_t = 0, value_name = "MS")]
     pub cb_half_open_probe_interval_ms: u64,
+    /// A 2xx completion (chat, completions, SGLang `/generate`) with fewer
+    /// than N completion tokens counts as a breaker failure with reason
+    /// `quality`; the answer still reaches the client. Exempt: requests
+    /// asking for fewer than N tokens, tool calls, `finish_reason:
+    /// content_filter`. Off when absent.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub cb_min_completion_tokens: Option<u32>,
 }
 
 impl BreakerArgs {
@@ -500,6 +507,7 @@ impl BreakerArgs {
             disabled: self.disable_circuit_breaker,
             slow_ttfb: self.cb_slow_ttfb_ms.map(Duration::from_millis),
             stream_failures: self.cb_stream_failures,
+            min_completion_tokens: self.cb_min_completion_tokens,
             l4_signals: self.cb_l4_signals,
         }
     }

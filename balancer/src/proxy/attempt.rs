@@ -19,10 +19,12 @@ use smallvec::SmallVec;
 use balancer_core::admission::Permit;
 use balancer_core::breaker::{FailureReason, Outcome, RequestCharges};
 use balancer_core::error_chain;
+use balancer_core::quality::requested_tokens;
 use balancer_core::registry::{Attempt, Worker};
 
 use super::answer::ErrorCode;
 use super::body::{BodyError, ClientFault, RequestBody, boxed, chain};
+use super::edge::is_generative;
 use super::relay::Completion;
 use super::relay::{WorkerBody, WorkerResponse};
 use super::route::Outgoing;
@@ -183,6 +185,15 @@ impl Proxy {
                         if outcome != Outcome::Success {
                             admitted.record(&mut charges, outcome, &*self.clock);
                         }
+                        // Only a 2xx completion of a generative route, and only
+                        // when the option is on: otherwise no body is read.
+                        let rules = classifier.body_rules();
+                        let quality = (rules.judges_quality()
+                            && outcome == Outcome::Success
+                            && (200..300).contains(&status)
+                            && is_generative(&req.path))
+                        .then(|| rules.quality(requested(body.as_ref())))
+                        .flatten();
                         let completion = Completion {
                             attempt: admitted,
                             charges,
@@ -190,7 +201,8 @@ impl Proxy {
                             started,
                             attempt_started,
                             headers_after: headers_at - attempt_started,
-                            rules: classifier.body_rules(),
+                            rules,
+                            quality,
                             tokens: req.model.as_deref().map(|m| self.model_tokens(m)),
                             stats: self.stats.clone(),
                             clock: self.clock.clone(),
@@ -366,6 +378,16 @@ impl Proxy {
             upstream.headers_mut().insert(header::AUTHORIZATION, value);
         }
         Ok(client.hyper.request(upstream).await?)
+    }
+}
+
+/// The completion limit the request asked for, when its body is here
+/// whole; a streamed body's is unknown, and its completion is judged
+/// without the exemption.
+fn requested(body: Option<&RequestBody>) -> Option<u64> {
+    match body? {
+        RequestBody::Replayable(bytes, _) => requested_tokens(bytes),
+        RequestBody::Streaming(..) => None,
     }
 }
 

@@ -47,6 +47,18 @@ const INFERENCE_ROUTES: &[&str] = &[
     "/generate",
 ];
 
+/// The inference routes that generate a completion, judged by
+/// `--cb-min-completion-tokens`. Embeddings, rerank, scores and the
+/// tokenizer answer no completion: nothing there counts as short.
+const GENERATIVE_ROUTES: &[&str] = &["/v1/chat/completions", "/v1/completions", "/generate"];
+
+/// Whether an outgoing path (the route's spelling, then any query) is a
+/// generative route's.
+pub(crate) fn is_generative(path: &str) -> bool {
+    let route = path.split_once('?').map_or(path, |(route, _)| route);
+    GENERATIVE_ROUTES.contains(&route)
+}
+
 /// Model listing: GET, no body.
 const MODEL_ROUTES: &[&str] = &["/v1/models"];
 
