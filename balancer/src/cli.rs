@@ -923,6 +923,47 @@ resilience = { capacity_status_codes = [429, 503], cb_failure_threshold = 2 }
     }
 
     #[test]
+    fn min_completion_tokens_comes_from_the_flag_or_the_file_and_per_worker() {
+        assert_eq!(parse(&[]).unwrap().breaker.cb_min_completion_tokens, None);
+        assert!(
+            parse(&["--cb-min-completion-tokens", "0"]).is_err(),
+            "0 is not a minimum"
+        );
+        let a = parse(&["--cb-min-completion-tokens", "2"]).unwrap();
+        assert_eq!(
+            a.to_config().unwrap().breaker.min_completion_tokens,
+            Some(2)
+        );
+        let path =
+            std::env::temp_dir().join(format!("balancer-quality-{}.toml", std::process::id()));
+        std::fs::write(
+            &path,
+            r#"
+cb_min_completion_tokens = 3
+
+[[workers]]
+url = "http://127.0.0.1:9002"
+resilience = { cb_min_completion_tokens = 0 }
+"#,
+        )
+        .unwrap();
+        let config = parse(&["--config", path.to_str().unwrap()])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(config.breaker.min_completion_tokens, Some(3));
+        let worker = &config.workers[0].resilience;
+        assert_eq!(worker.cb_min_completion_tokens, Some(0));
+        let (_, classifier) = config.breaker.resolve(worker);
+        assert_eq!(
+            classifier.min_completion_tokens(),
+            None,
+            "0 turns it off here"
+        );
+    }
+
+    #[test]
     fn an_admin_api_off_loopback_needs_a_token_which_a_file_can_hold() {
         let err = parse(&["--admin-host", "0.0.0.0"]).unwrap_err().to_string();
         assert!(err.contains("--admin-token"), "{err}");

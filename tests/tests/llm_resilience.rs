@@ -377,6 +377,18 @@ async fn min_completion_tokens_spares_small_asks_and_full_answers_and_is_per_wor
         (a.state, a.successes, a.failures_total()),
         (State::Closed, 3, 0)
     );
+    // A stream cut before any token is judged by --cb-stream-failures
+    // (off here), not by its length.
+    h.workers[0].set_fault(Fault {
+        truncate_after_chunks: Some(0),
+        ..Fault::default()
+    });
+    assert_eq!(h.chat(STREAM).await.status, StatusCode::OK);
+    let a = h.breaker(0);
+    assert_eq!(
+        (a.state, a.successes, a.failures_total()),
+        (State::Closed, 4, 0)
+    );
     // One token, streamed without usage, where six were asked for: short.
     h.workers[0].set_fault(Fault {
         completion_tokens: Some(1),

@@ -447,6 +447,28 @@ mod tests {
     use crate::wire::RawFields;
 
     #[test]
+    fn only_completion_routes_are_generative() {
+        for path in [
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/generate",
+            "/v1/chat/completions?x=1",
+        ] {
+            assert!(is_generative(path), "{path}");
+        }
+        for path in [
+            "/v1/embeddings",
+            "/v1/rerank",
+            "/score",
+            "/tokenize",
+            "/v1/models",
+            "/v1/chat/completions/x",
+        ] {
+            assert!(!is_generative(path), "{path}");
+        }
+    }
+
+    #[test]
     fn wire_names_are_hop_by_hop_exactly_when_their_header_is() {
         let names = [
             "connection",
