@@ -30,7 +30,7 @@ pub const MAX_SCANNED_BYTES: usize = 256 * 1024;
 /// The minimum a worker's 2xx completions must reach, for one request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QualityRule {
-    min: u64,
+    min: u32,
 }
 
 impl QualityRule {
@@ -39,14 +39,13 @@ impl QualityRule {
     /// `max_new_tokens`): `None` when it asked for fewer than `min`, since
     /// a short answer is then what it asked for, or when `min` is 0.
     pub fn for_request(min: u32, requested: Option<u64>) -> Option<Self> {
-        let min = u64::from(min);
-        (min > 0 && requested.is_none_or(|r| r >= min)).then_some(Self { min })
+        (min > 0 && requested.is_none_or(|r| r >= u64::from(min))).then_some(Self { min })
     }
 
     /// A scan of the response body, an SSE stream or one JSON body.
     pub fn scan(self, sse: bool) -> QualityScan {
         QualityScan {
-            min: self.min,
+            min: u64::from(self.min),
             sse,
             pending: Vec::new(),
             chunks: Vec::new(),

@@ -170,12 +170,27 @@ impl BodyRules {
         }
     }
 
-    /// The quality rule for a 2xx completion whose request asked for at
-    /// most `requested` tokens; `None` when `--cb-min-completion-tokens` is
-    /// off or the request asked for fewer (no body is scanned then).
+    /// These rules for one response: the quality rule is kept only when
+    /// the response is `judged` (a 2xx completion of a generative route)
+    /// and its request asked for at least the minimum (`requested`, its
+    /// `max_tokens`, when known); a short answer is then what it asked for.
     #[inline]
-    pub fn quality(&self, requested: Option<u64>) -> Option<QualityRule> {
-        QualityRule::for_request(self.min_completion_tokens?, requested)
+    pub fn judging(self, judged: bool, requested: Option<u64>) -> Self {
+        let min_completion_tokens = self
+            .min_completion_tokens
+            .filter(|&min| judged && QualityRule::for_request(min, requested).is_some());
+        Self {
+            min_completion_tokens,
+            ..self
+        }
+    }
+
+    /// The quality rule this response is judged by; `None` when
+    /// `--cb-min-completion-tokens` is off or [`BodyRules::judging`] left
+    /// it out (no body is scanned then).
+    #[inline]
+    pub fn quality(&self) -> Option<QualityRule> {
+        QualityRule::for_request(self.min_completion_tokens?, None)
     }
 
     /// Whether `--cb-min-completion-tokens` is on for this worker: only

@@ -147,9 +147,16 @@ fn a_request_asking_for_fewer_tokens_than_the_minimum_is_exempt() {
         .with_min_completion_tokens(Some(2))
         .body_rules();
     assert!(rules.judges_quality());
-    assert_eq!(rules.quality(Some(1)), None);
-    assert!(rules.quality(Some(16)).is_some());
+    assert_eq!(rules.judging(true, Some(1)).quality(), None);
+    assert!(rules.judging(true, Some(16)).quality().is_some());
+    assert!(rules.judging(true, None).quality().is_some());
+    assert_eq!(
+        rules.judging(false, None).quality(),
+        None,
+        "not a 2xx completion"
+    );
     assert!(!Classifier::default().body_rules().judges_quality());
+    assert_eq!(Classifier::default().body_rules().quality(), None);
 }
 
 #[test]

@@ -185,15 +185,20 @@ impl Proxy {
                         if outcome != Outcome::Success {
                             admitted.record(&mut charges, outcome, &*self.clock);
                         }
-                        // Only a 2xx completion of a generative route, and only
-                        // when the option is on: otherwise no body is read.
-                        let rules = classifier.body_rules();
-                        let quality = (rules.judges_quality()
-                            && outcome == Outcome::Success
-                            && (200..300).contains(&status)
-                            && is_generative(&req.path))
-                        .then(|| rules.quality(requested(body.as_ref())))
-                        .flatten();
+                        let mut rules = classifier.body_rules();
+                        if rules.judges_quality() {
+                            // Only a 2xx completion of a generative route is
+                            // judged; with the option off no body is read.
+                            let judged = outcome == Outcome::Success
+                                && (200..300).contains(&status)
+                                && is_generative(&req.path);
+                            let asked = if judged {
+                                requested(body.as_ref())
+                            } else {
+                                None
+                            };
+                            rules = rules.judging(judged, asked);
+                        }
                         let completion = Completion {
                             attempt: admitted,
                             charges,
@@ -202,7 +207,6 @@ impl Proxy {
                             attempt_started,
                             headers_after: headers_at - attempt_started,
                             rules,
-                            quality,
                             tokens: req.model.as_deref().map(|m| self.model_tokens(m)),
                             stats: self.stats.clone(),
                             clock: self.clock.clone(),

@@ -24,7 +24,7 @@ use tokio::time::{Instant, Sleep};
 use balancer_core::admission::Permit;
 use balancer_core::breaker::{BodyRules, FailureReason, Outcome, RequestCharges};
 use balancer_core::clock::Clock;
-use balancer_core::quality::{QualityRule, QualityScan, Verdict};
+use balancer_core::quality::{QualityScan, Verdict};
 use balancer_core::registry::Attempt;
 use balancer_core::tokens::{ModelTokens, find_usage};
 use http::Response;
@@ -57,9 +57,6 @@ pub struct Completion {
     pub headers_after: Duration,
     /// The worker's rules for the body phase.
     pub rules: BodyRules,
-    /// The minimum completion this body must reach, when it is judged
-    /// (`--cb-min-completion-tokens`, a 2xx of a generative route).
-    pub quality: Option<QualityRule>,
     /// The counters of the request's model (by its metrics label), where
     /// the response's tokens count.
     pub tokens: Option<Arc<ModelTokens>>,
@@ -200,7 +197,7 @@ pub struct RelayBody {
 impl RelayBody {
     /// Boxed where it is built: `Box::new` of a struct literal can write
     /// the fields into the allocation, where a body built first and then
-    /// boxed is a copy of its 536 bytes.
+    /// boxed is a copy of its 560 bytes.
     pub fn boxed(
         inner: WorkerBody,
         sse: bool,
@@ -219,7 +216,10 @@ impl RelayBody {
                 enabled: completion.tokens.is_some(),
                 ..Tail::default()
             },
-            quality: completion.quality.map(|rule| Box::new(rule.scan(sse))),
+            quality: completion
+                .rules
+                .quality()
+                .map(|rule| Box::new(rule.scan(sse))),
             completion: Some(completion),
         })
     }
