@@ -442,3 +442,40 @@ async fn min_completion_tokens_spares_small_asks_and_full_answers_and_is_per_wor
     assert_eq!(h.breaker(1).failures[FailureReason::Quality as usize], 1);
     h.stop().await;
 }
+
+/// A request body streamed past the replay limit is not kept, so its
+/// `max_tokens` is unknown: its short completion is judged without the
+/// exemption, where the same ask kept whole is exempt.
+#[tokio::test]
+async fn a_streamed_request_body_is_judged_without_the_max_tokens_exemption() {
+    let h = harness(&["a"], |c| {
+        quiet(c);
+        c.breaker.min_completion_tokens = Some(2);
+        c.breaker.settings.failure_threshold = 1;
+        c.proxy.max_replay_body = 256;
+        c.proxy.retry.max_attempts = 1;
+    })
+    .await;
+    h.workers[0].set_fault(Fault {
+        completion_tokens: Some(1),
+        ..Fault::default()
+    });
+    let ask = |content: &str| {
+        format!(
+            r#"{{"model":"demo-model","max_tokens":1,"messages":[{{"role":"user","content":"{content}"}}]}}"#
+        )
+    };
+    assert_eq!(h.chat(&ask("hi")).await.status, StatusCode::OK);
+    let a = h.breaker(0);
+    assert_eq!(
+        (a.state, a.successes),
+        (State::Closed, 1),
+        "kept whole: exempt"
+    );
+    let big = ask(&"x".repeat(4096));
+    assert_eq!(h.chat(&big).await.status, StatusCode::OK);
+    let a = h.breaker(0);
+    assert_eq!(a.state, State::Open);
+    assert_eq!(a.failures[FailureReason::Quality as usize], 1);
+    h.stop().await;
+}
