@@ -27,6 +27,7 @@ fn fleet(n: usize, clock: Arc<ManualClock>) -> Arc<Registry> {
                 disabled: false,
                 slow_ttfb: None,
                 stream_failures: false,
+                min_completion_tokens: None,
                 l4_signals: false,
             },
             health: HealthThresholds {

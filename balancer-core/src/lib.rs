@@ -4,7 +4,8 @@
 //! circuit breaker ([`breaker`]), worker health ([`health`]), worker specs
 //! ([`spec`]) and the live fleet ([`registry`]), picking a worker
 //! ([`selection`] over the hash [`ring`]), admission control ([`admission`]),
-//! token accounting ([`tokens`]) and the metric primitives every layer
+//! token accounting ([`tokens`]), the quality rule of completions
+//! ([`quality`]) and the metric primitives every layer
 //! publishes its series through ([`metrics`]).
 //!
 //! It must not depend on hyper, aya, or sockets: the agent (`balancer`) does
@@ -19,6 +20,7 @@ pub mod breaker;
 pub mod clock;
 pub mod health;
 pub mod metrics;
+pub mod quality;
 pub mod registry;
 pub mod ring;
 pub mod selection;

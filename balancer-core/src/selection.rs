@@ -300,6 +300,7 @@ mod tests {
                     disabled: false,
                     slow_ttfb: None,
                     stream_failures: false,
+                    min_completion_tokens: None,
                     l4_signals: false,
                 },
                 health: HealthThresholds {

@@ -43,6 +43,11 @@ pub struct Resilience {
     /// that breaks off or stalls is a failure instead of its status's outcome.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cb_stream_failures: Option<bool>,
+    /// Overrides `--cb-min-completion-tokens` for this worker: a 2xx
+    /// completion with fewer completion tokens is a `quality` failure; 0
+    /// turns the rule off for this worker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cb_min_completion_tokens: Option<u32>,
     /// Overrides `--cb-l4-signals` for this worker: handshakes the XDP
     /// datapath sees refused or timing out are failures, established ones
     /// successes.
@@ -124,6 +129,9 @@ impl Resilience {
             cb_timeout_secs: patch.cb_timeout_secs.or(self.cb_timeout_secs),
             cb_slow_ttfb_ms: patch.cb_slow_ttfb_ms.or(self.cb_slow_ttfb_ms),
             cb_stream_failures: patch.cb_stream_failures.or(self.cb_stream_failures),
+            cb_min_completion_tokens: patch
+                .cb_min_completion_tokens
+                .or(self.cb_min_completion_tokens),
             cb_l4_signals: patch.cb_l4_signals.or(self.cb_l4_signals),
         }
     }
@@ -142,6 +150,9 @@ pub struct BreakerDefaults {
     /// `--cb-stream-failures`: a broken or stalled response body is a
     /// failure; off, the status decides (the document).
     pub stream_failures: bool,
+    /// `--cb-min-completion-tokens`: a 2xx completion with fewer
+    /// completion tokens is a `quality` failure; `None` is off.
+    pub min_completion_tokens: Option<u32>,
     /// `--cb-l4-signals`: the datapath's handshake observations move the
     /// breaker.
     pub l4_signals: bool,
@@ -179,6 +190,7 @@ impl BreakerDefaults {
                 .or(self.slow_ttfb),
         )
         .with_stream_failures(r.cb_stream_failures.unwrap_or(self.stream_failures))
+        .with_min_completion_tokens(r.cb_min_completion_tokens.or(self.min_completion_tokens))
         .with_l4_signals(r.cb_l4_signals.unwrap_or(self.l4_signals));
         (settings, classifier)
     }

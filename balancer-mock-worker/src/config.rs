@@ -58,7 +58,8 @@ impl MockWorkerConfig {
 ///
 /// `count` and `every` select which `/v1/*` requests the inference fields
 /// (`status`, `latency_ms`, `drop`, `stall_after_chunks`,
-/// `truncate_after_chunks`, `token_delay_ms`) apply to; `health_status` is not
+/// `truncate_after_chunks`, `token_delay_ms`, `completion_tokens`,
+/// `without_usage`) apply to; `health_status` is not
 /// subject to them. A non-streaming response counts as one chunk, so the stall
 /// and truncate faults cut it in the middle of its body (the `Content-Length`
 /// promises more than is sent).
@@ -95,6 +96,15 @@ pub struct Fault {
     /// Per-token delay for matching requests, overriding the configured one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_delay_ms: Option<u64>,
+    /// Answer completions with exactly N completion tokens (0: an empty
+    /// completion), streamed or not, whatever the request asked for: a
+    /// worker that answers 200 but not an answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_tokens: Option<u64>,
+    /// Leave the `usage` object out of completions, so a reader must count
+    /// the text itself.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub without_usage: bool,
 }
 
 /// Why a [`Fault`] was rejected.
@@ -137,6 +147,8 @@ impl Fault {
             || self.stall_after_chunks.is_some()
             || self.truncate_after_chunks.is_some()
             || self.token_delay_ms.is_some()
+            || self.completion_tokens.is_some()
+            || self.without_usage
     }
 }
 
@@ -214,6 +226,8 @@ pub(crate) struct Applied {
     pub(crate) retry_after: Option<u64>,
     pub(crate) cut: Option<Cut>,
     pub(crate) token_delay: Option<Duration>,
+    pub(crate) completion_tokens: Option<u64>,
+    pub(crate) without_usage: bool,
 }
 
 impl Applied {
@@ -239,6 +253,8 @@ impl Applied {
             retry_after: f.retry_after,
             cut,
             token_delay: f.token_delay_ms.map(Duration::from_millis),
+            completion_tokens: f.completion_tokens,
+            without_usage: f.without_usage,
         }
     }
 }

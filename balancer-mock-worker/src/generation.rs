@@ -129,6 +129,7 @@ impl CompletionRequest {
             tokens: self.tokens,
             prompt_tokens: self.prompt_tokens,
             finish_reason: self.finish_reason,
+            with_usage: true,
         }
     }
 }
@@ -157,6 +158,8 @@ pub(crate) struct Generation {
     tokens: u64,
     prompt_tokens: u64,
     finish_reason: &'static str,
+    /// Whether the body (or the last SSE event) carries `usage`.
+    with_usage: bool,
 }
 
 #[derive(Serialize)]
@@ -213,12 +216,20 @@ struct TextChoice<'a> {
 }
 
 impl Generation {
-    fn usage(&self) -> Usage {
-        Usage {
+    /// The same completion without its `usage` object.
+    pub(crate) fn without_usage(self) -> Self {
+        Self {
+            with_usage: false,
+            ..self
+        }
+    }
+
+    fn usage(&self) -> Option<Usage> {
+        self.with_usage.then(|| Usage {
             prompt_tokens: self.prompt_tokens,
             completion_tokens: self.tokens,
             total_tokens: self.prompt_tokens + self.tokens,
-        }
+        })
     }
 
     fn token(i: u64) -> &'static str {
@@ -250,7 +261,7 @@ impl Generation {
     /// The whole non-streaming JSON body.
     pub(crate) fn full_body(&self) -> Vec<u8> {
         let text: String = (0..self.tokens).map(Self::token).collect();
-        let usage = Some(self.usage());
+        let usage = self.usage();
         let out = match self.kind {
             Kind::Chat => serde_json::to_vec(&self.completion(
                 "chat.completion",
@@ -284,7 +295,7 @@ impl Generation {
         let last = i + 1 == self.chunks();
         let content = if i < self.tokens { Self::token(i) } else { "" };
         let finish_reason = last.then_some(self.finish_reason);
-        let usage = last.then(|| self.usage());
+        let usage = last.then(|| self.usage()).flatten();
         let mut out = Vec::with_capacity(256);
         out.extend_from_slice(b"data: ");
         let written = match self.kind {

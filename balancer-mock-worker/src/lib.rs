@@ -8,7 +8,8 @@
 //! `GET /health`, `GET /v1/models`, `POST /v1/chat/completions` and
 //! `POST /v1/completions` (plain JSON and `stream: true` SSE), and exposes a
 //! control API under `/_mock/` to inject faults (error statuses, latency,
-//! dropped connections, stalled or truncated streams, failing health checks)
+//! dropped connections, stalled or truncated streams, short or empty
+//! completions with or without `usage`, failing health checks)
 //! and to read request counters.
 //!
 //! It is a test and demo fixture only: the gateway's request path must never
@@ -20,7 +21,8 @@
 //!
 //! Fault semantics, in the order they are applied to a `/v1/*` request that a
 //! fault matches (see [`Fault`]): `latency_ms`, then `drop`, then `status`,
-//! else a normal answer, slowed by `token_delay_ms` and cut by
+//! else a normal answer, `completion_tokens` long when set (without its
+//! `usage` under `without_usage`), slowed by `token_delay_ms` and cut by
 //! `stall_after_chunks` / `truncate_after_chunks`. `health_status` is
 //! independent: it only changes `/health` and ignores `count` and `every`.
 //!

@@ -25,7 +25,7 @@ use http::{Method, Request, StatusCode};
 use hyper::body::Incoming;
 
 use crate::body::{MockBody, SseStream};
-use crate::config::Cut;
+use crate::config::{Applied, Cut};
 use crate::control::control;
 use crate::generation::{CompletionRequest, Kind};
 use crate::shared::{ReadError, Resp, Shared, bump, read_body};
@@ -128,21 +128,34 @@ async fn inference(
     };
     let resp = match kind {
         None => shared.json(StatusCode::OK, shared.models_body.clone()),
-        Some(kind) => generate(shared, kind, &body, token_delay).await,
+        Some(kind) => generate(shared, kind, &body, token_delay, &fault).await,
     };
     Ok(cut_response(resp, fault.cut, abort))
 }
 
-/// Answers a `POST /v1/chat/completions` or `POST /v1/completions` body.
-async fn generate(shared: &Shared, kind: Kind, body: &[u8], token_delay: Duration) -> Resp {
-    let req =
+/// Answers a `POST /v1/chat/completions` or `POST /v1/completions` body;
+/// the fault may fix its length and leave out its usage.
+async fn generate(
+    shared: &Shared,
+    kind: Kind,
+    body: &[u8],
+    token_delay: Duration,
+    fault: &Applied,
+) -> Resp {
+    let mut req =
         match CompletionRequest::parse(kind, body, shared.default_tokens, shared.max_tokens_cap) {
             Ok(r) => r,
             Err(msg) => return shared.error(StatusCode::BAD_REQUEST, &msg, "invalid_json"),
         };
+    if let Some(n) = fault.completion_tokens {
+        req.tokens = n;
+    }
     let (stream, tokens) = (req.stream, req.tokens);
     let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
-    let gen_ = req.into_generation(id, shared.model.clone());
+    let mut gen_ = req.into_generation(id, shared.model.clone());
+    if fault.without_usage {
+        gen_ = gen_.without_usage();
+    }
     if stream {
         let mut resp = shared.respond(
             StatusCode::OK,
@@ -173,6 +186,7 @@ mod tests {
 
     use http::header::RETRY_AFTER;
     use http::{Method, StatusCode};
+    use serde_json::Value;
 
     use crate::config::Fault;
     use crate::shared::WORKER_HEADER;
@@ -206,6 +220,51 @@ mod tests {
             call(&w, Method::GET, "/_mock/nope", "").await.status,
             StatusCode::NOT_FOUND
         );
+    }
+
+    #[tokio::test]
+    async fn short_answer_fault_streamed_and_not_with_and_without_usage() {
+        let w = worker("w-short").await;
+        w.set_fault(Fault {
+            completion_tokens: Some(0),
+            every: Some(2),
+            ..Fault::default()
+        });
+        // Every second answer is empty, whatever `max_tokens` asked for.
+        let full = chat(&w, CHAT).await.json();
+        assert_eq!(full["usage"]["completion_tokens"], 3);
+        let empty = chat(&w, CHAT).await.json();
+        assert_eq!(empty["choices"][0]["message"]["content"], "");
+        assert_eq!(empty["usage"]["completion_tokens"], 0);
+
+        w.set_fault(Fault {
+            completion_tokens: Some(1),
+            without_usage: true,
+            ..Fault::default()
+        });
+        let one = chat(&w, CHAT).await.json();
+        assert_eq!(one["choices"][0]["message"]["content"], "Lorem");
+        assert!(one.get("usage").is_none(), "{one}");
+        let streamed = chat(&w, CHAT_STREAM).await;
+        let events = sse_events(&streamed.body);
+        assert_eq!(events.len(), 2, "one token, then [DONE]: {events:?}");
+        let last: Value = serde_json::from_str(&events[0]).unwrap();
+        assert_eq!(last["choices"][0]["delta"]["content"], "Lorem");
+        assert!(last.get("usage").is_none(), "{last}");
+
+        w.set_fault(Fault {
+            completion_tokens: Some(0),
+            ..Fault::default()
+        });
+        let streamed = chat(&w, CHAT_STREAM).await;
+        let events = sse_events(&streamed.body);
+        let only: Value = serde_json::from_str(&events[0]).unwrap();
+        assert_eq!(only["choices"][0]["delta"]["content"], "");
+        assert_eq!(only["usage"]["completion_tokens"], 0);
+        let text = complete(&w, r#"{"model":"demo-model","prompt":"hi","max_tokens":5}"#)
+            .await
+            .json();
+        assert_eq!(text["choices"][0]["text"], "");
     }
 
     #[tokio::test]

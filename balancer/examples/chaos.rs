@@ -1,11 +1,22 @@
-//! A bounded chaos run against three demo workers behind the gateway
-//! (`cargo xtask chaos`): one turns slow (every 20th response takes 5 s
-//! longer), one answers 429 in bursts, one truncates streams. Prints, for each
-//! fault, how long the breaker took to isolate the worker and how many client
-//! requests failed, and checks that the 429 worker was never isolated.
+//! A bounded chaos run (`cargo xtask chaos`): five demo workers behind the
+//! gateway, one healthy and four given the faults of the LLM breaker
+//! document, each into its own worker: latency (every 20th response 5 s
+//! late), short answers (every second completion empty), truncated streams
+//! (every second request cut after 3 chunks: the streams among them break
+//! off), and 429s in bursts. Prints, per fault, how long the breaker took to
+//! isolate the worker and how many client requests it failed.
 //!
-//! The gateway runs with the LLM-aware options the faults call for: a slow
-//! first-byte budget and failures counted over a 10 s window.
+//! By default the gateway runs with the options each fault calls for
+//! (`--cb-slow-ttfb-ms`, `--cb-min-completion-tokens`, `--cb-stream-failures`,
+//! failures counted over a 10 s window), and the run fails (exit status 1)
+//! when a fault worker is not isolated within 15 s of its fault, when the
+//! 429 worker is isolated, or when more client requests fail than
+//! [`failure_bound`]. With `--defaults` it runs the same faults under the
+//! default breaker flags (the gateway document's semantics) and only prints
+//! what they catch.
+//!
+//! It owns nothing but this run: every worker and the gateway are in this
+//! process, all traffic is on loopback, and every loop is bounded by [`RUN`].
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -17,28 +28,73 @@ use balancer::cli::LaunchArgs;
 use balancer::gateway::Gateway;
 use balancer_core::breaker::State;
 use balancer_core::registry::WorkerEvent;
-use balancer_mock_worker::{Fault, MockWorker, MockWorkerConfig};
+use balancer_mock_worker::{Fault, MockWorker, MockWorkerConfig, WORKER_HEADER};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
+/// How long the clients send.
 const RUN: Duration = Duration::from_secs(20);
 const CLIENTS: usize = 12;
+/// When the faults begin: the breakers have seen healthy traffic by then.
 const FAULTS_AT: Duration = Duration::from_secs(3);
+/// The document's test: a fault not isolated within this is missed.
+const ISOLATION_BUDGET: Duration = Duration::from_secs(15);
+/// A client's patience for a head, and again for a body.
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(15);
+/// `--cb-failure-threshold` of the run with options.
+const FAILURE_THRESHOLD: u64 = 3;
 
+/// The workers, in order: the healthy one first, then one per fault.
+const WORKERS: [&str; 5] = ["steady", "slow", "short", "truncating", "pushback"];
+
+/// Client requests the run may fail. Only the short-answer and the
+/// truncated-stream faults fail a client request (a late answer still
+/// arrives within the client's 15 s; a 429 is retried on another worker).
+/// Each of those two workers fails at most the `FAILURE_THRESHOLD`
+/// requests its breaker needs to see, plus, at the moment it opens, one
+/// request in flight per client (the floor: those were already on the
+/// worker and are answered by it).
+fn failure_bound() -> u64 {
+    2 * (FAILURE_THRESHOLD + CLIENTS as u64)
+}
+
+/// Client requests per serving worker (by its `x-mock-worker` name; the
+/// last slot for answers no worker gave).
 #[derive(Default)]
 struct Tally {
     ok: AtomicU64,
-    failed: AtomicU64,
-    failed_after_faults: AtomicU64,
+    failed: [AtomicU64; WORKERS.len() + 1],
+}
+
+impl Tally {
+    fn fail(&self, worker: Option<&str>) {
+        let slot = worker
+            .and_then(|w| WORKERS.iter().position(|n| *n == w))
+            .unwrap_or(WORKERS.len());
+        self.failed[slot].fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn failed(&self, slot: usize) -> u64 {
+        self.failed[slot].load(Ordering::Relaxed)
+    }
+
+    fn failed_total(&self) -> u64 {
+        (0..self.failed.len()).map(|s| self.failed(s)).sum()
+    }
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    let defaults = match std::env::args().nth(1).as_deref() {
+        None => false,
+        Some("--defaults") => true,
+        Some(other) => bail!("unknown argument {other:?} (only --defaults)"),
+    };
     let mut workers = Vec::new();
-    for name in ["slow", "pushback", "truncating"] {
+    for name in WORKERS {
         let w = MockWorker::spawn(
             SocketAddr::from(([127, 0, 0, 1], 0)),
             MockWorkerConfig::named(name),
@@ -47,6 +103,7 @@ async fn main() -> anyhow::Result<()> {
         .context("demo worker")?;
         workers.push(w);
     }
+    // What bounds the run, in both modes: no semantics of the breaker.
     let mut argv: Vec<String> = [
         "--port",
         "0",
@@ -58,18 +115,6 @@ async fn main() -> anyhow::Result<()> {
         "warn",
         "--policy",
         "round_robin",
-        "--cb-failure-mode",
-        "window",
-        "--cb-window-duration-secs",
-        "10",
-        "--cb-window-min-calls",
-        "5",
-        "--cb-failure-threshold",
-        "3",
-        "--cb-timeout-duration-secs",
-        "30",
-        "--cb-slow-ttfb-ms",
-        "2000",
         "--stream-idle-timeout-secs",
         "5",
         "--retry-initial-backoff-ms",
@@ -77,11 +122,31 @@ async fn main() -> anyhow::Result<()> {
         "--retry-max-backoff-ms",
         "200",
         "--disable-health-check",
-        "--worker-urls",
     ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    .map(str::to_owned)
+    .to_vec();
+    let threshold = FAILURE_THRESHOLD.to_string();
+    let options = [
+        "--cb-failure-mode",
+        "window",
+        "--cb-window-duration-secs",
+        "10",
+        "--cb-window-min-calls",
+        "5",
+        "--cb-failure-threshold",
+        &threshold,
+        "--cb-timeout-duration-secs",
+        "30",
+        "--cb-slow-ttfb-ms",
+        "2000",
+        "--cb-min-completion-tokens",
+        "1",
+        "--cb-stream-failures",
+    ];
+    if !defaults {
+        argv.extend(options.map(str::to_owned));
+    }
+    argv.push("--worker-urls".to_owned());
     argv.extend(workers.iter().map(MockWorker::url));
     let args = LaunchArgs::parse_with_config(argv.into_iter().map(Into::into).collect())?;
     let gateway = Gateway::start(args.to_config()?).await?;
@@ -100,7 +165,7 @@ async fn main() -> anyhow::Result<()> {
                 {
                     opened
                         .lock()
-                        .unwrap()
+                        .expect("not poisoned")
                         .push((w.url.to_string(), started.elapsed()));
                 }
             }
@@ -125,25 +190,11 @@ async fn main() -> anyhow::Result<()> {
                     .header("content-type", "application/json")
                     .body(Full::new(Bytes::from(body)))
                     .expect("valid request");
-                let ok = match tokio::time::timeout(Duration::from_secs(15), client.request(req)).await {
-                    Ok(Ok(resp)) if resp.status().is_success() => {
-                        match tokio::time::timeout(Duration::from_secs(15), resp.into_body().collect()).await {
-                            Ok(Ok(b)) => {
-                                let b = b.to_bytes();
-                                !stream || b.ends_with(b"data: [DONE]\n\n")
-                            }
-                            _ => false,
-                        }
+                match ask(&client, req, stream).await {
+                    Ok(()) => {
+                        tally.ok.fetch_add(1, Ordering::Relaxed);
                     }
-                    _ => false,
-                };
-                if ok {
-                    tally.ok.fetch_add(1, Ordering::Relaxed);
-                } else {
-                    tally.failed.fetch_add(1, Ordering::Relaxed);
-                    if started.elapsed() >= FAULTS_AT {
-                        tally.failed_after_faults.fetch_add(1, Ordering::Relaxed);
-                    }
+                    Err(worker) => tally.fail(worker.as_deref()),
                 }
             }
         }));
@@ -151,19 +202,24 @@ async fn main() -> anyhow::Result<()> {
 
     tokio::time::sleep(FAULTS_AT).await;
     let fault_time = started.elapsed();
-    workers[0].set_fault(Fault {
+    workers[1].set_fault(Fault {
         latency_ms: Some(5000),
         every: Some(20),
         ..Fault::default()
     });
     workers[2].set_fault(Fault {
+        completion_tokens: Some(0),
+        every: Some(2),
+        ..Fault::default()
+    });
+    workers[3].set_fault(Fault {
         truncate_after_chunks: Some(3),
         every: Some(2),
         ..Fault::default()
     });
     // 429 in bursts: 40 pushbacks, a pause, again, until the run ends.
     let pushback = tokio::spawn({
-        let w = workers[1].url();
+        let w = workers[4].url();
         let client = client.clone();
         async move {
             while started.elapsed() < RUN {
@@ -171,7 +227,7 @@ async fn main() -> anyhow::Result<()> {
                 let req = http::Request::post(format!("{w}/_mock/fault"))
                     .body(Full::new(Bytes::from(fault)))
                     .expect("valid request");
-                let _ = client.request(req).await;
+                let _ = tokio::time::timeout(CLIENT_TIMEOUT, client.request(req)).await;
                 tokio::time::sleep(Duration::from_secs(2)).await;
             }
         }
@@ -182,59 +238,137 @@ async fn main() -> anyhow::Result<()> {
     pushback.abort();
     recorder.abort();
 
-    let opened = opened.lock().unwrap().clone();
+    let opened = opened.lock().expect("not poisoned").clone();
     let first_open = |w: &MockWorker| {
         opened
             .iter()
             .find(|(u, _)| *u == w.url())
             .map(|(_, at)| at.saturating_sub(fault_time))
     };
+    // (what, worker, whether the run with options must isolate it)
     let faults = [
-        ("slow: every 20th response +5 s", &workers[0]),
-        ("429 in bursts", &workers[1]),
-        ("truncated streams (every 2nd)", &workers[2]),
+        ("latency: every 20th response +5 s", 1, true),
+        ("short answers: every 2nd completion empty", 2, true),
+        ("truncated streams: every 2nd request cut", 3, true),
+        ("429 bursts: 40 at a time, every 2 s", 4, false),
+        ("none (the healthy worker)", 0, false),
     ];
     println!(
-        "\nchaos run: {} s, {CLIENTS} clients, faults injected at {:.1} s",
+        "\nchaos run{}: {} s, {CLIENTS} clients, faults injected at {:.1} s",
+        if defaults {
+            " with the default breaker flags"
+        } else {
+            ""
+        },
         RUN.as_secs(),
         fault_time.as_secs_f64()
     );
-    println!(
-        "{:<34} {:>22} {:>10} {:>10}",
-        "fault", "isolated after", "requests", "opens"
-    );
-    for (name, w) in faults {
-        let isolated =
-            first_open(w).map_or("never".to_owned(), |d| format!("{:.2} s", d.as_secs_f64()));
-        let opens = opened.iter().filter(|(u, _)| *u == w.url()).count();
+    println!("\n| fault | isolated after | client requests failed | requests served |");
+    println!("|---|---|---|---|");
+    let mut problems = Vec::new();
+    for (name, i, must_isolate) in faults {
+        let w = &workers[i];
+        let isolated = first_open(w);
+        let shown = isolated.map_or("never".to_owned(), |d| format!("{:.2} s", d.as_secs_f64()));
         println!(
-            "{name:<34} {isolated:>22} {:>10} {opens:>10}",
+            "| {name} | {shown} | {} | {} |",
+            tally.failed(i),
             w.stats().inference_requests
         );
-    }
-    let (ok, failed, after) = (
-        tally.ok.load(Ordering::Relaxed),
-        tally.failed.load(Ordering::Relaxed),
-        tally.failed_after_faults.load(Ordering::Relaxed),
-    );
-    println!("client requests: {ok} ok, {failed} failed ({after} after the faults began)");
-    let pushback_isolated = first_open(&workers[1]).is_some();
-    println!(
-        "429 worker isolated: {}",
-        if pushback_isolated {
-            "YES (wrong)"
-        } else {
-            "never (correct)"
+        match (must_isolate, isolated) {
+            (true, Some(d)) if d <= ISOLATION_BUDGET => {}
+            (true, _) => problems.push(format!(
+                "{name}: not isolated within {} s of the fault",
+                ISOLATION_BUDGET.as_secs()
+            )),
+            (false, Some(_)) => problems.push(format!("{name}: isolated, and must not be")),
+            (false, None) => {}
         }
+    }
+    let (ok, failed) = (tally.ok.load(Ordering::Relaxed), tally.failed_total());
+    println!(
+        "\nclient requests: {ok} ok, {failed} failed ({} answered by the gateway itself)",
+        tally.failed(WORKERS.len())
     );
+    if failed > failure_bound() {
+        problems.push(format!(
+            "{failed} client requests failed, more than the bound of {}",
+            failure_bound()
+        ));
+    }
     gateway.shutdown().await;
     for w in workers {
         w.shutdown().await;
     }
-    if pushback_isolated {
-        bail!("the 429 worker was isolated: pushback must not trip the breaker");
+    if defaults {
+        // What the run with options would refuse, shown, not enforced.
+        println!("not a failure with the default flags; the run with options would fail on:");
+        for p in &problems {
+            println!("  {p}");
+        }
+        return Ok(());
+    }
+    println!(
+        "expected: the three faults isolated within {} s, the 429 and healthy workers never, \
+         at most {} client requests failed",
+        ISOLATION_BUDGET.as_secs(),
+        failure_bound()
+    );
+    if !problems.is_empty() {
+        bail!("the chaos run failed:\n  {}", problems.join("\n  "));
     }
     Ok(())
+}
+
+/// One request, read to its end: `Err` with the serving worker's name
+/// (when one answered) if the client did not get a whole, non-empty answer.
+async fn ask(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    req: http::Request<Full<Bytes>>,
+    stream: bool,
+) -> Result<(), Option<String>> {
+    let resp = match tokio::time::timeout(CLIENT_TIMEOUT, client.request(req)).await {
+        Ok(Ok(resp)) => resp,
+        _ => return Err(None),
+    };
+    let worker = resp
+        .headers()
+        .get(WORKER_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    if !resp.status().is_success() {
+        return Err(worker);
+    }
+    let body = match tokio::time::timeout(CLIENT_TIMEOUT, resp.into_body().collect()).await {
+        Ok(Ok(b)) => b.to_bytes(),
+        _ => return Err(worker),
+    };
+    if answered(&body, stream) {
+        Ok(())
+    } else {
+        Err(worker)
+    }
+}
+
+/// Whether a body is a whole completion with some text in it: a stream
+/// that ends with `[DONE]` and has a non-empty delta, or a JSON completion
+/// whose message is not empty.
+fn answered(body: &[u8], stream: bool) -> bool {
+    let content = |v: &serde_json::Value, at: &str| {
+        v.pointer(at)
+            .and_then(serde_json::Value::as_str)
+            .is_some_and(|s| !s.is_empty())
+    };
+    if !stream {
+        return serde_json::from_slice::<serde_json::Value>(body)
+            .is_ok_and(|v| content(&v, "/choices/0/message/content"));
+    }
+    body.ends_with(b"data: [DONE]\n\n")
+        && body
+            .split(|&b| b == b'\n')
+            .filter_map(|line| line.strip_prefix(b"data: "))
+            .filter_map(|data| serde_json::from_slice::<serde_json::Value>(data).ok())
+            .any(|v| content(&v, "/choices/0/delta/content"))
 }
 
 trait JoinOrAbort {
@@ -244,7 +378,7 @@ trait JoinOrAbort {
 impl JoinOrAbort for tokio::task::JoinHandle<()> {
     async fn join_handle_or_abort(self) {
         let abort = self.abort_handle();
-        if tokio::time::timeout(RUN + Duration::from_secs(20), self)
+        if tokio::time::timeout(RUN + 2 * CLIENT_TIMEOUT, self)
             .await
             .is_err()
         {

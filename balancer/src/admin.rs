@@ -180,6 +180,7 @@ impl Admin {
                 "retryable_status_codes": classifier.failure_codes(),
                 "cb_slow_ttfb_ms": classifier.slow_ttfb().map(|d| d.as_millis()),
                 "cb_stream_failures": classifier.stream_failures(),
+                "cb_min_completion_tokens": classifier.min_completion_tokens(),
                 "cb_l4_signals": classifier.l4_signals(),
             },
         })

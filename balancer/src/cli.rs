@@ -475,6 +475,13 @@ pub struct BreakerArgs {
     /// so the trial is spread in time rather than a burst (0: no spacing).
     #[arg(long, default_value_t = 0, value_name = "MS")]
     pub cb_half_open_probe_interval_ms: u64,
+    /// A 2xx completion (chat, completions, SGLang `/generate`) with fewer
+    /// than N completion tokens counts as a breaker failure with reason
+    /// `quality`; the answer still reaches the client. Exempt: requests
+    /// asking for fewer than N tokens, tool calls, `finish_reason:
+    /// content_filter`. Off when absent.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub cb_min_completion_tokens: Option<u32>,
 }
 
 impl BreakerArgs {
@@ -500,6 +507,7 @@ impl BreakerArgs {
             disabled: self.disable_circuit_breaker,
             slow_ttfb: self.cb_slow_ttfb_ms.map(Duration::from_millis),
             stream_failures: self.cb_stream_failures,
+            min_completion_tokens: self.cb_min_completion_tokens,
             l4_signals: self.cb_l4_signals,
         }
     }
@@ -912,6 +920,47 @@ resilience = { capacity_status_codes = [429, 503], cb_failure_threshold = 2 }
         let err = parse(&["--config", p]).unwrap_err().to_string();
         assert!(err.contains("cb_failure_treshold"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn min_completion_tokens_comes_from_the_flag_or_the_file_and_per_worker() {
+        assert_eq!(parse(&[]).unwrap().breaker.cb_min_completion_tokens, None);
+        assert!(
+            parse(&["--cb-min-completion-tokens", "0"]).is_err(),
+            "0 is not a minimum"
+        );
+        let a = parse(&["--cb-min-completion-tokens", "2"]).unwrap();
+        assert_eq!(
+            a.to_config().unwrap().breaker.min_completion_tokens,
+            Some(2)
+        );
+        let path =
+            std::env::temp_dir().join(format!("balancer-quality-{}.toml", std::process::id()));
+        std::fs::write(
+            &path,
+            r#"
+cb_min_completion_tokens = 3
+
+[[workers]]
+url = "http://127.0.0.1:9002"
+resilience = { cb_min_completion_tokens = 0 }
+"#,
+        )
+        .unwrap();
+        let config = parse(&["--config", path.to_str().unwrap()])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(config.breaker.min_completion_tokens, Some(3));
+        let worker = &config.workers[0].resilience;
+        assert_eq!(worker.cb_min_completion_tokens, Some(0));
+        let (_, classifier) = config.breaker.resolve(worker);
+        assert_eq!(
+            classifier.min_completion_tokens(),
+            None,
+            "0 turns it off here"
+        );
     }
 
     #[test]

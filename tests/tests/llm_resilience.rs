@@ -1,5 +1,6 @@
 //! End-to-end tests of the LLM-aware options against demo workers: slow
-//! first bytes, the degraded state, model fallbacks and token budgets.
+//! first bytes, short completions, the degraded state, model fallbacks and
+//! token budgets.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,8 +9,8 @@ use balancer_core::breaker::DegradedSettings;
 use balancer_core::breaker::{FailureReason, State};
 use balancer_core::selection::Policy;
 use balancer_mock_worker::Fault;
-use balancer_tests::gateway::{CHAT, always, harness, harness_with_models, quiet};
-use http::StatusCode;
+use balancer_tests::gateway::{CHAT, STREAM, always, harness, harness_with_models, quiet};
+use http::{Method, StatusCode};
 
 #[tokio::test]
 async fn a_worker_answering_200_in_3s_is_isolated_with_slow_ttfb() {
@@ -293,4 +294,188 @@ async fn a_slow_answer_trips_the_breaker_at_the_budget_not_at_the_answer() {
     );
     assert_eq!(h.breaker(0).failures_total(), 1, "charged once");
     Arc::into_inner(h).unwrap().stop().await;
+}
+
+/// 200s with empty completions, plain and streamed: charged as `quality`
+/// and isolating the worker with `--cb-min-completion-tokens 1`, successes
+/// without it (the gateway document's default). The client gets each answer.
+#[tokio::test]
+async fn empty_completions_open_the_breaker_only_with_min_completion_tokens() {
+    for min in [None, Some(1)] {
+        let h = harness(&["a"], |c| {
+            quiet(c);
+            c.breaker.min_completion_tokens = min;
+            c.breaker.settings.failure_threshold = 3;
+            c.proxy.retry.max_attempts = 1;
+        })
+        .await;
+        h.workers[0].set_fault(Fault {
+            completion_tokens: Some(0),
+            ..Fault::default()
+        });
+        for body in [CHAT, STREAM, CHAT] {
+            let r = h.chat(body).await;
+            assert_eq!(r.status, StatusCode::OK, "the answer reaches the client");
+            if body == STREAM {
+                assert!(r.text().ends_with("data: [DONE]\n\n"), "{}", r.text());
+            } else {
+                assert_eq!(r.json()["choices"][0]["message"]["content"], "");
+            }
+        }
+        let a = h.breaker(0);
+        let url = h.workers[0].url();
+        let m = h.metrics().await;
+        if min.is_some() {
+            assert_eq!(a.state, State::Open);
+            assert_eq!(a.failures[FailureReason::Quality as usize], 3);
+            assert_eq!(a.successes, 0);
+            assert!(
+                m.contains(&format!(
+                    "balancer_worker_cb_failures_total{{worker=\"{url}\",reason=\"quality\"}} 3"
+                )),
+                "{m}"
+            );
+            assert_eq!(h.chat(CHAT).await.code(), "no_available_workers");
+        } else {
+            assert_eq!(a.state, State::Closed);
+            assert_eq!((a.successes, a.failures_total()), (3, 0));
+        }
+        h.stop().await;
+    }
+}
+
+/// Short is judged against what the request asked for; a worker that
+/// answers in full never fails the rule; usage-less streams are counted by
+/// their deltas; and the per-worker override, set through the admin API,
+/// turns the rule on for one worker.
+#[tokio::test]
+async fn min_completion_tokens_spares_small_asks_and_full_answers_and_is_per_worker() {
+    let h = harness(&["a"], |c| {
+        quiet(c);
+        c.breaker.min_completion_tokens = Some(2);
+        c.breaker.settings.failure_threshold = 1;
+        c.proxy.retry.max_attempts = 1;
+    })
+    .await;
+    // A full answer, streamed and not, without usage: counted from the text.
+    h.workers[0].set_fault(Fault {
+        without_usage: true,
+        ..Fault::default()
+    });
+    assert_eq!(h.chat(STREAM).await.status, StatusCode::OK);
+    assert_eq!(h.chat(CHAT).await.status, StatusCode::OK);
+    // One token, but one is all the request asked for.
+    h.workers[0].set_fault(Fault {
+        completion_tokens: Some(1),
+        ..Fault::default()
+    });
+    let small =
+        r#"{"model":"demo-model","max_tokens":1,"messages":[{"role":"user","content":"hi"}]}"#;
+    assert_eq!(h.chat(small).await.status, StatusCode::OK);
+    let a = h.breaker(0);
+    assert_eq!(
+        (a.state, a.successes, a.failures_total()),
+        (State::Closed, 3, 0)
+    );
+    // A stream cut before any token is judged by --cb-stream-failures
+    // (off here), not by its length.
+    h.workers[0].set_fault(Fault {
+        truncate_after_chunks: Some(0),
+        ..Fault::default()
+    });
+    assert_eq!(h.chat(STREAM).await.status, StatusCode::OK);
+    let a = h.breaker(0);
+    assert_eq!(
+        (a.state, a.successes, a.failures_total()),
+        (State::Closed, 4, 0)
+    );
+    // One token, streamed without usage, where six were asked for: short.
+    h.workers[0].set_fault(Fault {
+        completion_tokens: Some(1),
+        without_usage: true,
+        ..Fault::default()
+    });
+    assert_eq!(h.chat(STREAM).await.status, StatusCode::OK);
+    let a = h.breaker(0);
+    assert_eq!(a.state, State::Open);
+    assert_eq!(a.failures[FailureReason::Quality as usize], 1);
+    h.stop().await;
+
+    // Off by flag, on for one worker through the admin API.
+    let h = harness(&["a", "b"], |c| {
+        quiet(c);
+        c.breaker.settings.failure_threshold = 1;
+        c.proxy.retry.max_attempts = 1;
+    })
+    .await;
+    let list = h.admin(Method::GET, "/workers", "").await.json();
+    let url = h.workers[1].url();
+    let id = list["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["url"] == url.as_str())
+        .expect("worker b listed")["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let r = h
+        .admin(
+            Method::PATCH,
+            &format!("/workers/{id}"),
+            r#"{"resilience":{"cb_min_completion_tokens":1}}"#,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    assert_eq!(r.json()["effective"]["cb_min_completion_tokens"], 1);
+    for w in &h.workers {
+        w.set_fault(Fault {
+            completion_tokens: Some(0),
+            ..Fault::default()
+        });
+    }
+    for _ in 0..6 {
+        h.chat(CHAT).await;
+    }
+    assert_eq!(h.breaker(0).state, State::Closed);
+    assert_eq!(h.breaker(1).state, State::Open);
+    assert_eq!(h.breaker(1).failures[FailureReason::Quality as usize], 1);
+    h.stop().await;
+}
+
+/// A request body streamed past the replay limit is not kept, so its
+/// `max_tokens` is unknown: its short completion is judged without the
+/// exemption, where the same ask kept whole is exempt.
+#[tokio::test]
+async fn a_streamed_request_body_is_judged_without_the_max_tokens_exemption() {
+    let h = harness(&["a"], |c| {
+        quiet(c);
+        c.breaker.min_completion_tokens = Some(2);
+        c.breaker.settings.failure_threshold = 1;
+        c.proxy.max_replay_body = 256;
+        c.proxy.retry.max_attempts = 1;
+    })
+    .await;
+    h.workers[0].set_fault(Fault {
+        completion_tokens: Some(1),
+        ..Fault::default()
+    });
+    let ask = |content: &str| {
+        format!(
+            r#"{{"model":"demo-model","max_tokens":1,"messages":[{{"role":"user","content":"{content}"}}]}}"#
+        )
+    };
+    assert_eq!(h.chat(&ask("hi")).await.status, StatusCode::OK);
+    let a = h.breaker(0);
+    assert_eq!(
+        (a.state, a.successes),
+        (State::Closed, 1),
+        "kept whole: exempt"
+    );
+    let big = ask(&"x".repeat(4096));
+    assert_eq!(h.chat(&big).await.status, StatusCode::OK);
+    let a = h.breaker(0);
+    assert_eq!(a.state, State::Open);
+    assert_eq!(a.failures[FailureReason::Quality as usize], 1);
+    h.stop().await;
 }

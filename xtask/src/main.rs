@@ -53,10 +53,17 @@ enum Task {
         #[command(subcommand)]
         which: bench::Which,
     },
-    /// A bounded (about 20 s) chaos run: three demo workers behind the
-    /// gateway turn slow, answer 429 in bursts and truncate streams; prints
-    /// how fast each was isolated and how many client requests failed.
-    Chaos,
+    /// A bounded (about 20 s) chaos run: demo workers behind the gateway
+    /// turn slow, answer empty completions, truncate streams and answer 429
+    /// in bursts; prints how fast each was isolated and how many client
+    /// requests failed, and fails when a fault goes uncaught, the 429 worker
+    /// is isolated, or too many requests fail.
+    Chaos {
+        /// Run the same faults under the default breaker flags and only
+        /// print what they catch.
+        #[arg(long)]
+        defaults: bool,
+    },
     /// Run every cargo-fuzz target (request bodies and paths, the config
     /// file, admin bodies, workers' answers, client heads, and the
     /// differential test of the HTTP/1.1 paths against hyper) for a bounded
@@ -69,7 +76,8 @@ enum Task {
         #[arg(long)]
         target: Option<String>,
     },
-    /// What CI runs: setup, formatting, eBPF build, clippy, all tests.
+    /// What CI runs: setup, formatting, eBPF build, clippy, all tests, the
+    /// chaos run.
     Test {
         /// Parallel test threads; the tests wait on I/O far more than they
         /// compute, but timing-sensitive ones suffer on a crowded CPU.
@@ -94,16 +102,7 @@ fn dispatch(task: Task) -> Result<()> {
         Task::BuildEbpf { release: _ } => ebpf::build().map(|_| ()),
         Task::Run { args } => run_gateway(args),
         Task::Bench { which } => bench::bench(which),
-        Task::Chaos => run(Command::new("cargo")
-            .args([
-                "run",
-                "--release",
-                "--package",
-                "balancer",
-                "--example",
-                "chaos",
-            ])
-            .current_dir(workspace_root())),
+        Task::Chaos { defaults } => chaos(defaults),
         Task::Test { test_threads } => test(test_threads),
         Task::Fuzz { seconds, target } => fuzz::fuzz(workspace_root(), seconds, target.as_deref()),
     }
@@ -165,8 +164,21 @@ fn is_flag(arg: &OsString, flag: &str) -> bool {
     })
 }
 
+/// The chaos example, in the debug profile `cargo test` has built already
+/// (a release build would add minutes to CI).
+fn chaos(defaults: bool) -> Result<()> {
+    let mut cargo = Command::new("cargo");
+    cargo
+        .args(["run", "--package", "balancer", "--example", "chaos"])
+        .current_dir(workspace_root());
+    if defaults {
+        cargo.args(["--", "--defaults"]);
+    }
+    run(&mut cargo)
+}
+
 fn test(test_threads: usize) -> Result<()> {
-    let steps: [(&str, &dyn Fn() -> Result<()>); 6] = [
+    let steps: [(&str, &dyn Fn() -> Result<()>); 7] = [
         ("setup", &|| setup::run(setup::Scope::Everything)),
         ("cargo fmt --check", &|| {
             run(Command::new("cargo")
@@ -210,6 +222,7 @@ fn test(test_threads: usize) -> Result<()> {
             );
             Ok(())
         }),
+        ("chaos run (about 20 s)", &|| chaos(false)),
     ];
     let total = steps.len();
     for (number, (name, step)) in steps.iter().enumerate() {

@@ -7,6 +7,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::quality::QualityRule;
+
 /// Why an outcome counted against a worker. Carried into the
 /// `worker_cb_failures_total{reason}` metric so an operator sees *why* a
 /// breaker tripped.
@@ -32,12 +34,15 @@ pub enum FailureReason {
     /// The kernel saw a steered SYN retransmitted before the worker's SYN-ACK
     /// (with `--cb-l4-signals`): the worker does not answer handshakes.
     L4Timeout = 7,
+    /// A 2xx completion with fewer completion tokens than
+    /// `--cb-min-completion-tokens`: the worker answered, but not an answer.
+    Quality = 8,
 }
 
 impl FailureReason {
     /// Every reason in discriminant order, which is also the index order of
     /// [`Snapshot::failures`](super::Snapshot::failures).
-    pub const ALL: [FailureReason; 8] = [
+    pub const ALL: [FailureReason; 9] = [
         FailureReason::Status,
         FailureReason::Connect,
         FailureReason::Timeout,
@@ -46,6 +51,7 @@ impl FailureReason {
         FailureReason::Broken,
         FailureReason::L4Refused,
         FailureReason::L4Timeout,
+        FailureReason::Quality,
     ];
 
     /// The `reason` label of `worker_cb_failures_total`.
@@ -59,6 +65,7 @@ impl FailureReason {
             FailureReason::Broken => "broken",
             FailureReason::L4Refused => "l4_refused",
             FailureReason::L4Timeout => "l4_timeout",
+            FailureReason::Quality => "quality",
         }
     }
 }
@@ -128,12 +135,14 @@ pub const DEFAULT_CAPACITY_CODES: &[u16] = &[429];
 pub const DEFAULT_FAILURE_CODES: &[u16] = &[408, 429, 500, 502, 503, 504];
 
 /// The rules of a [`Classifier`] that decide a response once its head is
-/// in: the first-byte budget and whether a cut stream counts. A response in
-/// flight carries these few bytes rather than the status sets.
+/// in: the first-byte budget, whether a cut stream counts, and the minimum
+/// completion. A response in flight carries these few bytes rather than the
+/// status sets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BodyRules {
     slow_ttfb: Option<std::time::Duration>,
     stream_failures: bool,
+    min_completion_tokens: Option<u32>,
 }
 
 impl BodyRules {
@@ -160,6 +169,36 @@ impl BodyRules {
             status_outcome
         }
     }
+
+    /// These rules for one response: the quality rule is kept only when
+    /// the response is `judged` (a 2xx completion of a generative route)
+    /// and its request asked for at least the minimum (`requested`, its
+    /// `max_tokens`, when known); a short answer is then what it asked for.
+    #[inline]
+    pub fn judging(self, judged: bool, requested: Option<u64>) -> Self {
+        let min_completion_tokens = self
+            .min_completion_tokens
+            .filter(|&min| judged && QualityRule::for_request(min, requested).is_some());
+        Self {
+            min_completion_tokens,
+            ..self
+        }
+    }
+
+    /// The quality rule this response is judged by; `None` when
+    /// `--cb-min-completion-tokens` is off or [`BodyRules::judging`] left
+    /// it out (no body is scanned then).
+    #[inline]
+    pub fn quality(&self) -> Option<QualityRule> {
+        QualityRule::for_request(self.min_completion_tokens?, None)
+    }
+
+    /// Whether `--cb-min-completion-tokens` is on for this worker: only
+    /// then is a request's completion limit read.
+    #[inline]
+    pub fn judges_quality(&self) -> bool {
+        self.min_completion_tokens.is_some()
+    }
 }
 
 /// Per-worker status classification.
@@ -169,6 +208,7 @@ pub struct Classifier {
     failure: StatusSet,
     slow_ttfb: Option<std::time::Duration>,
     stream_failures: bool,
+    min_completion_tokens: Option<u32>,
     l4_signals: bool,
 }
 
@@ -187,6 +227,7 @@ impl Classifier {
             failure: StatusSet::from_codes(failure),
             slow_ttfb: None,
             stream_failures: false,
+            min_completion_tokens: None,
             l4_signals: false,
         }
     }
@@ -239,12 +280,27 @@ impl Classifier {
         BodyRules {
             slow_ttfb: self.slow_ttfb,
             stream_failures: self.stream_failures,
+            min_completion_tokens: self.min_completion_tokens,
         }
     }
 
     /// Sets the latency budget of the first byte (`--cb-slow-ttfb-ms`).
     pub fn with_slow_ttfb(self, slow_ttfb: Option<std::time::Duration>) -> Self {
         Self { slow_ttfb, ..self }
+    }
+
+    /// Sets the minimum of completion tokens of a 2xx completion
+    /// (`--cb-min-completion-tokens`); `None` or 0 is off.
+    pub fn with_min_completion_tokens(self, min: Option<u32>) -> Self {
+        Self {
+            min_completion_tokens: min.filter(|&n| n > 0),
+            ..self
+        }
+    }
+
+    /// The minimum of completion tokens; `None` when off.
+    pub fn min_completion_tokens(&self) -> Option<u32> {
+        self.min_completion_tokens
     }
 
     /// The first-byte budget past which a success becomes a `slow` failure; `None` when off.

@@ -19,10 +19,12 @@ use smallvec::SmallVec;
 use balancer_core::admission::Permit;
 use balancer_core::breaker::{FailureReason, Outcome, RequestCharges};
 use balancer_core::error_chain;
+use balancer_core::quality::requested_tokens;
 use balancer_core::registry::{Attempt, Worker};
 
 use super::answer::ErrorCode;
 use super::body::{BodyError, ClientFault, RequestBody, boxed, chain};
+use super::edge::is_generative;
 use super::relay::Completion;
 use super::relay::{WorkerBody, WorkerResponse};
 use super::route::Outgoing;
@@ -183,6 +185,20 @@ impl Proxy {
                         if outcome != Outcome::Success {
                             admitted.record(&mut charges, outcome, &*self.clock);
                         }
+                        let mut rules = classifier.body_rules();
+                        if rules.judges_quality() {
+                            // Only a 2xx completion of a generative route is
+                            // judged; with the option off no body is read.
+                            let judged = outcome == Outcome::Success
+                                && (200..300).contains(&status)
+                                && is_generative(&req.path);
+                            let asked = if judged {
+                                requested(body.as_ref())
+                            } else {
+                                None
+                            };
+                            rules = rules.judging(judged, asked);
+                        }
                         let completion = Completion {
                             attempt: admitted,
                             charges,
@@ -190,7 +206,7 @@ impl Proxy {
                             started,
                             attempt_started,
                             headers_after: headers_at - attempt_started,
-                            rules: classifier.body_rules(),
+                            rules,
                             tokens: req.model.as_deref().map(|m| self.model_tokens(m)),
                             stats: self.stats.clone(),
                             clock: self.clock.clone(),
@@ -366,6 +382,16 @@ impl Proxy {
             upstream.headers_mut().insert(header::AUTHORIZATION, value);
         }
         Ok(client.hyper.request(upstream).await?)
+    }
+}
+
+/// The completion limit the request asked for, when its body is here
+/// whole; a streamed body's is unknown, and its completion is judged
+/// without the exemption.
+fn requested(body: Option<&RequestBody>) -> Option<u64> {
+    match body? {
+        RequestBody::Replayable(bytes, _) => requested_tokens(bytes),
+        RequestBody::Streaming(..) => None,
     }
 }
 

@@ -47,6 +47,18 @@ const INFERENCE_ROUTES: &[&str] = &[
     "/generate",
 ];
 
+/// The inference routes that generate a completion, judged by
+/// `--cb-min-completion-tokens`. Embeddings, rerank, scores and the
+/// tokenizer answer no completion: nothing there counts as short.
+const GENERATIVE_ROUTES: &[&str] = &["/v1/chat/completions", "/v1/completions", "/generate"];
+
+/// Whether an outgoing path (the route's spelling, then any query) is a
+/// generative route's.
+pub(crate) fn is_generative(path: &str) -> bool {
+    let route = path.split_once('?').map_or(path, |(route, _)| route);
+    GENERATIVE_ROUTES.contains(&route)
+}
+
 /// Model listing: GET, no body.
 const MODEL_ROUTES: &[&str] = &["/v1/models"];
 
@@ -446,6 +458,28 @@ fn ip_value(ip: IpAddr) -> HeaderValue {
 mod tests {
     use super::*;
     use crate::wire::RawFields;
+
+    #[test]
+    fn only_completion_routes_are_generative() {
+        for path in [
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/generate",
+            "/v1/chat/completions?x=1",
+        ] {
+            assert!(is_generative(path), "{path}");
+        }
+        for path in [
+            "/v1/embeddings",
+            "/v1/rerank",
+            "/score",
+            "/tokenize",
+            "/v1/models",
+            "/v1/chat/completions/x",
+        ] {
+            assert!(!is_generative(path), "{path}");
+        }
+    }
 
     #[test]
     fn wire_names_are_hop_by_hop_exactly_when_their_header_is() {
