@@ -281,7 +281,7 @@ impl JsonCheck {
                 Ok(())
             }
             0x00..=0x1F => Err(JsonError::Malformed),
-            0x00..=0x7F => {
+            0x20..=0x7F => {
                 self.key_byte(key, b, false);
                 Ok(())
             }
