@@ -14,7 +14,7 @@ use std::process::{Command, ExitCode};
 use anyhow::{Context, Result, bail, ensure};
 use clap::{Parser, Subcommand};
 
-use crate::shell::run;
+use crate::shell::{cargo, run};
 
 #[derive(Parser)]
 #[command(
@@ -89,7 +89,7 @@ fn dispatch(task: Task) -> Result<()> {
         Task::BuildEbpf { release: _ } => ebpf::build().map(|_| ()),
         Task::Run { args } => run_gateway(args),
         Task::Bench { which } => bench::bench(which),
-        Task::Chaos => run(Command::new("cargo")
+        Task::Chaos => run(cargo()
             .args([
                 "run",
                 "--release",
@@ -128,7 +128,7 @@ fn run_gateway(args: Vec<OsString>) -> Result<()> {
         }
     };
 
-    run(Command::new("cargo")
+    run(cargo()
         .args(["build", "--package", "balancer", "--bin", "balancer"])
         .current_dir(workspace_root()))?;
 
@@ -164,14 +164,14 @@ fn test(test_threads: usize) -> Result<()> {
     let steps: [(&str, &dyn Fn() -> Result<()>); 6] = [
         ("setup", &|| setup::run(setup::Scope::Everything)),
         ("cargo fmt --check", &|| {
-            run(Command::new("cargo")
+            run(cargo()
                 .args(["fmt", "--all", "--", "--check"])
                 .current_dir(workspace_root()))
         }),
         ("build-ebpf", &|| ebpf::build().map(|_| ())),
         ("clippy (eBPF, nightly)", &ebpf::clippy),
         ("clippy (workspace)", &|| {
-            run(Command::new("cargo")
+            run(cargo()
                 .args([
                     "clippy",
                     "--workspace",
@@ -185,10 +185,10 @@ fn test(test_threads: usize) -> Result<()> {
         ("cargo test --workspace", &|| {
             let before = pinned_balancer_state();
             // The restart test runs the agent binary as a process of its own.
-            run(Command::new("cargo")
+            run(cargo()
                 .args(["build", "--package", "balancer", "--bin", "balancer"])
                 .current_dir(workspace_root()))?;
-            run(Command::new("cargo")
+            run(cargo()
                 .args(["test", "--workspace", "--", "--test-threads"])
                 .arg(test_threads.to_string())
                 .env("BALANCER_EBPF_OBJECT", ebpf::object_path())
