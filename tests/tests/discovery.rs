@@ -7,6 +7,8 @@ use std::time::Duration;
 use balancer::discovery::etcd::{EtcdConfig, Registration, register};
 use balancer_core::spec::WorkerSpec;
 use balancer_mock_worker::{MockWorker, MockWorkerConfig};
+use balancer_tests::agent::AgentProcess;
+use balancer_tests::balancer_binary;
 use balancer_tests::etcd::Etcd;
 use balancer_tests::gateway::{CHAT, Harness, eventually, harness_with_urls, quiet};
 use http::{Method, StatusCode};
@@ -370,5 +372,76 @@ async fn a_key_naming_a_url_another_key_serves_takes_it_when_that_key_goes() {
             .is_some_and(|w| !w.is_draining() && w.breaker.settings().failure_threshold == 4)
     })
     .await;
+    h.stop().await;
+}
+
+/// etcd (3.4, stock settings) closes a connection that pings more often
+/// than its `--grpc-keepalive-min-time` (5 s) after a few pings: a watch
+/// held well past that window stays one connection, `discovery_up` reads 1
+/// at every sample, and no session ends.
+#[tokio::test]
+async fn a_watch_held_past_etcds_keepalive_policy_stays_connected() {
+    let Some(etcd) = Etcd::start() else { return };
+    let binary = balancer_binary("--etcd-endpoints").unwrap();
+    let agent = AgentProcess::launch(
+        &binary,
+        &[
+            "--etcd-endpoints",
+            &etcd.url(),
+            // Session ends are logged at debug.
+            "--log-level",
+            "info,balancer::discovery=debug",
+        ],
+    )
+    .unwrap();
+    const UP: &str = "balancer_discovery_up{source=\"etcd\"} 1";
+    within(Duration::from_secs(5), "discovery up", || {
+        agent.metrics().is_ok_and(|m| m.contains(UP))
+    })
+    .await;
+    // The old 2 s ping lost the connection after about 8 s.
+    let hold = Duration::from_secs(13);
+    let started = tokio::time::Instant::now();
+    let mut samples = 0;
+    while started.elapsed() < hold {
+        let metrics = agent.metrics().unwrap();
+        assert!(
+            metrics.contains(UP),
+            "discovery down after {:?}:\n{}",
+            started.elapsed(),
+            agent.lines().join("\n")
+        );
+        samples += 1;
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(samples >= 40, "sampled throughout ({samples})");
+    let lines = agent.lines();
+    let count = |what: &str| lines.iter().filter(|l| l.contains(what)).count();
+    assert_eq!(count("etcd discovery connected"), 1, "{lines:#?}");
+    assert_eq!(count("etcd session ended"), 0, "{lines:#?}");
+    assert_eq!(count("etcd discovery lost"), 0, "{lines:#?}");
+}
+
+/// An etcd that falls silent (a host gone or cut off; here the process is
+/// frozen) is noticed within the stated 15 s (a 10 s ping, 5 s for its
+/// answer), and followed again once it answers.
+#[tokio::test]
+async fn a_silent_etcd_is_noticed_within_15_seconds() {
+    let Some(etcd) = Etcd::start() else { return };
+    let h = gateway(&etcd, &[]).await;
+    let up = |m: &str| m.contains("balancer_discovery_up{source=\"etcd\"} 1");
+    eventually("discovery up", || async { up(&h.metrics().await) }).await;
+    etcd.freeze(true);
+    let frozen = tokio::time::Instant::now();
+    // 15 s, and a scheduling margin for a crowded test machine.
+    while up(&h.metrics().await) {
+        assert!(
+            frozen.elapsed() < Duration::from_millis(16_500),
+            "a silent etcd still counts as up"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    etcd.freeze(false);
+    eventually("discovery up again", || async { up(&h.metrics().await) }).await;
     h.stop().await;
 }

@@ -24,9 +24,16 @@ use super::{Discovery, DiscoveryFuture, FleetUpdates};
 
 /// How long one connection attempt may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
-/// HTTP/2 keep-alive on the etcd connection: a silent etcd is noticed within
-/// about twice this.
-const KEEP_ALIVE: Duration = Duration::from_secs(2);
+/// HTTP/2 ping interval on the etcd connection while a watch or a lease
+/// keep-alive is open. etcd refuses pings closer than its
+/// `--grpc-keepalive-min-time` (5 s by default) and, after a few, closes the
+/// connection; 10 s leaves room for that and is gRPC's own floor.
+const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
+/// How long a ping may go unanswered before the connection counts as lost.
+/// A silent etcd (host gone, network cut) is therefore noticed within
+/// `KEEP_ALIVE_INTERVAL + KEEP_ALIVE_TIMEOUT` (15 s); one that closes its
+/// connections (stopped, restarted) at once.
+const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(5);
 /// The longest wait between reconnection attempts.
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// How long start-up waits for the first load before serving without it.
@@ -212,8 +219,11 @@ impl MetricsSource for EtcdDiscovery {
 async fn connect(endpoints: &[String]) -> anyhow::Result<Client> {
     let options = ConnectOptions::new()
         .with_connect_timeout(CONNECT_TIMEOUT)
-        .with_keep_alive(KEEP_ALIVE, KEEP_ALIVE)
-        .with_keep_alive_while_idle(true);
+        .with_keep_alive(KEEP_ALIVE_INTERVAL, KEEP_ALIVE_TIMEOUT)
+        // etcd also refuses pings on a connection without an open stream;
+        // every long-lived connection here holds one (the watch, the lease
+        // keep-alive).
+        .with_keep_alive_while_idle(false);
     Client::connect(endpoints, Some(options))
         .await
         .with_context(|| format!("connecting to etcd at {}", endpoints.join(",")))
