@@ -284,9 +284,10 @@ fn percent_decoded(userinfo: &str) -> Vec<u8> {
     out
 }
 
-/// `url` with any `user:password@` replaced, for messages (with or without
-/// a scheme).
-fn redacted(url: &str) -> String {
+/// `url` with any `user:password@` replaced by `***@`, for messages (with or
+/// without a scheme). Every message or log field that shows a URL as an
+/// operator wrote it goes through this.
+pub fn redacted_url(url: &str) -> String {
     let Some(at) = url.rfind('@') else {
         return url.to_owned();
     };
@@ -342,7 +343,7 @@ impl WorkerAddress {
     /// without any DNS lookup; other schemes, paths and queries are refused.
     /// Credentials are kept apart and redacted from every message.
     pub fn parse(url: &str) -> Result<Self, SpecError> {
-        let shown = redacted(url);
+        let shown = redacted_url(url);
         let bad = |m: &str| SpecError::new("url", format!("{shown:?}: {m}"));
         let uri: http::Uri = url.parse().map_err(|_| bad("not a URL"))?;
         let scheme = match uri.scheme_str() {

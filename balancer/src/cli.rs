@@ -20,7 +20,7 @@ use balancer_core::admission::AdmissionConfig;
 use balancer_core::breaker::{DegradedSettings, MAX_HALF_OPEN_INFLIGHT, Settings, WindowSettings};
 use balancer_core::health::HealthThresholds;
 use balancer_core::selection::Policy;
-use balancer_core::spec::{BreakerDefaults, WorkerSpec};
+use balancer_core::spec::{BreakerDefaults, WorkerSpec, redacted_url};
 use balancer_dataplane::XdpMode;
 use balancer_dataplane::steering::{ForwardMode, L4Config};
 use http::HeaderName;
@@ -1078,7 +1078,7 @@ impl RegisterArgs {
             ..WorkerSpec::from_url(&self.url)
         };
         spec.validate()
-            .with_context(|| format!("invalid value '{}' for '--url'", self.url))?;
+            .with_context(|| format!("invalid value '{}' for '--url'", redacted_url(&self.url)))?;
         Ok(Registration {
             etcd: EtcdConfig {
                 endpoints: self.etcd_endpoints.clone(),

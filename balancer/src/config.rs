@@ -17,7 +17,7 @@ use balancer_core::admission::AdmissionConfig;
 use balancer_core::breaker::MAX_HALF_OPEN_INFLIGHT;
 use balancer_core::health::HealthThresholds;
 use balancer_core::selection::Policy;
-use balancer_core::spec::{BreakerDefaults, WorkerAddress, WorkerSpec};
+use balancer_core::spec::{BreakerDefaults, WorkerAddress, WorkerSpec, redacted_url};
 use balancer_dataplane::maglev::is_prime;
 use balancer_dataplane::steering::L4Config;
 
@@ -301,7 +301,7 @@ impl GatewayConfig {
     pub fn check_worker_url(url: &str) -> Result<(), ConfigError> {
         WorkerAddress::parse(url)
             .map(drop)
-            .map_err(|e| invalid("--worker-urls", format!("'{url}': {e}")))
+            .map_err(|e| invalid("--worker-urls", format!("'{}': {e}", redacted_url(url))))
     }
 }
 
