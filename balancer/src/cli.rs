@@ -19,6 +19,7 @@ use balancer_common::l4::{DEFAULT_CONNTRACK_SIZE, DEFAULT_TABLE_SIZE};
 use balancer_core::admission::AdmissionConfig;
 use balancer_core::breaker::{DegradedSettings, MAX_HALF_OPEN_INFLIGHT, Settings, WindowSettings};
 use balancer_core::health::HealthThresholds;
+use balancer_core::registry::DEFAULT_REMOVED_GRACE;
 use balancer_core::selection::Policy;
 use balancer_core::spec::{BreakerDefaults, WorkerSpec, redacted_url};
 use balancer_dataplane::XdpMode;
@@ -236,6 +237,10 @@ pub struct LaunchArgs {
     /// In-flight requests get this long to finish after SIGTERM.
     #[arg(long, default_value_t = 180)]
     pub shutdown_grace_period_secs: u64,
+    /// A removed worker's series stay in /metrics (its breaker state at -1)
+    /// this long, then go; 0 drops them at once.
+    #[arg(long, default_value_t = DEFAULT_REMOVED_GRACE.as_secs())]
+    pub removed_worker_grace_secs: u64,
 
     /// Log level (error, warn, info, debug, trace) or a tracing filter.
     #[arg(long, default_value = "info")]
@@ -611,6 +616,7 @@ impl LaunchArgs {
             l4: self.l4_config()?,
             serving_threads: self.serving_threads,
             shutdown_grace: Duration::from_secs(self.shutdown_grace_period_secs),
+            removed_worker_grace: Duration::from_secs(self.removed_worker_grace_secs),
             connections: ConnectionConfig {
                 header_read_timeout: Duration::from_secs(self.header_read_timeout_secs),
                 idle_timeout: Duration::from_secs(self.idle_connection_timeout_secs),
@@ -871,6 +877,28 @@ mod tests {
                 "{flag} {value}: {msg}"
             );
         }
+    }
+
+    #[test]
+    fn removed_worker_grace_comes_from_the_flag_or_the_config_file() {
+        let grace = |args: &[&str]| {
+            parse(args)
+                .unwrap()
+                .to_config()
+                .unwrap()
+                .removed_worker_grace
+        };
+        assert_eq!(
+            grace(&[]),
+            Duration::from_secs(600),
+            "ten minutes by default"
+        );
+        assert_eq!(grace(&["--removed-worker-grace-secs", "0"]), Duration::ZERO);
+        let (args, _) =
+            config_text_args("removed_worker_grace_secs = 45", Path::new("c.toml"), &[]).unwrap();
+        let from_file: Vec<String> = args.iter().map(|a| a.to_string_lossy().into()).collect();
+        let from_file: Vec<&str> = from_file.iter().map(String::as_str).collect();
+        assert_eq!(grace(&from_file), Duration::from_secs(45));
     }
 
     #[test]

@@ -16,6 +16,7 @@ use balancer_common::l4::MAX_SERVICES;
 use balancer_core::admission::AdmissionConfig;
 use balancer_core::breaker::MAX_HALF_OPEN_INFLIGHT;
 use balancer_core::health::HealthThresholds;
+use balancer_core::registry::DEFAULT_REMOVED_GRACE;
 use balancer_core::selection::Policy;
 use balancer_core::spec::{BreakerDefaults, WorkerAddress, WorkerSpec, redacted_url};
 use balancer_dataplane::maglev::is_prime;
@@ -66,6 +67,9 @@ pub struct GatewayConfig {
     pub serving_threads: usize,
     /// `--shutdown-grace-period-secs`.
     pub shutdown_grace: Duration,
+    /// `--removed-worker-grace-secs`: a removed worker's series stay (its
+    /// breaker state at -1) this long.
+    pub removed_worker_grace: Duration,
     /// What a client connection may do (timeouts, the connection cap).
     pub connections: ConnectionConfig,
     /// `--tls-cert-path`, `--tls-key-path`, `--tls-client-ca-path`: HTTPS on
@@ -130,6 +134,7 @@ impl Default for GatewayConfig {
             l4: None,
             serving_threads: 0,
             shutdown_grace: Duration::from_secs(180),
+            removed_worker_grace: DEFAULT_REMOVED_GRACE,
             connections: ConnectionConfig::default(),
             tls: None,
             worker_tls: WorkerTlsConfig::default(),

@@ -169,6 +169,7 @@ impl Gateway {
                 health: config.health,
                 hash_rings: config.policy == Policy::ConsistentHash,
                 max_open_percent: config.max_open_percent,
+                removed_grace: config.removed_worker_grace,
             },
             clock,
         );
