@@ -213,7 +213,15 @@ impl WorkerSpec {
     }
 
     /// Checks the spec and splits its URL into the parts the proxy needs.
+    /// An empty model is refused: no request names it, so the worker would
+    /// never be chosen (leaving it out learns the worker's models instead).
     pub fn validate(&self) -> Result<WorkerAddress, SpecError> {
+        if self.model.as_deref().is_some_and(|m| m.trim().is_empty()) {
+            return Err(SpecError::new(
+                "model",
+                "must not be empty (leave it out to learn the worker's models from its /v1/models)",
+            ));
+        }
         self.resilience.validate()?;
         WorkerAddress::parse(&self.url)
     }

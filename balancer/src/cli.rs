@@ -880,6 +880,33 @@ mod tests {
     }
 
     #[test]
+    fn register_refuses_an_empty_model_naming_the_flag() {
+        #[derive(Parser)]
+        struct Register {
+            #[command(flatten)]
+            args: RegisterArgs,
+        }
+        let registration = |model: &[&str]| {
+            let base = ["register", "--etcd-endpoints", "http://127.0.0.1:2379"];
+            let rest = ["--id", "a", "--url", "http://127.0.0.1:8000"];
+            let argv = base.iter().chain(&rest).chain(model);
+            Register::try_parse_from(argv).unwrap().args.registration()
+        };
+        let error = format!("{:#}", registration(&["--model", ""]).unwrap_err());
+        assert!(error.contains("'--model'"), "{error}");
+        assert_eq!(
+            registration(&["--model", "m"])
+                .unwrap()
+                .spec
+                .model
+                .as_deref(),
+            Some("m")
+        );
+        // No model: `register` asks the worker.
+        assert_eq!(registration(&[]).unwrap().spec.model, None);
+    }
+
+    #[test]
     fn removed_worker_grace_comes_from_the_flag_or_the_config_file() {
         let grace = |args: &[&str]| {
             parse(args)
@@ -1084,8 +1111,10 @@ pub struct RegisterArgs {
     /// The worker's base URL (http://host:port).
     #[arg(long)]
     pub url: String,
-    /// The model it serves (learned from its /v1/models when absent).
-    #[arg(long)]
+    /// The model it serves; when absent, the worker's /v1/models is asked
+    /// (until it answers) and the model it serves is registered. Empty is
+    /// refused.
+    #[arg(long, env = "BALANCER_MODEL")]
     pub model: Option<String>,
     /// Lease time to live, in seconds (at least 2); renewed every third.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(2..))]
@@ -1105,8 +1134,14 @@ impl RegisterArgs {
             model: self.model.clone(),
             ..WorkerSpec::from_url(&self.url)
         };
-        spec.validate()
-            .with_context(|| format!("invalid value '{}' for '--url'", redacted_url(&self.url)))?;
+        spec.validate().map_err(|error| {
+            let (value, flag) = if error.field == "model" {
+                (spec.model.clone().unwrap_or_default(), "--model")
+            } else {
+                (redacted_url(&self.url), "--url")
+            };
+            anyhow::Error::new(error).context(format!("invalid value '{value}' for '{flag}'"))
+        })?;
         Ok(Registration {
             etcd: EtcdConfig {
                 endpoints: self.etcd_endpoints.clone(),

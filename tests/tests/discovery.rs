@@ -153,6 +153,11 @@ async fn bad_values_are_ignored_and_the_other_workers_untouched() {
             "field",
             r#"{"url":"http://127.0.0.1:3","colour":"blue"}"#.to_owned(),
         ),
+        // What `register --model ""` used to write: no request names it.
+        (
+            "empty-model",
+            r#"{"url":"http://127.0.0.1:4","model":""}"#.to_owned(),
+        ),
     ] {
         etcd.ctl(etcd.client_port, &["put", &format!("{KEY}{key}"), &bad]);
     }
@@ -444,4 +449,109 @@ async fn a_silent_etcd_is_noticed_within_15_seconds() {
     etcd.freeze(false);
     eventually("discovery up again", || async { up(&h.metrics().await) }).await;
     h.stop().await;
+}
+
+/// The model a registration wrote to etcd under `id`, once it is there.
+async fn registered_model(etcd: &Etcd, id: &str, limit: Duration) -> serde_json::Value {
+    let key = format!("{KEY}{id}");
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let got = etcd.ctl(etcd.client_port, &["get", &key, "--print-value-only"]);
+        if let Ok(value) = serde_json::from_str::<serde_json::Value>(got.trim()) {
+            return value["model"].clone();
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{key} not registered within {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Without a model, the sidecar waits for its worker's `/v1/models` (a
+/// worker loading its weights answers nothing yet) and registers the model
+/// it names.
+#[tokio::test]
+async fn the_register_sidecar_without_a_model_registers_what_the_worker_serves() {
+    let Some(etcd) = Etcd::start() else { return };
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let url = format!("http://127.0.0.1:{port}");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let sidecar = tokio::spawn(register(
+        Registration {
+            etcd: EtcdConfig {
+                endpoints: vec![etcd.url()],
+                prefix: "/balancer/".into(),
+            },
+            id: "a".into(),
+            spec: WorkerSpec::from_url(&url),
+            ttl: Duration::from_secs(10),
+        },
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let nothing = etcd.ctl(etcd.client_port, &["get", "--prefix", KEY]);
+    assert!(
+        nothing.trim().is_empty(),
+        "registered before the worker answered: {nothing}"
+    );
+    // The worker comes up on its address.
+    let worker = MockWorker::spawn(
+        ([127, 0, 0, 1], port).into(),
+        MockWorkerConfig {
+            model: "served-model".into(),
+            ..MockWorkerConfig::named("a")
+        },
+    )
+    .await
+    .unwrap();
+    let model = registered_model(&etcd, "a", Duration::from_secs(5)).await;
+    assert_eq!(model, "served-model");
+    let _ = stop.send(());
+    sidecar.await.unwrap().unwrap();
+    worker.shutdown().await;
+}
+
+/// `deploy/balancer-register@.service` as systemd runs it, with its
+/// environment file holding no model: the worker is registered with the
+/// model it serves, and deregistered on SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shipped_register_unit_works_without_a_model() {
+    let Some(etcd) = Etcd::start() else { return };
+    let binary = balancer_binary("--worker-urls").unwrap();
+    let worker = demo("a").await;
+    let unit = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../deploy/balancer-register@.service"),
+    )
+    .unwrap();
+    let exec = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("ExecStart="))
+        .expect("an ExecStart line");
+    // systemd's substitutions, word by word, with an environment file of
+    // ETCD and WORKER_URL only: `${VAR}` is one argument, empty when unset.
+    let mut words = exec.split_whitespace().map(|word| {
+        word.replace("%i", "gpu0")
+            .replace("${ETCD}", &etcd.url())
+            .replace("${WORKER_URL}", &worker.url())
+            .replace("${MODEL}", "")
+            .replace("${BALANCER_MODEL}", "")
+    });
+    assert_eq!(words.next().as_deref(), Some("/usr/local/bin/balancer"));
+    let args: Vec<String> = words.collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let sidecar = AgentProcess::spawn(&binary, &args).unwrap();
+    let model = registered_model(&etcd, "gpu0", Duration::from_secs(5)).await;
+    assert_eq!(model, "demo-model", "{:#?}", sidecar.lines());
+    sidecar.signal("TERM").unwrap();
+    let (status, lines) = sidecar.wait(Duration::from_secs(10)).unwrap();
+    assert!(status.success(), "{status}: {lines:#?}");
+    let left = etcd.ctl(etcd.client_port, &["get", "--prefix", KEY]);
+    assert!(left.trim().is_empty(), "{left}");
 }

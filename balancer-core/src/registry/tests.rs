@@ -311,3 +311,19 @@ fn removed_workers_are_remembered_up_to_a_bound_the_oldest_forgotten_first() {
     );
     assert_eq!(cb_state_series(&registry).len(), MAX_REMOVED);
 }
+
+#[test]
+fn an_empty_model_is_refused_naming_the_field() {
+    for model in ["", "  "] {
+        let spec = WorkerSpec {
+            model: Some(model.into()),
+            ..WorkerSpec::from_url("http://127.0.0.1:9")
+        };
+        assert_eq!(spec.validate().unwrap_err().field, "model", "{model:?}");
+    }
+    let unnamed = WorkerSpec::from_url("http://127.0.0.1:9");
+    assert!(
+        unnamed.validate().is_ok(),
+        "no model: learned from the worker"
+    );
+}
