@@ -555,3 +555,31 @@ async fn the_shipped_register_unit_works_without_a_model() {
     let left = etcd.ctl(etcd.client_port, &["get", "--prefix", KEY]);
     assert!(left.trim().is_empty(), "{left}");
 }
+
+/// A key naming an empty model (what `register --model ""` wrote) is
+/// refused, and the agent's log names the key and the field.
+#[tokio::test]
+async fn an_empty_model_in_etcd_is_refused_with_a_log_line_naming_the_key() {
+    let Some(etcd) = Etcd::start() else { return };
+    let binary = balancer_binary("--etcd-endpoints").unwrap();
+    let agent =
+        AgentProcess::launch(&binary, &["--etcd-endpoints", &etcd.url(), "--log-json"]).unwrap();
+    let key = format!("{KEY}empty");
+    etcd.ctl(
+        etcd.client_port,
+        &["put", &key, r#"{"url":"http://127.0.0.1:4","model":""}"#],
+    );
+    within(Duration::from_secs(2), "the refusal logged", || {
+        agent.lines().iter().any(|l| {
+            serde_json::from_str::<serde_json::Value>(l).is_ok_and(|e| {
+                e["fields"]["key"] == key.as_str()
+                    && e["fields"]["error"]
+                        .as_str()
+                        .is_some_and(|m| m.contains("invalid model"))
+            })
+        })
+    })
+    .await;
+    let workers = balancer_tests::agent::get(agent.admin_addr, "/workers").unwrap();
+    assert!(!workers.contains("127.0.0.1:4"), "{workers}");
+}
