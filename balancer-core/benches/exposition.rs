@@ -13,7 +13,7 @@ use balancer_core::breaker::{FailureReason, Outcome, Settings};
 use balancer_core::clock::ManualClock;
 use balancer_core::health::HealthThresholds;
 use balancer_core::metrics::{MetricsSource, Writer};
-use balancer_core::registry::{Registry, RegistryConfig};
+use balancer_core::registry::{DEFAULT_REMOVED_GRACE, Registry, RegistryConfig};
 use balancer_core::spec::{BreakerDefaults, WorkerSpec};
 use criterion::{Criterion, criterion_group, criterion_main};
 use prometheus::{Encoder, GaugeVec, IntCounterVec, Opts, TextEncoder};
@@ -34,6 +34,7 @@ fn fleet() -> Arc<Registry> {
             },
             hash_rings: false,
             max_open_percent: 100,
+            removed_grace: DEFAULT_REMOVED_GRACE,
         },
         clock.clone(),
     );

@@ -10,7 +10,7 @@ use std::time::Duration;
 use balancer_core::breaker::{FailureReason, Outcome, Settings};
 use balancer_core::clock::{Clock, ManualClock};
 use balancer_core::health::HealthThresholds;
-use balancer_core::registry::{Registry, RegistryConfig};
+use balancer_core::registry::{DEFAULT_REMOVED_GRACE, Registry, RegistryConfig};
 use balancer_core::ring::hash_key;
 use balancer_core::selection::{Policy, Selector};
 use balancer_core::spec::{BreakerDefaults, WorkerSpec};
@@ -36,6 +36,7 @@ fn fleet(n: usize, clock: Arc<ManualClock>) -> Arc<Registry> {
             },
             hash_rings: true,
             max_open_percent: 100,
+            removed_grace: DEFAULT_REMOVED_GRACE,
         },
         clock,
     );

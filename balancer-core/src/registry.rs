@@ -14,9 +14,10 @@ mod metrics;
 #[cfg(test)]
 mod tests;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
 // Model names are looked up on every request; the keys are the models
@@ -28,7 +29,7 @@ use crate::breaker::{
     Breaker, Classifier, OpenGate, Outcome, RequestCharges, State, Ticket, Transition,
     TransitionObserver,
 };
-use crate::clock::Clock;
+use crate::clock::{Clock, Nanos, nanos};
 use crate::health::{Health, HealthChange, HealthThresholds, HealthTracker};
 use crate::metrics::Histogram;
 use crate::ring::{Ring, ring_points};
@@ -303,7 +304,18 @@ pub struct RegistryConfig {
     /// `--cb-max-open-percent`: at most this share of a model's workers is
     /// isolated by breakers at once (100: no limit, the document).
     pub max_open_percent: u32,
+    /// `--removed-worker-grace-secs`: how long a removed worker's
+    /// `worker_cb_state` reads -1 before its series goes.
+    pub removed_grace: Duration,
 }
+
+/// `--removed-worker-grace-secs` by default: long enough for a scrape
+/// interval or two and an alert's `for:` to see the -1.
+pub const DEFAULT_REMOVED_GRACE: Duration = Duration::from_secs(600);
+
+/// Removed workers remembered (for their -1) at most; past it the oldest is
+/// forgotten early, so pod churn cannot grow the registry without bound.
+pub const MAX_REMOVED: usize = 1024;
 
 /// Why a registry call could not be applied. Nothing changed.
 #[derive(Debug, thiserror::Error)]
@@ -328,7 +340,8 @@ pub struct Registry {
     config: RegistryConfig,
     clock: Arc<dyn Clock>,
     next_id: AtomicU64,
-    removed: Mutex<Vec<Arc<str>>>,
+    /// Removed workers' URLs and when they were removed, oldest first.
+    removed: Mutex<VecDeque<(Arc<str>, Nanos)>>,
     events: broadcast::Sender<WorkerEvent>,
 }
 
@@ -341,7 +354,7 @@ impl Registry {
             config,
             clock,
             next_id: AtomicU64::new(1),
-            removed: Mutex::new(Vec::new()),
+            removed: Mutex::new(VecDeque::new()),
             events: broadcast::channel(1024).0,
         })
     }
@@ -362,9 +375,20 @@ impl Registry {
         self.events.subscribe()
     }
 
-    /// URLs of removed workers, whose breaker gauge reads -1.
+    /// URLs of workers removed less than the grace period ago, whose
+    /// breaker gauge reads -1; older ones are forgotten here.
     pub fn removed_urls(&self) -> Vec<Arc<str>> {
-        self.removed.lock().unwrap().clone()
+        let now = self.clock.now();
+        let grace = nanos(self.config.removed_grace);
+        let mut removed = self.removed.lock().unwrap();
+        while let Some((url, _)) = removed
+            .front()
+            .filter(|(_, at)| now.saturating_sub(*at) >= grace)
+        {
+            tracing::debug!(worker = %url, "removed worker forgotten: its series go");
+            removed.pop_front();
+        }
+        removed.iter().map(|(url, _)| url.clone()).collect()
     }
 
     /// Adds one worker: [`Registry::add_all`] with a single spec.
@@ -397,7 +421,7 @@ impl Registry {
             .map(|(spec, address)| self.build_worker(spec, address))
             .collect();
         let mut removed = self.removed.lock().unwrap();
-        removed.retain(|u| !added.iter().any(|w| w.url == *u));
+        removed.retain(|(u, _)| !added.iter().any(|w| w.url == *u));
         drop(removed);
         let mut workers = fleet.workers.clone();
         workers.extend(added.iter().cloned());
@@ -549,7 +573,15 @@ impl Registry {
             timer.abort();
         }
         self.publish(workers);
-        self.removed.lock().unwrap().push(worker.url.clone());
+        {
+            let mut removed = self.removed.lock().unwrap();
+            if removed.len() == MAX_REMOVED
+                && let Some((oldest, _)) = removed.pop_front()
+            {
+                tracing::debug!(worker = %oldest, "removed worker forgotten early: {MAX_REMOVED} removed workers are remembered at most");
+            }
+            removed.push_back((worker.url.clone(), self.clock.now()));
+        }
         tracing::info!(worker = %worker.url, "worker removed");
         let _ = self.events.send(WorkerEvent::Removed(worker.clone()));
     }

@@ -269,7 +269,7 @@ mod tests {
     use crate::breaker::{FailureReason, Outcome, Settings};
     use crate::clock::ManualClock;
     use crate::health::HealthThresholds;
-    use crate::registry::{Registry, RegistryConfig};
+    use crate::registry::{DEFAULT_REMOVED_GRACE, Registry, RegistryConfig};
     use crate::ring::hash_key;
     use crate::spec::{BreakerDefaults, WorkerSpec};
 
@@ -309,6 +309,7 @@ mod tests {
                 },
                 hash_rings: true,
                 max_open_percent: 100,
+                removed_grace: DEFAULT_REMOVED_GRACE,
             },
             clock.clone(),
         );

@@ -225,7 +225,15 @@ impl WorkerSpec {
     }
 
     /// Checks the spec and splits its URL into the parts the proxy needs.
+    /// An empty model is refused: no request names it, so the worker would
+    /// never be chosen (leaving it out learns the worker's models instead).
     pub fn validate(&self) -> Result<WorkerAddress, SpecError> {
+        if self.model.as_deref().is_some_and(|m| m.trim().is_empty()) {
+            return Err(SpecError::new(
+                "model",
+                "must not be empty (leave it out to learn the worker's models from its /v1/models)",
+            ));
+        }
         self.resilience.validate()?;
         WorkerAddress::parse(&self.url)
     }
@@ -296,9 +304,10 @@ fn percent_decoded(userinfo: &str) -> Vec<u8> {
     out
 }
 
-/// `url` with any `user:password@` replaced, for messages (with or without
-/// a scheme).
-fn redacted(url: &str) -> String {
+/// `url` with any `user:password@` replaced by `***@`, for messages (with or
+/// without a scheme). Every message or log field that shows a URL as an
+/// operator wrote it goes through this.
+pub fn redacted_url(url: &str) -> String {
     let Some(at) = url.rfind('@') else {
         return url.to_owned();
     };
@@ -354,7 +363,7 @@ impl WorkerAddress {
     /// without any DNS lookup; other schemes, paths and queries are refused.
     /// Credentials are kept apart and redacted from every message.
     pub fn parse(url: &str) -> Result<Self, SpecError> {
-        let shown = redacted(url);
+        let shown = redacted_url(url);
         let bad = |m: &str| SpecError::new("url", format!("{shown:?}: {m}"));
         let uri: http::Uri = url.parse().map_err(|_| bad("not a URL"))?;
         let scheme = match uri.scheme_str() {

@@ -19,8 +19,9 @@ use balancer_common::l4::{DEFAULT_CONNTRACK_SIZE, DEFAULT_TABLE_SIZE};
 use balancer_core::admission::AdmissionConfig;
 use balancer_core::breaker::{DegradedSettings, MAX_HALF_OPEN_INFLIGHT, Settings, WindowSettings};
 use balancer_core::health::HealthThresholds;
+use balancer_core::registry::DEFAULT_REMOVED_GRACE;
 use balancer_core::selection::Policy;
-use balancer_core::spec::{BreakerDefaults, WorkerSpec};
+use balancer_core::spec::{BreakerDefaults, WorkerSpec, redacted_url};
 use balancer_dataplane::XdpMode;
 use balancer_dataplane::steering::{ForwardMode, L4Config};
 use http::HeaderName;
@@ -236,6 +237,10 @@ pub struct LaunchArgs {
     /// In-flight requests get this long to finish after SIGTERM.
     #[arg(long, default_value_t = 180)]
     pub shutdown_grace_period_secs: u64,
+    /// A removed worker's series stay in /metrics (its breaker state at -1)
+    /// this long, then go; 0 drops them at once.
+    #[arg(long, default_value_t = DEFAULT_REMOVED_GRACE.as_secs())]
+    pub removed_worker_grace_secs: u64,
 
     /// Log level (error, warn, info, debug, trace) or a tracing filter.
     #[arg(long, default_value = "info")]
@@ -619,6 +624,7 @@ impl LaunchArgs {
             l4: self.l4_config()?,
             serving_threads: self.serving_threads,
             shutdown_grace: Duration::from_secs(self.shutdown_grace_period_secs),
+            removed_worker_grace: Duration::from_secs(self.removed_worker_grace_secs),
             connections: ConnectionConfig {
                 header_read_timeout: Duration::from_secs(self.header_read_timeout_secs),
                 idle_timeout: Duration::from_secs(self.idle_connection_timeout_secs),
@@ -882,6 +888,55 @@ mod tests {
     }
 
     #[test]
+    fn register_refuses_an_empty_model_naming_the_flag() {
+        #[derive(Parser)]
+        struct Register {
+            #[command(flatten)]
+            args: RegisterArgs,
+        }
+        let registration = |model: &[&str]| {
+            let base = ["register", "--etcd-endpoints", "http://127.0.0.1:2379"];
+            let rest = ["--id", "a", "--url", "http://127.0.0.1:8000"];
+            let argv = base.iter().chain(&rest).chain(model);
+            Register::try_parse_from(argv).unwrap().args.registration()
+        };
+        let error = format!("{:#}", registration(&["--model", ""]).unwrap_err());
+        assert!(error.contains("'--model'"), "{error}");
+        assert_eq!(
+            registration(&["--model", "m"])
+                .unwrap()
+                .spec
+                .model
+                .as_deref(),
+            Some("m")
+        );
+        // No model: `register` asks the worker.
+        assert_eq!(registration(&[]).unwrap().spec.model, None);
+    }
+
+    #[test]
+    fn removed_worker_grace_comes_from_the_flag_or_the_config_file() {
+        let grace = |args: &[&str]| {
+            parse(args)
+                .unwrap()
+                .to_config()
+                .unwrap()
+                .removed_worker_grace
+        };
+        assert_eq!(
+            grace(&[]),
+            Duration::from_secs(600),
+            "ten minutes by default"
+        );
+        assert_eq!(grace(&["--removed-worker-grace-secs", "0"]), Duration::ZERO);
+        let (args, _) =
+            config_text_args("removed_worker_grace_secs = 45", Path::new("c.toml"), &[]).unwrap();
+        let from_file: Vec<String> = args.iter().map(|a| a.to_string_lossy().into()).collect();
+        let from_file: Vec<&str> = from_file.iter().map(String::as_str).collect();
+        assert_eq!(grace(&from_file), Duration::from_secs(45));
+    }
+
+    #[test]
     fn config_file_fills_in_and_flags_win() {
         let dir = std::env::temp_dir().join(format!("balancer-config-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -1105,8 +1160,10 @@ pub struct RegisterArgs {
     /// The worker's base URL (http://host:port).
     #[arg(long)]
     pub url: String,
-    /// The model it serves (learned from its /v1/models when absent).
-    #[arg(long)]
+    /// The model it serves; when absent, the worker's /v1/models is asked
+    /// (until it answers) and the model it serves is registered. Empty is
+    /// refused.
+    #[arg(long, env = "BALANCER_MODEL")]
     pub model: Option<String>,
     /// Lease time to live, in seconds (at least 2); renewed every third.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(2..))]
@@ -1126,8 +1183,14 @@ impl RegisterArgs {
             model: self.model.clone(),
             ..WorkerSpec::from_url(&self.url)
         };
-        spec.validate()
-            .with_context(|| format!("invalid value '{}' for '--url'", self.url))?;
+        spec.validate().map_err(|error| {
+            let (value, flag) = if error.field == "model" {
+                (spec.model.clone().unwrap_or_default(), "--model")
+            } else {
+                (redacted_url(&self.url), "--url")
+            };
+            anyhow::Error::new(error).context(format!("invalid value '{value}' for '{flag}'"))
+        })?;
         Ok(Registration {
             etcd: EtcdConfig {
                 endpoints: self.etcd_endpoints.clone(),

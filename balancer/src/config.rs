@@ -16,8 +16,9 @@ use balancer_common::l4::MAX_SERVICES;
 use balancer_core::admission::AdmissionConfig;
 use balancer_core::breaker::MAX_HALF_OPEN_INFLIGHT;
 use balancer_core::health::HealthThresholds;
+use balancer_core::registry::DEFAULT_REMOVED_GRACE;
 use balancer_core::selection::Policy;
-use balancer_core::spec::{BreakerDefaults, WorkerAddress, WorkerSpec};
+use balancer_core::spec::{BreakerDefaults, WorkerAddress, WorkerSpec, redacted_url};
 use balancer_dataplane::maglev::is_prime;
 use balancer_dataplane::steering::L4Config;
 
@@ -66,6 +67,9 @@ pub struct GatewayConfig {
     pub serving_threads: usize,
     /// `--shutdown-grace-period-secs`.
     pub shutdown_grace: Duration,
+    /// `--removed-worker-grace-secs`: a removed worker's series stay (its
+    /// breaker state at -1) this long.
+    pub removed_worker_grace: Duration,
     /// What a client connection may do (timeouts, the connection cap).
     pub connections: ConnectionConfig,
     /// `--tls-cert-path`, `--tls-key-path`, `--tls-client-ca-path`: HTTPS on
@@ -130,6 +134,7 @@ impl Default for GatewayConfig {
             l4: None,
             serving_threads: 0,
             shutdown_grace: Duration::from_secs(180),
+            removed_worker_grace: DEFAULT_REMOVED_GRACE,
             connections: ConnectionConfig::default(),
             tls: None,
             worker_tls: WorkerTlsConfig::default(),
@@ -301,7 +306,7 @@ impl GatewayConfig {
     pub fn check_worker_url(url: &str) -> Result<(), ConfigError> {
         WorkerAddress::parse(url)
             .map(drop)
-            .map_err(|e| invalid("--worker-urls", format!("'{url}': {e}")))
+            .map_err(|e| invalid("--worker-urls", format!("'{}': {e}", redacted_url(url))))
     }
 }
 

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use balancer_core::metrics::MetricsSource;
 use balancer_core::registry::{Registry, RegistryError, Worker};
-use balancer_core::spec::WorkerSpec;
+use balancer_core::spec::{WorkerSpec, redacted_url};
 
 /// A future a discovery source returns.
 pub type DiscoveryFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -60,10 +60,12 @@ impl Discovery for StaticList {
     }
 
     fn initial(&self) -> DiscoveryFuture<'_, Vec<(String, WorkerSpec)>> {
+        // The key shows in logs: the URL without its credentials (two
+        // entries differing only in credentials are refused at start).
         let listed = self
             .workers
             .iter()
-            .map(|w| (w.url.clone(), w.clone()))
+            .map(|w| (redacted_url(&w.url), w.clone()))
             .collect();
         Box::pin(std::future::ready(listed))
     }

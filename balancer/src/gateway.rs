@@ -51,6 +51,8 @@ pub struct Gateway {
     discovery: Vec<tokio::task::AbortHandle>,
     /// HTTPS on the public port (`--tls-cert-path`).
     serves_tls: bool,
+    /// How long a shutdown lets in-flight requests finish.
+    grace: Duration,
     shutdown: watch::Sender<bool>,
     listeners: JoinSet<()>,
     serving: Vec<std::thread::JoinHandle<()>>,
@@ -167,6 +169,7 @@ impl Gateway {
                 health: config.health,
                 hash_rings: config.policy == Policy::ConsistentHash,
                 max_open_percent: config.max_open_percent,
+                removed_grace: config.removed_worker_grace,
             },
             clock,
         );
@@ -349,6 +352,7 @@ impl Gateway {
             steering,
             discovery,
             serves_tls: config.tls.is_some(),
+            grace,
             shutdown,
             listeners,
             serving,
@@ -385,25 +389,72 @@ impl Gateway {
         }
     }
 
-    /// Runs until SIGINT or SIGTERM, then shuts down.
+    /// Runs until SIGINT or SIGTERM, then shuts down, draining in-flight
+    /// requests for up to the grace period; a second SIGINT or SIGTERM during
+    /// the drain ends it at once ([`Stopped::Forced`]).
     /// SIGHUP reloads the TLS certificate (see [`ServingTls::watch`]);
     /// without TLS it changes nothing, rather than ending the process as
     /// its default action would.
-    pub async fn run_until_signal(self) -> anyhow::Result<()> {
+    pub async fn run_until_signal(self) -> anyhow::Result<Stopped> {
         use tokio::signal::unix::{SignalKind, signal};
+        let mut interrupt = signal(SignalKind::interrupt())?;
         let mut term = signal(SignalKind::terminate())?;
         let mut hangup = signal(SignalKind::hangup())?;
-        loop {
+        let first = loop {
             tokio::select! {
-                _ = tokio::signal::ctrl_c() => break,
-                _ = term.recv() => break,
+                _ = interrupt.recv() => break "SIGINT",
+                _ = term.recv() => break "SIGTERM",
                 _ = hangup.recv() => if !self.serves_tls {
                     tracing::info!("SIGHUP: nothing to reload without --tls-cert-path");
                 },
             }
+        };
+        let registry = self.registry.clone();
+        tracing::info!(
+            signal = first,
+            in_flight = in_flight(&registry),
+            deadline_secs = self.grace.as_secs(),
+            "shutting down: finishing in-flight requests (a second SIGINT or SIGTERM stops at once)"
+        );
+        let drained = self.shutdown();
+        tokio::select! {
+            () = drained => Ok(Stopped::Drained),
+            _ = interrupt.recv() => Ok(forced(&registry, "SIGINT", SIGINT)),
+            _ = term.recv() => Ok(forced(&registry, "SIGTERM", SIGTERM)),
         }
-        tracing::info!("shutting down: finishing in-flight requests");
-        self.shutdown().await;
-        Ok(())
     }
+}
+
+/// How [`Gateway::run_until_signal`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stopped {
+    /// Every in-flight request finished, or the grace period ran out.
+    Drained,
+    /// A second signal cut the drain short; carries that signal's number
+    /// (the binary exits with 128 plus it, as a shell reports a process a
+    /// signal ended).
+    Forced(i32),
+}
+
+/// Requests in flight to workers now.
+fn in_flight(registry: &Registry) -> u64 {
+    registry
+        .fleet()
+        .workers
+        .iter()
+        .map(|w| u64::from(w.inflight()))
+        .sum()
+}
+
+/// The signals' numbers (the same on every Unix this runs on).
+const SIGINT: i32 = 2;
+const SIGTERM: i32 = 15;
+
+fn forced(registry: &Registry, name: &str, number: i32) -> Stopped {
+    tracing::warn!(
+        signal = name,
+        abandoned = in_flight(registry),
+        "second signal: stopping now, cutting the requests still in flight"
+    );
+    Stopped::Forced(number)
 }

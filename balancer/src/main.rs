@@ -10,7 +10,7 @@ use clap::{Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
 use balancer::cli::LaunchArgs;
-use balancer::gateway::Gateway;
+use balancer::gateway::{Gateway, Stopped};
 
 /// mimalloc rather than glibc's malloc: the request path allocates a few
 /// dozen small, short-lived blocks per request across two serving threads,
@@ -105,6 +105,8 @@ async fn demo_workers(
     Ok(workers)
 }
 
+/// `balancer launch`; a drain a second signal cut short exits at once with
+/// 128 plus that signal's number (130 after SIGINT, 143 after SIGTERM).
 async fn launch(args: LaunchArgs) -> anyhow::Result<()> {
     let ignored = args.compat.ignored();
     if !ignored.is_empty() {
@@ -125,7 +127,11 @@ async fn launch(args: LaunchArgs) -> anyhow::Result<()> {
          -d '{{\"model\":\"demo-model\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}'",
         gateway.addr, gateway.metrics_addr, gateway.admin_addr, gateway.addr
     );
-    gateway.run_until_signal().await?;
+    if let Stopped::Forced(signal) = gateway.run_until_signal().await? {
+        // Not a return: dropping the runtime would wait for the serving
+        // threads' drain this stop is meant to cut.
+        std::process::exit(128 + signal);
+    }
     #[cfg(feature = "demo-workers")]
     for w in demo {
         w.shutdown().await;

@@ -48,7 +48,7 @@ pub use attempt::RetryPolicy;
 pub use body::BufferBudget;
 pub(crate) use edge::Forwarded;
 pub use edge::Routes;
-pub use probe::{HealthCheckConfig, Prober};
+pub use probe::{HealthCheckConfig, Prober, served_models};
 pub use stats::GatewayStats;
 
 use crate::h1::H1Pool;

@@ -132,6 +132,19 @@ impl Etcd {
         }
     }
 
+    /// Freezes (SIGSTOP) or thaws (SIGCONT) etcd by its PID: a frozen etcd
+    /// keeps its connections open and answers nothing, as a host that is
+    /// gone or cut off does.
+    pub fn freeze(&self, frozen: bool) {
+        let Some(child) = &self.child else { return };
+        let signal = if frozen { "STOP" } else { "CONT" };
+        let sent = Command::new("kill")
+            .args(["-s", signal, &child.id().to_string()])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(sent, "kill -s {signal} etcd");
+    }
+
     /// `etcdctl ARGS` against `port`; panics when it fails.
     pub fn ctl(&self, port: u16, args: &[&str]) -> String {
         let out = Command::new("/usr/bin/etcdctl")

@@ -1,5 +1,6 @@
 //! Helpers shared by the end-to-end tests, one module per concern: the
-//! in-process gateway harness ([`gateway`]) and a worker that records what
+//! in-process gateway harness ([`gateway`]), the `balancer` binary as a
+//! process with its log lines ([`agent`]), and a worker that records what
 //! it receives ([`capture`]), a real etcd ([`etcd`]), raw frames ([`packet`]),
 //! network namespaces ([`netns`]) and runtimes inside them ([`ns_runtime`]),
 //! L4 services written straight into the maps ([`l4`]), raw HTTP/1.1
@@ -9,6 +10,7 @@
 //! namespace tests drive a gateway with ([`l4e2e`]), and certificates and
 //! TLS peers ([`tls`]). Helpers never assert on
 //! behalf of a test they do not know; they return what they saw.
+pub mod agent;
 pub mod capture;
 pub mod etcd;
 pub mod gateway;

@@ -7,6 +7,8 @@ use std::time::Duration;
 use balancer::discovery::etcd::{EtcdConfig, Registration, register};
 use balancer_core::spec::WorkerSpec;
 use balancer_mock_worker::{MockWorker, MockWorkerConfig};
+use balancer_tests::agent::AgentProcess;
+use balancer_tests::balancer_binary;
 use balancer_tests::etcd::Etcd;
 use balancer_tests::gateway::{CHAT, Harness, eventually, harness_with_urls, quiet};
 use http::{Method, StatusCode};
@@ -150,6 +152,11 @@ async fn bad_values_are_ignored_and_the_other_workers_untouched() {
         (
             "field",
             r#"{"url":"http://127.0.0.1:3","colour":"blue"}"#.to_owned(),
+        ),
+        // What `register --model ""` used to write: no request names it.
+        (
+            "empty-model",
+            r#"{"url":"http://127.0.0.1:4","model":""}"#.to_owned(),
         ),
     ] {
         etcd.ctl(etcd.client_port, &["put", &format!("{KEY}{key}"), &bad]);
@@ -371,4 +378,208 @@ async fn a_key_naming_a_url_another_key_serves_takes_it_when_that_key_goes() {
     })
     .await;
     h.stop().await;
+}
+
+/// etcd (3.4, stock settings) closes a connection that pings more often
+/// than its `--grpc-keepalive-min-time` (5 s) after a few pings: a watch
+/// held well past that window stays one connection, `discovery_up` reads 1
+/// at every sample, and no session ends.
+#[tokio::test]
+async fn a_watch_held_past_etcds_keepalive_policy_stays_connected() {
+    let Some(etcd) = Etcd::start() else { return };
+    let binary = balancer_binary("--etcd-endpoints").unwrap();
+    let agent = AgentProcess::launch(
+        &binary,
+        &[
+            "--etcd-endpoints",
+            &etcd.url(),
+            // Session ends are logged at debug.
+            "--log-level",
+            "info,balancer::discovery=debug",
+        ],
+    )
+    .unwrap();
+    const UP: &str = "balancer_discovery_up{source=\"etcd\"} 1";
+    within(Duration::from_secs(5), "discovery up", || {
+        agent.metrics().is_ok_and(|m| m.contains(UP))
+    })
+    .await;
+    // The old 2 s ping lost the connection after about 8 s.
+    let hold = Duration::from_secs(13);
+    let started = tokio::time::Instant::now();
+    let mut samples = 0;
+    while started.elapsed() < hold {
+        let metrics = agent.metrics().unwrap();
+        assert!(
+            metrics.contains(UP),
+            "discovery down after {:?}:\n{}",
+            started.elapsed(),
+            agent.lines().join("\n")
+        );
+        samples += 1;
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(samples >= 40, "sampled throughout ({samples})");
+    let lines = agent.lines();
+    let count = |what: &str| lines.iter().filter(|l| l.contains(what)).count();
+    assert_eq!(count("etcd discovery connected"), 1, "{lines:#?}");
+    assert_eq!(count("etcd session ended"), 0, "{lines:#?}");
+    assert_eq!(count("etcd discovery lost"), 0, "{lines:#?}");
+}
+
+/// An etcd that falls silent (a host gone or cut off; here the process is
+/// frozen) is noticed within the stated 15 s (a 10 s ping, 5 s for its
+/// answer), and followed again once it answers.
+#[tokio::test]
+async fn a_silent_etcd_is_noticed_within_15_seconds() {
+    let Some(etcd) = Etcd::start() else { return };
+    let h = gateway(&etcd, &[]).await;
+    let up = |m: &str| m.contains("balancer_discovery_up{source=\"etcd\"} 1");
+    eventually("discovery up", || async { up(&h.metrics().await) }).await;
+    etcd.freeze(true);
+    let frozen = tokio::time::Instant::now();
+    // 15 s, and a scheduling margin for a crowded test machine.
+    while up(&h.metrics().await) {
+        assert!(
+            frozen.elapsed() < Duration::from_millis(16_500),
+            "a silent etcd still counts as up"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    etcd.freeze(false);
+    eventually("discovery up again", || async { up(&h.metrics().await) }).await;
+    h.stop().await;
+}
+
+/// The model a registration wrote to etcd under `id`, once it is there.
+async fn registered_model(etcd: &Etcd, id: &str, limit: Duration) -> serde_json::Value {
+    let key = format!("{KEY}{id}");
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let got = etcd.ctl(etcd.client_port, &["get", &key, "--print-value-only"]);
+        if let Ok(value) = serde_json::from_str::<serde_json::Value>(got.trim()) {
+            return value["model"].clone();
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{key} not registered within {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Without a model, the sidecar waits for its worker's `/v1/models` (a
+/// worker loading its weights answers nothing yet) and registers the model
+/// it names.
+#[tokio::test]
+async fn the_register_sidecar_without_a_model_registers_what_the_worker_serves() {
+    let Some(etcd) = Etcd::start() else { return };
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let url = format!("http://127.0.0.1:{port}");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let sidecar = tokio::spawn(register(
+        Registration {
+            etcd: EtcdConfig {
+                endpoints: vec![etcd.url()],
+                prefix: "/balancer/".into(),
+            },
+            id: "a".into(),
+            spec: WorkerSpec::from_url(&url),
+            ttl: Duration::from_secs(10),
+        },
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let nothing = etcd.ctl(etcd.client_port, &["get", "--prefix", KEY]);
+    assert!(
+        nothing.trim().is_empty(),
+        "registered before the worker answered: {nothing}"
+    );
+    // The worker comes up on its address.
+    let worker = MockWorker::spawn(
+        ([127, 0, 0, 1], port).into(),
+        MockWorkerConfig {
+            model: "served-model".into(),
+            ..MockWorkerConfig::named("a")
+        },
+    )
+    .await
+    .unwrap();
+    let model = registered_model(&etcd, "a", Duration::from_secs(5)).await;
+    assert_eq!(model, "served-model");
+    let _ = stop.send(());
+    sidecar.await.unwrap().unwrap();
+    worker.shutdown().await;
+}
+
+/// `deploy/balancer-register@.service` as systemd runs it, with its
+/// environment file holding no model: the worker is registered with the
+/// model it serves, and deregistered on SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shipped_register_unit_works_without_a_model() {
+    let Some(etcd) = Etcd::start() else { return };
+    let binary = balancer_binary("--worker-urls").unwrap();
+    let worker = demo("a").await;
+    let unit = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../deploy/balancer-register@.service"),
+    )
+    .unwrap();
+    let exec = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("ExecStart="))
+        .expect("an ExecStart line");
+    // systemd's substitutions, word by word, with an environment file of
+    // ETCD and WORKER_URL only: `${VAR}` is one argument, empty when unset.
+    let mut words = exec.split_whitespace().map(|word| {
+        word.replace("%i", "gpu0")
+            .replace("${ETCD}", &etcd.url())
+            .replace("${WORKER_URL}", &worker.url())
+            .replace("${MODEL}", "")
+            .replace("${BALANCER_MODEL}", "")
+    });
+    assert_eq!(words.next().as_deref(), Some("/usr/local/bin/balancer"));
+    let args: Vec<String> = words.collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let sidecar = AgentProcess::spawn(&binary, &args).unwrap();
+    let model = registered_model(&etcd, "gpu0", Duration::from_secs(5)).await;
+    assert_eq!(model, "demo-model", "{:#?}", sidecar.lines());
+    sidecar.signal("TERM").unwrap();
+    let (status, lines) = sidecar.wait(Duration::from_secs(10)).unwrap();
+    assert!(status.success(), "{status}: {lines:#?}");
+    let left = etcd.ctl(etcd.client_port, &["get", "--prefix", KEY]);
+    assert!(left.trim().is_empty(), "{left}");
+}
+
+/// A key naming an empty model (what `register --model ""` wrote) is
+/// refused, and the agent's log names the key and the field.
+#[tokio::test]
+async fn an_empty_model_in_etcd_is_refused_with_a_log_line_naming_the_key() {
+    let Some(etcd) = Etcd::start() else { return };
+    let binary = balancer_binary("--etcd-endpoints").unwrap();
+    let agent =
+        AgentProcess::launch(&binary, &["--etcd-endpoints", &etcd.url(), "--log-json"]).unwrap();
+    let key = format!("{KEY}empty");
+    etcd.ctl(
+        etcd.client_port,
+        &["put", &key, r#"{"url":"http://127.0.0.1:4","model":""}"#],
+    );
+    within(Duration::from_secs(2), "the refusal logged", || {
+        agent.lines().iter().any(|l| {
+            serde_json::from_str::<serde_json::Value>(l).is_ok_and(|e| {
+                e["fields"]["key"] == key.as_str()
+                    && e["fields"]["error"]
+                        .as_str()
+                        .is_some_and(|m| m.contains("invalid model"))
+            })
+        })
+    })
+    .await;
+    let workers = balancer_tests::agent::get(agent.admin_addr, "/workers").unwrap();
+    assert!(!workers.contains("127.0.0.1:4"), "{workers}");
 }

@@ -39,7 +39,7 @@ use clap::{Args, Subcommand};
 mod instructions;
 mod l4;
 
-use crate::shell::{display, run};
+use crate::shell::{cargo, display, run};
 use crate::{target_dir, workspace_root};
 
 #[derive(Subcommand)]
@@ -77,7 +77,7 @@ pub fn bench(which: Which) -> Result<()> {
         Which::L7(args) => l7(&args),
         Which::L4(args) => l4::l4(&args),
         Which::Instructions(args) => instructions::instructions(&args),
-        Which::Breaker => run(Command::new("cargo")
+        Which::Breaker => run(cargo()
             .args([
                 "bench",
                 "--package",
@@ -363,7 +363,7 @@ fn launch(balancer: &Path, addr: SocketAddr, urls: &[String]) -> Result<Command>
 /// Builds the agent in release mode; returns the binary.
 pub(crate) fn release_balancer() -> Result<PathBuf> {
     crate::setup::build_packages()?;
-    run(Command::new("cargo")
+    run(cargo()
         .args([
             "build",
             "--release",

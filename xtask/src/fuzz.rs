@@ -3,11 +3,10 @@
 //! A crash fails the run and leaves its input under `fuzz/artifacts/`.
 
 use std::path::Path;
-use std::process::Command;
 
 use anyhow::{Context, Result};
 
-use crate::shell::run;
+use crate::shell::{cargo, run};
 
 /// The targets, as `fuzz/Cargo.toml` names them.
 const TARGETS: [&str; 6] = [
@@ -25,17 +24,17 @@ pub fn fuzz(root: &Path, seconds: u64, only: Option<&str>) -> Result<()> {
     {
         anyhow::bail!("no fuzz target {name:?} (targets: {})", TARGETS.join(", "));
     }
-    let installed = Command::new("cargo")
+    let installed = cargo()
         .args(["+nightly", "fuzz", "--version"])
         .output()
         .is_ok_and(|o| o.status.success());
     if !installed {
-        run(Command::new("cargo").args(["install", "cargo-fuzz", "--locked"]))
+        run(cargo().args(["install", "cargo-fuzz", "--locked"]))
             .context("installing cargo-fuzz")?;
     }
     for target in TARGETS.into_iter().filter(|t| only.is_none_or(|o| o == *t)) {
         eprintln!("==> fuzz {target} for {seconds}s");
-        run(Command::new("cargo")
+        run(cargo()
             .args(["+nightly", "fuzz", "run", target, "--"])
             .arg(format!("-max_total_time={seconds}"))
             .current_dir(root))

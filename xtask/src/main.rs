@@ -14,7 +14,7 @@ use std::process::{Command, ExitCode};
 use anyhow::{Context, Result, bail, ensure};
 use clap::{Parser, Subcommand};
 
-use crate::shell::run;
+use crate::shell::{cargo, run};
 
 #[derive(Parser)]
 #[command(
@@ -132,7 +132,7 @@ fn run_gateway(args: Vec<OsString>) -> Result<()> {
         }
     };
 
-    run(Command::new("cargo")
+    run(cargo()
         .args(["build", "--package", "balancer", "--bin", "balancer"])
         .current_dir(workspace_root()))?;
 
@@ -167,28 +167,28 @@ fn is_flag(arg: &OsString, flag: &str) -> bool {
 /// The chaos example, in the debug profile `cargo test` has built already
 /// (a release build would add minutes to CI).
 fn chaos(defaults: bool) -> Result<()> {
-    let mut cargo = Command::new("cargo");
-    cargo
+    let mut chaos = cargo();
+    chaos
         .args(["run", "--package", "balancer", "--example", "chaos"])
         .current_dir(workspace_root());
     if defaults {
-        cargo.args(["--", "--defaults"]);
+        chaos.args(["--", "--defaults"]);
     }
-    run(&mut cargo)
+    run(&mut chaos)
 }
 
 fn test(test_threads: usize) -> Result<()> {
     let steps: [(&str, &dyn Fn() -> Result<()>); 7] = [
         ("setup", &|| setup::run(setup::Scope::Everything)),
         ("cargo fmt --check", &|| {
-            run(Command::new("cargo")
+            run(cargo()
                 .args(["fmt", "--all", "--", "--check"])
                 .current_dir(workspace_root()))
         }),
         ("build-ebpf", &|| ebpf::build().map(|_| ())),
         ("clippy (eBPF, nightly)", &ebpf::clippy),
         ("clippy (workspace)", &|| {
-            run(Command::new("cargo")
+            run(cargo()
                 .args([
                     "clippy",
                     "--workspace",
@@ -202,10 +202,10 @@ fn test(test_threads: usize) -> Result<()> {
         ("cargo test --workspace", &|| {
             let before = pinned_balancer_state();
             // The restart test runs the agent binary as a process of its own.
-            run(Command::new("cargo")
+            run(cargo()
                 .args(["build", "--package", "balancer", "--bin", "balancer"])
                 .current_dir(workspace_root()))?;
-            run(Command::new("cargo")
+            run(cargo()
                 .args(["test", "--workspace", "--", "--test-threads"])
                 .arg(test_threads.to_string())
                 .env("BALANCER_EBPF_OBJECT", ebpf::object_path())

@@ -50,6 +50,42 @@ pub fn display(command: &Command) -> String {
     line
 }
 
+/// A `cargo` command without the variables the outer `cargo run` (what
+/// `cargo xtask` is) set for xtask itself. Build scripts such as ring's
+/// watch `CARGO_MANIFEST_DIR`, so passing xtask's own value on made every
+/// child `cargo build` rebuild them and everything above them. Every place
+/// xtask spawns cargo starts from this command.
+pub fn cargo() -> Command {
+    let mut command = Command::new("cargo");
+    for (key, _) in std::env::vars_os() {
+        if let Some(key) = key.to_str()
+            && set_by_cargo_run(key)
+        {
+            command.env_remove(key);
+        }
+    }
+    command
+}
+
+/// The variables cargo sets for the program it runs (cargo's "environment
+/// variables Cargo sets for crates"), none of which a user sets for a build.
+/// The user's own settings (RUSTFLAGS, CARGO_TARGET_DIR, CARGO_HOME, ...)
+/// are kept: the gateway build must match the one the user runs by hand.
+fn set_by_cargo_run(key: &str) -> bool {
+    const EXACT: [&str; 9] = [
+        "CARGO",
+        "CARGO_MANIFEST_DIR",
+        "CARGO_MANIFEST_PATH",
+        "CARGO_CRATE_NAME",
+        "CARGO_BIN_NAME",
+        "CARGO_PRIMARY_PACKAGE",
+        "CARGO_RUSTC_CURRENT_DIR",
+        "CARGO_TARGET_TMPDIR",
+        "OUT_DIR",
+    ];
+    EXACT.contains(&key) || key.starts_with("CARGO_PKG_")
+}
+
 /// `$CARGO_HOME/bin`, where rustup's proxies and `cargo install` put
 /// binaries.
 pub fn cargo_bin_dir() -> Option<PathBuf> {
@@ -79,4 +115,43 @@ pub fn with_cargo_bin(program: &str) -> Command {
         std::env::join_paths(dirs).expect("PATH entries came from PATH"),
     );
     command
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::OsStr;
+
+    use super::{cargo, set_by_cargo_run};
+
+    #[test]
+    fn child_cargo_does_not_inherit_what_cargo_run_set_for_xtask() {
+        // `cargo test` sets these for the test binary exactly as `cargo
+        // xtask` sets them for xtask.
+        assert!(std::env::var_os("CARGO_MANIFEST_DIR").is_some());
+        assert!(std::env::var_os("CARGO_PKG_NAME").is_some());
+        let command = cargo();
+        let removed: Vec<&OsStr> = command
+            .get_envs()
+            .filter(|(_, value)| value.is_none())
+            .map(|(key, _)| key)
+            .collect();
+        for key in ["CARGO_MANIFEST_DIR", "CARGO_PKG_NAME", "CARGO_PKG_VERSION"] {
+            assert!(removed.contains(&OsStr::new(key)), "{key} is passed on");
+        }
+        assert_eq!(command.get_program(), "cargo");
+    }
+
+    #[test]
+    fn the_users_build_settings_are_kept() {
+        for key in [
+            "RUSTFLAGS",
+            "CARGO_TARGET_DIR",
+            "CARGO_HOME",
+            "CARGO_BUILD_JOBS",
+            "RUSTUP_TOOLCHAIN",
+            "PATH",
+        ] {
+            assert!(!set_by_cargo_run(key), "{key} should be kept");
+        }
+    }
 }

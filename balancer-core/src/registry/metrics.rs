@@ -38,7 +38,7 @@ impl MetricsSource for Registry {
         w.family(
         "worker_cb_state",
         "gauge",
-        "Circuit breaker state: 0 closed, 1 open, 2 half-open, 3 degraded; -1 after the worker is removed.",
+        "Circuit breaker state: 0 closed, 1 open, 2 half-open, 3 degraded; -1 for a grace period after the worker is removed.",
     );
         for (wk, s) in &snaps {
             w.sample(

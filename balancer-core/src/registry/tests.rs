@@ -22,6 +22,7 @@ fn registry(settings: Settings, clock: Arc<dyn Clock>) -> (Arc<Registry>, Arc<Wo
             },
             hash_rings: false,
             max_open_percent: 100,
+            removed_grace: DEFAULT_REMOVED_GRACE,
         },
         clock,
     );
@@ -167,6 +168,7 @@ fn isolate_all(n: u8, max_open_percent: u32) -> Vec<Arc<Worker>> {
             },
             hash_rings: false,
             max_open_percent,
+            removed_grace: DEFAULT_REMOVED_GRACE,
         },
         clock.clone(),
     );
@@ -256,4 +258,72 @@ fn https_workers_default_to_port_443_and_keep_their_scheme() {
         .unwrap_err()
         .to_string();
     assert!(error.contains("http:// or https://"), "{error}");
+}
+
+/// The `worker_cb_state` lines of a scrape.
+fn cb_state_series(registry: &Registry) -> Vec<String> {
+    let mut out = String::new();
+    crate::metrics::MetricsSource::render(
+        registry,
+        &mut crate::metrics::Writer::new(&mut out, "b"),
+    );
+    out.lines()
+        .filter(|l| l.starts_with("b_worker_cb_state{"))
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn a_removed_workers_series_go_after_the_grace_period() {
+    let clock = Arc::new(ManualClock::new());
+    let (registry, worker) = registry(Settings::default(), clock.clone());
+    registry.remove(&worker);
+    let removed = vec![r#"b_worker_cb_state{worker="http://127.0.0.1:9"} -1"#.to_owned()];
+    assert_eq!(cb_state_series(&registry), removed);
+    clock.advance(DEFAULT_REMOVED_GRACE - SECOND);
+    assert_eq!(
+        cb_state_series(&registry),
+        removed,
+        "kept for the grace period"
+    );
+    clock.advance(SECOND);
+    assert!(cb_state_series(&registry).is_empty(), "gone after it");
+    assert!(registry.removed_urls().is_empty(), "and forgotten");
+}
+
+#[test]
+fn removed_workers_are_remembered_up_to_a_bound_the_oldest_forgotten_first() {
+    let clock = Arc::new(ManualClock::new());
+    let (registry, first) = registry(Settings::default(), clock.clone());
+    registry.remove(&first);
+    // Pod churn: a new address each time, all within the grace period.
+    for port in 10..10 + MAX_REMOVED as u16 {
+        let worker = registry
+            .add(&WorkerSpec::from_url(&format!("http://127.0.0.1:{port}")))
+            .unwrap();
+        registry.remove(&worker);
+    }
+    let remembered = registry.removed_urls();
+    assert_eq!(remembered.len(), MAX_REMOVED);
+    assert!(
+        !remembered.iter().any(|u| &**u == "http://127.0.0.1:9"),
+        "the oldest went first"
+    );
+    assert_eq!(cb_state_series(&registry).len(), MAX_REMOVED);
+}
+
+#[test]
+fn an_empty_model_is_refused_naming_the_field() {
+    for model in ["", "  "] {
+        let spec = WorkerSpec {
+            model: Some(model.into()),
+            ..WorkerSpec::from_url("http://127.0.0.1:9")
+        };
+        assert_eq!(spec.validate().unwrap_err().field, "model", "{model:?}");
+    }
+    let unnamed = WorkerSpec::from_url("http://127.0.0.1:9");
+    assert!(
+        unnamed.validate().is_ok(),
+        "no model: learned from the worker"
+    );
 }

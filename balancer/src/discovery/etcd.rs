@@ -8,7 +8,8 @@
 //! nothing is removed: the last known set keeps serving, `discovery_up`
 //! reads 0, and reconnection (backoff capped at 2 s) resyncs before watching
 //! again. Owns the etcd client; applies changes only through
-//! [`FleetUpdates`].
+//! [`FleetUpdates`]. The sidecar given no model asks its worker's
+//! `/v1/models` through [`crate::proxy::served_models`], nothing else.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,15 +19,23 @@ use anyhow::Context as _;
 use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
 
 use balancer_core::metrics::{MetricsSource, Writer};
-use balancer_core::spec::WorkerSpec;
+use balancer_core::spec::{WorkerAddress, WorkerSpec};
 
 use super::{Discovery, DiscoveryFuture, FleetUpdates};
+use crate::proxy::served_models;
 
 /// How long one connection attempt may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
-/// HTTP/2 keep-alive on the etcd connection: a silent etcd is noticed within
-/// about twice this.
-const KEEP_ALIVE: Duration = Duration::from_secs(2);
+/// HTTP/2 ping interval on the etcd connection while a watch or a lease
+/// keep-alive is open. etcd refuses pings closer than its
+/// `--grpc-keepalive-min-time` (5 s by default) and, after a few, closes the
+/// connection; 10 s leaves room for that and is gRPC's own floor.
+const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
+/// How long a ping may go unanswered before the connection counts as lost.
+/// A silent etcd (host gone, network cut) is therefore noticed within
+/// `KEEP_ALIVE_INTERVAL + KEEP_ALIVE_TIMEOUT` (15 s); one that closes its
+/// connections (stopped, restarted) at once.
+const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(5);
 /// The longest wait between reconnection attempts.
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// How long start-up waits for the first load before serving without it.
@@ -212,8 +221,11 @@ impl MetricsSource for EtcdDiscovery {
 async fn connect(endpoints: &[String]) -> anyhow::Result<Client> {
     let options = ConnectOptions::new()
         .with_connect_timeout(CONNECT_TIMEOUT)
-        .with_keep_alive(KEEP_ALIVE, KEEP_ALIVE)
-        .with_keep_alive_while_idle(true);
+        .with_keep_alive(KEEP_ALIVE_INTERVAL, KEEP_ALIVE_TIMEOUT)
+        // etcd also refuses pings on a connection without an open stream;
+        // every long-lived connection here holds one (the watch, the lease
+        // keep-alive).
+        .with_keep_alive_while_idle(false);
     Client::connect(endpoints, Some(options))
         .await
         .with_context(|| format!("connecting to etcd at {}", endpoints.join(",")))
@@ -236,6 +248,36 @@ fn parse(key: &[u8], value: &[u8]) -> Option<(String, WorkerSpec)> {
     Some((key, spec))
 }
 
+/// How long the worker's `/v1/models` may take to answer `register`.
+const MODELS_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The model `register` without one registers: the one the worker's
+/// `/v1/models` names, asked every [`MAX_BACKOFF`] until it answers (a worker
+/// may take minutes to load). A worker that serves several is registered
+/// without one: balancers then learn its list from `/v1/models` themselves.
+async fn served_model(address: &WorkerAddress) -> Option<String> {
+    let mut waiting = false;
+    loop {
+        match served_models(address, MODELS_TIMEOUT).await {
+            Some(mut models) if models.len() == 1 => {
+                let model = models.remove(0);
+                tracing::info!(worker = %address.base, model, "registering the model the worker serves");
+                return Some(model);
+            }
+            Some(models) => {
+                tracing::info!(worker = %address.base, ?models, "the worker serves several models: registering it without one (balancers learn them from its /v1/models)");
+                return None;
+            }
+            None if !waiting => {
+                tracing::info!(worker = %address.base, "no --model: waiting for the worker's /v1/models to name its model");
+                waiting = true;
+            }
+            None => {}
+        }
+        tokio::time::sleep(MAX_BACKOFF).await;
+    }
+}
+
 /// What `balancer register` keeps alive.
 #[derive(Debug, Clone)]
 pub struct Registration {
@@ -248,18 +290,25 @@ pub struct Registration {
 
 /// Keeps `registration`'s key alive under a lease until `stop` resolves,
 /// then revokes the lease (which deletes the key). Reconnects and registers
-/// again when etcd goes away and comes back.
+/// again when etcd goes away and comes back. A spec without a model first
+/// gets the one the worker serves ([`served_model`]).
 pub async fn register(
-    registration: Registration,
+    mut registration: Registration,
     stop: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    registration.spec.validate()?;
+    let address = registration.spec.validate()?;
+    tokio::pin!(stop);
+    if registration.spec.model.is_none() {
+        tokio::select! {
+            model = served_model(&address) => registration.spec.model = model,
+            () = &mut stop => return Ok(()),
+        }
+    }
     let key = format!("{}{}", registration.etcd.workers_prefix(), registration.id);
     let value = serde_json::to_string(&registration.spec)?;
     let ttl = i64::try_from(registration.ttl.as_secs())
         .unwrap_or(i64::MAX)
         .max(2);
-    tokio::pin!(stop);
     loop {
         let session = async {
             let mut client = connect(&registration.etcd.endpoints).await?;

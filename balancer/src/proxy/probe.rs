@@ -14,8 +14,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
 use balancer_core::registry::{Registry, Worker};
+use balancer_core::spec::WorkerAddress;
 
-use crate::tls::WorkerConnector;
+use crate::tls::{WorkerConnector, WorkerTls, WorkerTlsConfig};
 
 type ProbeClient = Client<WorkerConnector, Empty<Bytes>>;
 
@@ -72,13 +73,14 @@ impl Prober {
             loop {
                 let Some(worker) = weak.upgrade() else { return };
                 if worker.models().is_empty()
-                    && let Some(models) = this.fetch_models(&worker).await
+                    && let Some(models) =
+                        fetch_models(&this.client, &worker.address, this.config.timeout).await
                 {
                     this.registry.learn_models(&worker, models);
                 }
                 if this.config.enabled {
                     let path = this.config.endpoint.clone();
-                    let passed = match get(&worker, &path) {
+                    let passed = match get(&worker.address, &path) {
                         Some(request) => probe(&this.client, request, this.config.timeout).await,
                         None => false,
                     };
@@ -92,39 +94,54 @@ impl Prober {
         });
         worker.add_task(task.abort_handle());
     }
-
-    /// The model ids a worker reports on `/v1/models`.
-    async fn fetch_models(&self, worker: &Worker) -> Option<Vec<String>> {
-        #[derive(serde::Deserialize)]
-        struct Models {
-            data: Vec<Model>,
-        }
-        #[derive(serde::Deserialize)]
-        struct Model {
-            id: String,
-        }
-        let request = get(worker, "/v1/models")?;
-        let fetch = async {
-            let response = self.client.request(request).await.ok()?;
-            if !response.status().is_success() {
-                return None;
-            }
-            let body = response.into_body().collect().await.ok()?.to_bytes();
-            let models: Models = serde_json::from_slice(&body).ok()?;
-            Some(models.data.into_iter().map(|m| m.id).collect::<Vec<_>>())
-        };
-        tokio::time::timeout(self.config.timeout, fetch)
-            .await
-            .ok()
-            .flatten()
-            .filter(|m| !m.is_empty())
-    }
 }
 
-/// `GET path` on `worker`, with the worker URL's credentials if it has any.
-fn get(worker: &Worker, path: &str) -> Option<http::Request<Empty<Bytes>>> {
-    let mut request = http::Request::get(format!("{}{path}", worker.url));
-    if let Some(auth) = &worker.address.basic_auth {
+/// The model ids the worker at `address` reports on `/v1/models`, asked
+/// once over a connection of its own (`balancer register` without
+/// `--model`); `None` when it does not answer a non-empty list in time.
+pub async fn served_models(address: &WorkerAddress, timeout: Duration) -> Option<Vec<String>> {
+    let tls = Arc::new(WorkerTls::load(&WorkerTlsConfig::default(), Arc::default()).ok()?);
+    let client = Client::builder(TokioExecutor::new()).build(tls.connector(timeout));
+    fetch_models(&client, address, timeout).await
+}
+
+/// The model ids a worker reports on `/v1/models`; `None` unless it answers
+/// a non-empty list within `timeout`.
+async fn fetch_models(
+    client: &ProbeClient,
+    address: &WorkerAddress,
+    timeout: Duration,
+) -> Option<Vec<String>> {
+    #[derive(serde::Deserialize)]
+    struct Models {
+        data: Vec<Model>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Model {
+        id: String,
+    }
+    let request = get(address, "/v1/models")?;
+    let fetch = async {
+        let response = client.request(request).await.ok()?;
+        if !response.status().is_success() {
+            return None;
+        }
+        let body = response.into_body().collect().await.ok()?.to_bytes();
+        let models: Models = serde_json::from_slice(&body).ok()?;
+        Some(models.data.into_iter().map(|m| m.id).collect::<Vec<_>>())
+    };
+    tokio::time::timeout(timeout, fetch)
+        .await
+        .ok()
+        .flatten()
+        .filter(|m| !m.is_empty())
+}
+
+/// `GET path` on the worker at `address`, with the worker URL's credentials
+/// if it has any.
+fn get(address: &WorkerAddress, path: &str) -> Option<http::Request<Empty<Bytes>>> {
+    let mut request = http::Request::get(format!("{}{path}", address.base));
+    if let Some(auth) = &address.basic_auth {
         request = request.header(http::header::AUTHORIZATION, auth.expose());
     }
     request.body(Empty::new()).ok()

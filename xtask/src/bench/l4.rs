@@ -36,7 +36,7 @@ use super::{
     BODY, Lab, PATH, READY_WITHIN, Sample, WARMUP_SECS, WRK_THREADS, bounded, ensure_tool, median,
     other_cpu_use, parse_wrk, post_status, show,
 };
-use crate::shell::{run, stdout_of};
+use crate::shell::{cargo, run, stdout_of};
 use crate::{ebpf, workspace_root};
 
 #[derive(Args)]
@@ -115,7 +115,7 @@ pub fn l4(args: &L4) -> Result<()> {
 /// Runs `l4_cost.rs` and returns its rows (name, nanoseconds).
 fn per_packet_cost(object: &Path) -> Result<Vec<(String, f64)>> {
     let out = std::env::temp_dir().join(format!("balancer-bench-l4-cost-{}", std::process::id()));
-    run(Command::new("cargo")
+    run(cargo()
         .args([
             "test",
             "--release",
