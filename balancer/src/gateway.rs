@@ -355,6 +355,7 @@ impl Gateway {
             token: config.admin_token.clone(),
             on_added: Box::new(move |w| prober.spawn(w)),
             drain_timeout: grace,
+            probed: config.health_check.enabled,
         });
         listeners.spawn(serve(
             admin,
