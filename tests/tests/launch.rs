@@ -10,7 +10,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use balancer_mock_worker::{MockWorker, MockWorkerConfig};
+use balancer_mock_worker::{Fault, MockWorker, MockWorkerConfig};
 use balancer_tests::balancer_binary;
 
 const BOUND: Duration = Duration::from_secs(10);
@@ -79,14 +79,23 @@ fn flags(port: u16, worker: &MockWorker) -> Result<Vec<String>> {
     .to_vec())
 }
 
-/// The status line of `GET /health` on `addr`.
-fn health(addr: SocketAddr) -> Option<String> {
+/// `request` (a whole HTTP/1.1 request, `connection: close`) sent to
+/// `addr`; the whole answer.
+fn exchange(addr: SocketAddr, request: &str) -> Option<String> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    s.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-        .ok()?;
+    s.set_read_timeout(Some(BOUND)).ok()?;
+    s.write_all(request.as_bytes()).ok()?;
     let mut got = String::new();
     s.read_to_string(&mut got).ok()?;
+    Some(got)
+}
+
+/// The status line of `GET /health` on `addr`.
+fn health(addr: SocketAddr) -> Option<String> {
+    let got = exchange(
+        addr,
+        "GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+    )?;
     got.lines().next().map(str::to_owned)
 }
 
@@ -168,6 +177,61 @@ async fn host_localhost_serves_on_loopback() -> Result<()> {
     args.extend(["--host".to_owned(), "localhost".to_owned()]);
     let mut agent = Agent::start(&binary, &args)?;
     wait_serving(SocketAddr::from(([127, 0, 0, 1], port)), &mut agent)?;
+    drop(agent);
+    worker.shutdown().await;
+    Ok(())
+}
+
+// The demo worker answers on the runtime's other thread while this one
+// waits on blocking sockets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_max_retries_counts_the_attempts_after_the_first() -> Result<()> {
+    let binary = balancer_binary("--route-undeclared-models")?;
+    let worker = worker().await?;
+    let port = free_port()?;
+    let mut args = flags(port, &worker)?;
+    args.extend(
+        [
+            "--retry-max-retries",
+            "1",
+            "--retry-initial-backoff-ms",
+            "1",
+        ]
+        .map(str::to_owned),
+    );
+    let mut agent = Agent::start(&binary, &args)?;
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    wait_serving(addr, &mut agent)?;
+    // Once the worker's model is known, only the chat reaches /v1/ there.
+    let models = "GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n";
+    let deadline = Instant::now() + BOUND;
+    while !exchange(addr, models).is_some_and(|a| a.contains("demo-model")) {
+        ensure!(Instant::now() < deadline, "the model was not learned");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    worker.set_fault(Fault {
+        status: Some(500),
+        ..Fault::default()
+    });
+    let before = worker.stats().inference_requests;
+    let body = r#"{"model":"demo-model","messages":[{"role":"user","content":"hi"}]}"#;
+    let chat = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let answer = exchange(addr, &chat);
+    ensure!(
+        answer
+            .as_deref()
+            .is_some_and(|a| a.starts_with("HTTP/1.1 500")),
+        "{answer:?}"
+    );
+    ensure!(
+        worker.stats().inference_requests - before == 2,
+        "the first attempt and one retry, not {}",
+        worker.stats().inference_requests - before
+    );
     drop(agent);
     worker.shutdown().await;
     Ok(())
