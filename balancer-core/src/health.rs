@@ -65,6 +65,20 @@ impl HealthTracker {
         }
     }
 
+    /// A worker that joins a serving fleet: NotReady until a probe has said
+    /// otherwise, and its first passing probe promotes it (a worker that
+    /// fails it needs the usual run of passes). Nothing is known of it yet,
+    /// so it is not reported Ready; and one pass is what the workers given
+    /// at start, which begin Ready, are trusted on too.
+    pub fn joining(thresholds: HealthThresholds) -> Self {
+        Self {
+            status: Health::NotReady,
+            failures: 0,
+            successes: thresholds.success.saturating_sub(1),
+            thresholds,
+        }
+    }
+
     /// The status after the last probe result or [`HealthTracker::force_ready`].
     pub fn status(&self) -> Health {
         self.status
@@ -150,6 +164,19 @@ mod tests {
             .filter_map(|p| h.observe(p))
             .collect();
         assert_eq!(changes, vec![HealthChange::Demoted, HealthChange::Promoted]);
+    }
+
+    #[test]
+    fn a_joining_worker_is_not_ready_until_its_first_passing_probe() {
+        let mut h = HealthTracker::joining(T);
+        assert_eq!(h.status(), Health::NotReady);
+        assert_eq!(h.observe(true), Some(HealthChange::Promoted));
+        assert_eq!(h.status(), Health::Ready);
+
+        let mut h = HealthTracker::joining(T);
+        assert_eq!(h.observe(false), None);
+        assert_eq!(h.observe(true), None, "after a failure, the usual run");
+        assert_eq!(h.observe(true), Some(HealthChange::Promoted));
     }
 
     #[test]

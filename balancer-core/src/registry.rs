@@ -397,12 +397,29 @@ impl Registry {
         Ok(added.remove(0))
     }
 
+    /// Adds one worker to a serving fleet, NotReady until its first passing
+    /// probe ([`HealthTracker::joining`]): for workers that will be probed,
+    /// about which nothing is known yet.
+    pub fn add_joining(self: &Arc<Self>, spec: &WorkerSpec) -> Result<Arc<Worker>, RegistryError> {
+        let mut added = self.add_specs(std::slice::from_ref(spec), true)?;
+        Ok(added.remove(0))
+    }
+
     /// Adds several workers as one change: all of them or, when any spec is
     /// invalid or a duplicate, none. The fleet snapshot (and its hash rings)
     /// is rebuilt once, not once per worker.
     pub fn add_all(
         self: &Arc<Self>,
         specs: &[WorkerSpec],
+    ) -> Result<Vec<Arc<Worker>>, RegistryError> {
+        self.add_specs(specs, false)
+    }
+
+    /// [`Registry::add_all`]; `joining` workers start NotReady.
+    fn add_specs(
+        self: &Arc<Self>,
+        specs: &[WorkerSpec],
+        joining: bool,
     ) -> Result<Vec<Arc<Worker>>, RegistryError> {
         let addresses = specs
             .iter()
@@ -418,7 +435,7 @@ impl Registry {
         let added: Vec<_> = specs
             .iter()
             .zip(addresses)
-            .map(|(spec, address)| self.build_worker(spec, address))
+            .map(|(spec, address)| self.build_worker(spec, address, joining))
             .collect();
         let mut removed = self.removed.lock().unwrap();
         removed.retain(|(u, _)| !added.iter().any(|w| w.url == *u));
@@ -433,7 +450,17 @@ impl Registry {
         Ok(added)
     }
 
-    fn build_worker(self: &Arc<Self>, spec: &WorkerSpec, address: WorkerAddress) -> Arc<Worker> {
+    fn build_worker(
+        self: &Arc<Self>,
+        spec: &WorkerSpec,
+        address: WorkerAddress,
+        joining: bool,
+    ) -> Arc<Worker> {
+        let health = if joining {
+            HealthTracker::joining(self.config.health)
+        } else {
+            HealthTracker::new(Health::Ready, self.config.health)
+        };
         let (settings, classifier) = self.config.breaker.resolve(&spec.resilience);
         let id = format!("w{}", self.next_id.fetch_add(1, Ordering::Relaxed));
         let url: Arc<str> = address.base.clone().into();
@@ -453,8 +480,8 @@ impl Registry {
                 models: ArcSwap::from_pointee(spec.model.iter().cloned().collect()),
                 classifier: ArcSwap::from_pointee(classifier),
                 resilience: Mutex::new(spec.resilience.clone()),
-                ready: AtomicBool::new(true),
-                health: Mutex::new(HealthTracker::new(Health::Ready, self.config.health)),
+                ready: AtomicBool::new(health.status() == Health::Ready),
+                health: Mutex::new(health),
                 draining: AtomicBool::new(false),
                 removed: AtomicBool::new(false),
                 inflight: AtomicU32::new(0),

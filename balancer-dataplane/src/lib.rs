@@ -40,6 +40,7 @@ pub mod l4;
 mod log;
 pub mod maglev;
 pub mod pin;
+mod preflight;
 pub mod status;
 pub mod steering;
 mod test_run;
@@ -78,6 +79,13 @@ pub enum DataplaneError {
     MissingEgressProgram,
     #[error("eBPF object has no map `{0}`")]
     MissingMap(&'static str),
+    #[error(
+        "the XDP dataplane needs root, or the capabilities CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON; this process lacks {}",
+        .missing.join(", ")
+    )]
+    Privileges { missing: Vec<&'static str> },
+    #[error("no network interface {iface:?} in this network namespace")]
+    NoInterface { iface: String },
     #[error("failed to load program `{program}` into the kernel")]
     Verify {
         program: &'static str,

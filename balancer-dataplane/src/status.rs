@@ -27,13 +27,26 @@ fn open<T: TryFrom<Map, Error = MapError>>(path: &Path) -> Result<T, MapError> {
     T::try_from(Map::from_map_data(data)?)
 }
 
-/// A human-readable report of everything pinned under `bpffs_dir`.
+/// A human-readable report of everything pinned under `bpffs_dir`. It says
+/// "nothing attached" first when no XDP or TC link is pinned there: maps
+/// alone steer nothing.
 pub fn report(bpffs_dir: &Path) -> String {
     let dirs = pin::state_dirs(bpffs_dir);
     if dirs.is_empty() {
-        return format!("nothing pinned under {}\n", bpffs_dir.display());
+        return format!(
+            "nothing attached: nothing pinned under {}\n",
+            bpffs_dir.display()
+        );
     }
     let mut out = String::new();
+    if dirs.iter().all(|dir| dir.links().is_empty()) {
+        let _ = writeln!(
+            out,
+            "nothing attached: no XDP or TC link is pinned under {}; only maps remain \
+             (`balancer l4 detach` removes them)",
+            bpffs_dir.display()
+        );
+    }
     for dir in dirs {
         describe(&mut out, &dir);
     }
@@ -59,7 +72,11 @@ fn describe(out: &mut String, dir: &PinDir) {
             )
         })
         .collect();
-    for (path, iface, xdp) in dir.links() {
+    let links = dir.links();
+    if links.is_empty() {
+        let _ = writeln!(out, "  nothing attached: no link pinned");
+    }
+    for (path, iface, xdp) in links {
         let kind = if xdp { "XDP" } else { "TC egress" };
         match PinnedLink::from_pin(&path) {
             Ok(link) => {

@@ -140,15 +140,47 @@ impl Steering {
     /// attaches it, and starts following the registry. Needs a tokio
     /// runtime; interfaces are looked up in the calling thread's network
     /// namespace.
+    ///
+    /// Privileges and interfaces are checked before anything is created. A
+    /// start that fails later removes the pinned state it created, so that
+    /// `balancer l4 status` never shows the remains of a start that did not
+    /// happen; state an earlier agent pinned stays for the next start.
     pub fn start(config: &L4Config, registry: Arc<Registry>) -> Result<Self, DataplaneError> {
+        crate::preflight::check(&config.ifaces)?;
         let object = locate_object(None)?;
-        let services = u32::try_from(config.services.len()).unwrap_or(u32::MAX);
         let pins = config
             .bpffs_dir
             .as_ref()
             .map(|dir| PinDir::new(dir, config.mode.as_str(), &config.ifaces));
+        let created = pins.clone().filter(|p| !p.root().exists());
+        Self::start_pinned(config, registry, &object, pins).inspect_err(|error| {
+            let Some(created) = created else { return };
+            // The dataplane is gone by now: with its links unpinned the
+            // programs detach.
+            match created.remove() {
+                Ok(()) => tracing::info!(
+                    pins = %created.root().display(),
+                    error = %error_chain(error),
+                    "L4 start failed; removed the pinned state it created"
+                ),
+                Err(cleanup) => tracing::warn!(
+                    pins = %created.root().display(),
+                    error = %error_chain(&cleanup),
+                    "L4 start failed, and removing the pinned state it created failed too"
+                ),
+            }
+        })
+    }
+
+    fn start_pinned(
+        config: &L4Config,
+        registry: Arc<Registry>,
+        object: &std::path::Path,
+        pins: Option<PinDir>,
+    ) -> Result<Self, DataplaneError> {
+        let services = u32::try_from(config.services.len()).unwrap_or(u32::MAX);
         let mut dataplane = Dataplane::load_pinned(
-            &object,
+            object,
             LoadOptions {
                 table_size: config.table_size,
                 services,

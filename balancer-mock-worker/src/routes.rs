@@ -109,6 +109,16 @@ async fn inference(
         return Ok(cut_response(resp, fault.cut, abort));
     }
     let token_delay = fault.token_delay.unwrap_or(shared.token_delay);
+    if parts.method == Method::GET
+        && let Some(id) = parts.uri.path().strip_prefix("/v1/models/")
+    {
+        let resp = if *id == *shared.model {
+            shared.json(StatusCode::OK, shared.card_body.clone())
+        } else {
+            shared.error(StatusCode::NOT_FOUND, "no such model", "model_not_found")
+        };
+        return Ok(cut_response(resp, fault.cut, abort));
+    }
     let kind = match (&parts.method, parts.uri.path()) {
         (&Method::GET, "/v1/models") => None,
         (&Method::POST, "/v1/chat/completions") => Some(Kind::Chat),

@@ -106,6 +106,8 @@ pub(crate) struct Shared {
     pub(crate) default_tokens: u64,
     pub(crate) max_tokens_cap: u64,
     pub(crate) models_body: Bytes,
+    /// `GET /v1/models/{its model}`: the one entry of [`Shared::models_body`].
+    pub(crate) card_body: Bytes,
     pub(crate) stats: Counters,
     pub(crate) fault: ArcSwapOption<FaultState>,
     pub(crate) next_id: AtomicU64,
@@ -124,14 +126,16 @@ impl Shared {
                 format!("worker name {name:?} is not a valid header value"),
             )
         })?;
+        let card = serde_json::json!({
+            "id": cfg.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "mock-worker",
+        });
+        let card_body = serde_json::to_vec(&card).map_err(io::Error::other)?;
         let models_body = serde_json::to_vec(&serde_json::json!({
             "object": "list",
-            "data": [{
-                "id": cfg.model,
-                "object": "model",
-                "created": 0,
-                "owned_by": "mock-worker",
-            }],
+            "data": [card],
         }))
         .map_err(io::Error::other)?;
         Ok(Shared {
@@ -142,6 +146,7 @@ impl Shared {
             default_tokens: cfg.default_tokens,
             max_tokens_cap: cfg.max_tokens_cap,
             models_body: models_body.into(),
+            card_body: card_body.into(),
             stats: Counters::default(),
             fault: ArcSwapOption::empty(),
             next_id: AtomicU64::new(1),

@@ -36,6 +36,10 @@ pub struct Admin {
     pub on_added: OnAdded,
     /// How long `DELETE` waits for in-flight requests before removing anyway.
     pub drain_timeout: Duration,
+    /// Workers are probed (no `--disable-health-check`): one added here is
+    /// NotReady until its first passing probe. Unprobed, it starts Ready,
+    /// as nothing would ever promote it.
+    pub probed: bool,
 }
 
 const MAX_BODY: usize = 1 << 20;
@@ -116,7 +120,12 @@ impl Admin {
     }
 
     fn add(&self, spec: WorkerSpec) -> Response<ResponseBody> {
-        match self.registry.add(&spec) {
+        let added = if self.probed {
+            self.registry.add_joining(&spec)
+        } else {
+            self.registry.add(&spec)
+        };
+        match added {
             Ok(w) => {
                 (self.on_added)(&w);
                 respond(StatusCode::CREATED, self.view(&w))
@@ -224,11 +233,20 @@ async fn read_json<T: serde::de::DeserializeOwned>(
         .await
         .map_err(|e| error(ErrorCode::InvalidRequest, &format!("cannot read body: {e}")))?
         .to_bytes();
-    serde_json::from_slice(&bytes).map_err(|e| {
+    // The path to the value that failed (`resilience.cb_failure_threshold`),
+    // which serde_json's own errors leave out for a value of the wrong type.
+    let mut json = serde_json::Deserializer::from_slice(&bytes);
+    serde_path_to_error::deserialize(&mut json).map_err(|e| {
+        let field = e.path().to_string();
+        let message = match field.as_str() {
+            "." => format!("invalid JSON body: {}", e.inner()),
+            _ => format!("invalid JSON body: {field}: {}", e.inner()),
+        };
+        let param = (field != ".").then_some(field);
         respond(
             StatusCode::BAD_REQUEST,
-            json!({"error": {"message": format!("invalid JSON body: {e}"),
-                             "type": "invalid_request_error", "code": "invalid_request"}}),
+            json!({"error": {"message": message, "type": "invalid_request_error",
+                             "code": "invalid_request", "param": param}}),
         )
     })
 }

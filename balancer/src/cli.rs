@@ -45,6 +45,45 @@ fn fraction(s: &str) -> Result<f64, String> {
     }
 }
 
+/// A host flag's address: an IP address, or a name resolved once at start
+/// (`localhost`); of a name's addresses, the first IPv4 one, as most
+/// operators mean `localhost` to be 127.0.0.1.
+fn host(s: &str) -> Result<IpAddr, String> {
+    if let Ok(ip) = s.parse() {
+        return Ok(ip);
+    }
+    let resolved: Vec<IpAddr> = std::net::ToSocketAddrs::to_socket_addrs(&(s, 0))
+        .map_err(|e| format!("{s} is neither an IP address nor a name that resolves: {e}"))?
+        .map(|a| a.ip())
+        .collect();
+    resolved
+        .iter()
+        .find(|ip| ip.is_ipv4())
+        .or(resolved.first())
+        .copied()
+        .ok_or_else(|| format!("{s} resolves to no address"))
+}
+
+/// `--log-level`: a level, or a tracing filter whose every directive names
+/// a level (`info,balancer=debug`). A bare word that is not a level would
+/// otherwise be read as a target and silence everything else.
+fn log_level(s: &str) -> Result<String, String> {
+    let levels = "error, warn, info, debug, trace (or a filter such as info,balancer=debug)";
+    for directive in s.split(',') {
+        let level = directive.rsplit_once('=').map_or(directive, |(_, l)| l);
+        if level
+            .trim()
+            .parse::<tracing_subscriber::filter::LevelFilter>()
+            .is_err()
+        {
+            return Err(format!("{directive:?} is not a level: use {levels}"));
+        }
+    }
+    tracing_subscriber::EnvFilter::try_new(s)
+        .map(|_| s.to_owned())
+        .map_err(|e| format!("{e}: use {levels}"))
+}
+
 fn split_pair(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
         Some((k, v)) if !k.is_empty() && !v.is_empty() => Ok((k.to_owned(), v.to_owned())),
@@ -94,8 +133,9 @@ pub struct LaunchArgs {
     #[arg(long, value_name = "PATH")]
     pub config: Option<PathBuf>,
 
-    /// Address the HTTP gateway listens on.
-    #[arg(long, default_value = "127.0.0.1")]
+    /// Address the HTTP gateway listens on (an IP address or a host name,
+    /// resolved at start).
+    #[arg(long, default_value = "127.0.0.1", value_parser = host)]
     pub host: IpAddr,
     /// Port of the HTTP gateway.
     #[arg(long, default_value_t = 30000)]
@@ -123,7 +163,7 @@ pub struct LaunchArgs {
     pub routing_key_header: String,
 
     /// Address of the Prometheus metrics listener.
-    #[arg(long, default_value = "127.0.0.1")]
+    #[arg(long, default_value = "127.0.0.1", value_parser = host)]
     pub prometheus_host: IpAddr,
     #[arg(long, default_value_t = 29000)]
     pub prometheus_port: u16,
@@ -133,7 +173,7 @@ pub struct LaunchArgs {
     pub metrics_prefix: String,
 
     /// Address of the admin API (never served on the public port).
-    #[arg(long, default_value = "127.0.0.1")]
+    #[arg(long, default_value = "127.0.0.1", value_parser = host)]
     pub admin_host: IpAddr,
     #[arg(long, default_value_t = 29100)]
     pub admin_port: u16,
@@ -242,15 +282,16 @@ pub struct LaunchArgs {
     #[arg(long, default_value_t = DEFAULT_REMOVED_GRACE.as_secs())]
     pub removed_worker_grace_secs: u64,
 
-    /// Log level (error, warn, info, debug, trace) or a tracing filter.
-    #[arg(long, default_value = "info")]
+    /// Log level (error, warn, info, debug, trace) or a tracing filter
+    /// whose directives name levels (`info,balancer=debug`).
+    #[arg(long, default_value = "info", value_parser = log_level)]
     pub log_level: String,
     /// Log as JSON lines.
     #[arg(long)]
     pub log_json: bool,
 
-    /// Attempts per request, the first included.
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Retries per request after the first attempt (0: none).
+    #[arg(long, default_value_t = 5)]
     pub retry_max_retries: u32,
     #[arg(long, default_value_t = 50)]
     pub retry_initial_backoff_ms: u64,
@@ -293,6 +334,11 @@ pub struct LaunchArgs {
     /// `x-balancer-fallback` header. Repeatable; chains allowed, cycles refused.
     #[arg(long, value_name = "MODEL=OTHER", value_parser = split_pair)]
     pub fallback_model: Vec<(String, String)>,
+    /// Send a request naming a model no worker declares to any worker (the
+    /// behaviour before 404 `model_not_found`): for fleets of one model
+    /// whose workers list none on `/v1/models`.
+    #[arg(long)]
+    pub route_undeclared_models: bool,
     /// MODEL=TOKENS: tokens per rolling minute (from the responses' `usage`).
     /// Past it, requests for MODEL take its fallback model, or get 429
     /// `token_budget_exceeded` with Retry-After. Repeatable.
@@ -583,7 +629,7 @@ impl LaunchArgs {
                     max_attempts: if self.disable_retries {
                         1
                     } else {
-                        self.retry_max_retries
+                        self.retry_max_retries.saturating_add(1)
                     },
                     initial_backoff: Duration::from_millis(self.retry_initial_backoff_ms),
                     max_backoff: Duration::from_millis(self.retry_max_backoff_ms),
@@ -600,6 +646,7 @@ impl LaunchArgs {
                 buffered_bytes_total: usize::try_from(self.max_buffered_bytes_total)
                     .unwrap_or(usize::MAX),
                 trusted_proxy_hops: self.trusted_proxy_hops,
+                route_undeclared_models: self.route_undeclared_models,
                 routing_key_header,
                 fallbacks,
             },
@@ -801,7 +848,7 @@ mod tests {
         assert_eq!(d.settings, Settings::default());
         assert!(!d.disabled);
         let c = a.to_config().unwrap();
-        assert_eq!(c.proxy.retry.max_attempts, 5);
+        assert_eq!(c.proxy.retry.max_attempts, 6, "5 retries after the first");
         assert_eq!(a.request_timeout_secs, 1800);
         assert_eq!(a.policy, Policy::PowerOfTwo);
         assert!(c.admission.is_none());
@@ -1016,6 +1063,45 @@ resilience = { cb_min_completion_tokens = 0 }
             None,
             "0 turns it off here"
         );
+    }
+
+    #[test]
+    fn retry_max_retries_counts_the_retries_after_the_first_attempt() {
+        let attempts = |args: &[&str]| parse(args).unwrap().to_config().unwrap().proxy.retry;
+        assert_eq!(attempts(&["--retry-max-retries", "0"]).max_attempts, 1);
+        assert_eq!(attempts(&["--retry-max-retries", "2"]).max_attempts, 3);
+        assert_eq!(attempts(&["--disable-retries"]).max_attempts, 1);
+    }
+
+    #[test]
+    fn a_log_level_that_is_not_a_level_is_refused() {
+        for ok in [
+            "info",
+            "TRACE",
+            "warn,balancer=debug",
+            "balancer::proxy=trace",
+        ] {
+            assert_eq!(parse(&["--log-level", ok]).unwrap().log_level, ok);
+        }
+        for bad in ["verbose", "info,verbose", "balancer=loud"] {
+            let err = parse(&["--log-level", bad]).unwrap_err().to_string();
+            assert!(
+                err.contains("--log-level") && err.contains("error, warn, info, debug, trace"),
+                "{bad}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_host_may_be_a_name() {
+        let a = parse(&["--host", "localhost", "--admin-host", "localhost"]).unwrap();
+        assert!(a.host.is_loopback(), "{}", a.host);
+        assert!(a.admin_host.is_loopback(), "{}", a.admin_host);
+        assert_eq!(a.host, IpAddr::from([127, 0, 0, 1]), "IPv4 first");
+        let err = parse(&["--host", "no-such-host.invalid"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--host"), "{err}");
     }
 
     #[test]

@@ -386,6 +386,7 @@ impl Default for ProxyConfig {
             body_stall_timeout: Duration::from_secs(30),
             buffered_bytes_total: 1 << 30,
             trusted_proxy_hops: 0,
+            route_undeclared_models: false,
         }
     }
 }
@@ -394,7 +395,8 @@ impl Default for RetryPolicy {
     /// `--retry-*` defaults of the reference gateway.
     fn default() -> Self {
         Self {
-            max_attempts: 5,
+            // `--retry-max-retries 5`: five retries after the first attempt.
+            max_attempts: 6,
             initial_backoff: Duration::from_millis(50),
             max_backoff: Duration::from_millis(30_000),
             multiplier: 1.5,

@@ -62,28 +62,58 @@ pub struct Gateway {
 /// (`SO_REUSEPORT`), so the threads share no accept queue; the kernel picks
 /// a thread by a hash of the connection's addresses, and the threads even
 /// out what it picked ([`crate::server::Member`]).
-fn bind_reuseport(addr: SocketAddr, count: usize) -> anyhow::Result<Vec<std::net::TcpListener>> {
+///
+/// `SO_REUSEPORT` would also let a second agent (same user) join the port
+/// silently and take half its connections. So the port is first claimed by a
+/// socket without `SO_REUSEPORT`, which any other listener on it refuses;
+/// the claim stays bound (not listening, which with `SO_REUSEADDR` on both
+/// sides lets the threads' sockets join it) until they all listen, so no
+/// other process can slip in between the check and the threads' binds.
+fn bind_reuseport(
+    addr: SocketAddr,
+    count: usize,
+    flag: &str,
+) -> anyhow::Result<Vec<std::net::TcpListener>> {
+    let socket = || {
+        if addr.is_ipv4() {
+            TcpSocket::new_v4()
+        } else {
+            TcpSocket::new_v6()
+        }
+    };
+    let claim = socket()
+        .and_then(|s| s.set_reuseaddr(true).map(|()| s))
+        .with_context(|| format!("cannot listen for HTTP on {addr}"))?;
+    claim.bind(addr).map_err(|e| in_use(e, addr, flag))?;
+    // Port 0 picks a port once; the threads join that one.
+    let at = claim.local_addr()?;
     let mut sockets = Vec::with_capacity(count);
-    let mut at = addr;
     for _ in 0..count.max(1) {
         let listen = || -> std::io::Result<std::net::TcpListener> {
-            let socket = if at.is_ipv4() {
-                TcpSocket::new_v4()?
-            } else {
-                TcpSocket::new_v6()?
-            };
+            let socket = socket()?;
             socket.set_reuseaddr(true)?;
             socket.set_reuseport(true)?;
             socket.set_nodelay(true)?;
             socket.bind(at)?;
             socket.listen(4096)?.into_std()
         };
-        let listener = listen().with_context(|| format!("cannot listen for HTTP on {addr}"))?;
-        // Port 0 picks a port once; the other threads join that one.
-        at = listener.local_addr()?;
-        sockets.push(listener);
+        sockets.push(listen().with_context(|| format!("cannot listen for HTTP on {addr}"))?);
     }
+    drop(claim);
     Ok(sockets)
+}
+
+/// A bind error, with the flag that chose the address when another process
+/// holds it.
+fn in_use(error: std::io::Error, addr: SocketAddr, flag: &str) -> anyhow::Error {
+    if error.kind() == std::io::ErrorKind::AddrInUse {
+        anyhow::anyhow!(
+            "{flag} {}: address in use by another process ({addr})",
+            addr.port()
+        )
+    } else {
+        anyhow::Error::new(error).context(format!("cannot listen on {addr} ({flag})"))
+    }
 }
 
 /// A thread with its own single-threaded runtime and its own upstream
@@ -127,10 +157,10 @@ fn serving_thread(
     Ok(thread)
 }
 
-async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<TcpListener> {
+async fn bind(addr: SocketAddr, flag: &str) -> anyhow::Result<TcpListener> {
     TcpListener::bind(addr)
         .await
-        .with_context(|| format!("cannot listen for {what} on {addr}"))
+        .map_err(|e| in_use(e, addr, flag))
 }
 
 impl Gateway {
@@ -253,9 +283,9 @@ impl Gateway {
             worker_tls,
         ));
 
-        let main = bind_reuseport(config.listen, config.serving_threads())?;
-        let metrics = bind(config.metrics_listen, "metrics").await?;
-        let admin = bind(config.admin_listen, "the admin API").await?;
+        let main = bind_reuseport(config.listen, config.serving_threads(), "--port")?;
+        let metrics = bind(config.metrics_listen, "--prometheus-port").await?;
+        let admin = bind(config.admin_listen, "--admin-port").await?;
         let (addr, metrics_addr, admin_addr) = (
             main[0].local_addr()?,
             metrics.local_addr()?,
@@ -328,6 +358,7 @@ impl Gateway {
             token: config.admin_token.clone(),
             on_added: Box::new(move |w| prober.spawn(w)),
             drain_timeout: grace,
+            probed: config.health_check.enabled,
         });
         listeners.spawn(serve(
             admin,

@@ -7,7 +7,8 @@
 //! model in one pass), the attempt and retry loop with one breaker
 //! charge per worker per request ([`attempt`], its timeouts on the thread's
 //! kept timers in [`deadline`]), then the worker's body
-//! ([`relay`]). The gateway's own answers live in [`answer`], the background
+//! ([`relay`]). The gateway's own answers live in [`answer`] (what it says
+//! about models in [`models`]), the background
 //! health and model probes in [`probe`], the path's own series in [`stats`]. It may read the registry and record
 //! on breakers; it never changes the fleet.
 
@@ -17,6 +18,7 @@ mod body;
 mod deadline;
 mod edge;
 mod json_check;
+mod models;
 mod probe;
 mod relay;
 mod route;
@@ -104,6 +106,9 @@ pub struct ProxyConfig {
     pub buffered_bytes_total: usize,
     /// `--trusted-proxy-hops`: proxies in front whose `X-Forwarded-For` is kept.
     pub trusted_proxy_hops: u32,
+    /// `--route-undeclared-models`: a model no worker declares goes to any
+    /// worker rather than getting 404 `model_not_found`.
+    pub route_undeclared_models: bool,
 }
 
 /// The request path shared by every serving thread.
@@ -118,6 +123,9 @@ pub struct Proxy {
     body_limits: BodyLimits,
     /// How `https://` workers are dialled, shared by every pool.
     worker_tls: Arc<WorkerTls>,
+    /// When the gateway started, in Unix seconds: the `created` of the
+    /// models it lists.
+    started_unix: u64,
 }
 
 impl Proxy {
@@ -147,6 +155,9 @@ impl Proxy {
             tokens,
             clock,
             worker_tls,
+            started_unix: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
         }
     }
 
@@ -262,18 +273,31 @@ impl Lane {
         Box::into_pin(Box::write(slot, async move {
             let proxy = &*self.proxy;
             let started = Instant::now();
-            if req.method() == Method::GET {
-                match req.uri().path() {
-                    "/health" | "/liveness" => {
-                        return json_response(StatusCode::OK, serde_json::json!({"status": "ok"}));
-                    }
-                    "/readiness" => return proxy.readiness(),
-                    _ => {}
+            // The gateway's own endpoints; HEAD answers as GET, without
+            // the body (hyper sends none for HEAD).
+            let own = matches!(*req.method(), Method::GET | Method::HEAD);
+            match req.uri().path() {
+                "/health" | "/liveness" if own => {
+                    return json_response(StatusCode::OK, serde_json::json!({"status": "ok"}));
                 }
+                "/readiness" if own => return proxy.readiness(),
+                "/health" | "/liveness" | "/readiness" => {
+                    return proxy.method_not_allowed("GET, HEAD");
+                }
+                _ => {}
             }
+            let mut card = None;
             let (path, inference) = match proxy.config.routes.route(req.method(), req.uri().path())
             {
                 Route::Inference(path) => (Cow::Borrowed(path), true),
+                Route::ModelList => return proxy.model_list(),
+                Route::ModelCard { path, id } => {
+                    if proxy.refuses_model(&id) {
+                        return proxy.model_not_found(&id);
+                    }
+                    card = Some(id);
+                    (Cow::Owned(path), false)
+                }
                 Route::Forward(path) => (Cow::Owned(path), false),
                 Route::MethodNotAllowed(allow) => return proxy.method_not_allowed(allow),
                 Route::NotFound => {
@@ -345,9 +369,18 @@ impl Lane {
                 RequestBody::Streaming(..) => Ok(None),
             };
             let model = match model {
-                Ok(m) => m,
+                // A model card goes to a worker serving that model.
+                Ok(m) => card.or(m),
                 Err(msg) => return proxy.gateway_error(ErrorCode::InvalidRequest, &msg, None),
             };
+            // Refused before admission: only a model with a fallback goes
+            // on, to take it below.
+            if let Some(m) = model.as_deref()
+                && proxy.refuses_model(m)
+                && !proxy.config.fallbacks.contains_key(m)
+            {
+                return proxy.model_not_found(m);
+            }
             let permit = match &proxy.admission {
                 None => None,
                 Some(a) => match a.admit().await {
@@ -391,6 +424,16 @@ impl Lane {
                 fallback_from: None,
             };
             let mut body = Some(body);
+            // An undeclared model with a fallback takes it now: any worker
+            // would answer the undeclared one as its own.
+            while let Some(model) = request.model.as_deref()
+                && proxy.refuses_model(model)
+            {
+                if !proxy.take_fallback(&mut request, body.as_mut()) {
+                    let model = request.model.clone().unwrap_or_default();
+                    return proxy.model_not_found(&model);
+                }
+            }
             let mut budgeted = false;
             while let Some(model) = request.model.as_deref() {
                 match proxy.tokens.allowance(model, || proxy.clock.now()) {

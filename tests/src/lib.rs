@@ -25,8 +25,7 @@ use std::path::PathBuf;
 /// except under CI (env `CI` set), where a missing object means the pipeline
 /// forgot `cargo xtask build-ebpf` and the test fails.
 pub fn ebpf_prerequisites() -> Option<PathBuf> {
-    if !is_root() {
-        skip("needs root to load eBPF programs and create network namespaces");
+    if !root_prerequisite("needs root to load eBPF programs and create network namespaces") {
         return None;
     }
     match balancer_dataplane::locate_object(None) {
@@ -39,6 +38,16 @@ pub fn ebpf_prerequisites() -> Option<PathBuf> {
             None
         }
     }
+}
+
+/// Whether the calling test may go on as root; when not, prints loudly why
+/// it is skipped (`needs`).
+pub fn root_prerequisite(needs: &str) -> bool {
+    let root = is_root();
+    if !root {
+        skip(needs);
+    }
+    root
 }
 
 /// Whether this process runs as root: `/proc/self` belongs to the

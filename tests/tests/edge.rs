@@ -65,8 +65,18 @@ async fn only_inference_and_model_routes_reach_a_worker() {
             .call(h.gw.addr, method.clone(), "/v1/chat/completions", CHAT, &[])
             .await;
         assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED, "{method}");
-        assert_eq!(r.headers["allow"], "GET, POST");
+        // Exactly what the route takes: GET is 405 there too.
+        assert_eq!(r.headers["allow"], "POST");
     }
+    let r = h
+        .call(h.gw.addr, Method::GET, "/v1/chat/completions", "", &[])
+        .await;
+    assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(r.headers["allow"], "POST");
+    let r = h
+        .call(h.gw.addr, Method::POST, "/v1/models/demo-model", "{}", &[])
+        .await;
+    assert_eq!(r.headers["allow"], "GET");
     assert_eq!(
         h.workers[0].stats().requests,
         before,
@@ -314,7 +324,12 @@ async fn an_unreachable_worker_is_answered_with_the_gateways_reason_only() {
 
 #[tokio::test]
 async fn model_names_are_bounded_and_invented_ones_add_no_series() {
-    let h = harness(&["a"], quiet).await;
+    let h = harness(&["a"], |c| {
+        quiet(c);
+        // Invented models reach a worker, and still add no series.
+        c.proxy.route_undeclared_models = true;
+    })
+    .await;
     for i in 0..5 {
         let body = format!(r#"{{"model":"invented-{i}","messages":[]}}"#);
         assert_eq!(h.chat(&body).await.status, StatusCode::OK);
@@ -490,5 +505,22 @@ async fn a_worker_answer_past_the_head_bound_is_a_bad_gateway_and_the_next_reque
         assert_eq!(r.code(), "upstream_unreachable");
     }
     assert_eq!(worker.heads().len(), 2, "each attempt reached the worker");
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn the_gateways_own_endpoints_answer_head_like_get_without_a_body() {
+    let h = harness(&["a"], quiet).await;
+    for path in ["/health", "/liveness", "/readiness"] {
+        let get = h.call(h.gw.addr, Method::GET, path, "", &[]).await;
+        let head = h.call(h.gw.addr, Method::HEAD, path, "", &[]).await;
+        assert_eq!(head.status, get.status, "{path}");
+        assert_eq!(head.status, StatusCode::OK, "{path}");
+        assert_eq!(head.headers["content-type"], "application/json", "{path}");
+        assert!(head.body.is_empty(), "{path}: {}", head.text());
+        let put = h.call(h.gw.addr, Method::PUT, path, "", &[]).await;
+        assert_eq!(put.status, StatusCode::METHOD_NOT_ALLOWED, "{path}");
+        assert_eq!(put.headers["allow"], "GET, HEAD", "{path}");
+    }
     h.stop().await;
 }

@@ -309,6 +309,9 @@ pub async fn register(
     let ttl = i64::try_from(registration.ttl.as_secs())
         .unwrap_or(i64::MAX)
         .max(2);
+    // Until the first registration there is nothing to lose: failing to
+    // reach etcd then is "not registered yet", not "lost".
+    let mut registered = false;
     loop {
         let session = async {
             let mut client = connect(&registration.etcd.endpoints).await?;
@@ -321,6 +324,7 @@ pub async fn register(
                 )
                 .await?;
             tracing::info!(key, lease, ttl, "registered");
+            registered = true;
             let (mut keeper, mut answers) = client.lease_keep_alive(lease).await?;
             let renew = Duration::from_secs((ttl as u64 / 3).max(1));
             let kept: anyhow::Result<()> = async {
@@ -339,8 +343,11 @@ pub async fn register(
         tokio::select! {
             result = session => {
                 match result {
+                    Ok((_, _, Err(error))) | Err(error) if registered => {
+                        tracing::warn!(endpoints = ?registration.etcd.endpoints, error = %reason(&error), "registration lost; registering again");
+                    }
                     Ok((_, _, Err(error))) | Err(error) => {
-                        tracing::warn!(error = %format!("{error:#}"), "registration lost; registering again");
+                        tracing::warn!(endpoints = ?registration.etcd.endpoints, error = %reason(&error), "cannot register yet; trying again");
                     }
                     Ok((_, _, Ok(()))) => {}
                 }
@@ -349,15 +356,52 @@ pub async fn register(
             () = &mut stop => break,
         }
     }
-    // Stopping: delete the key now rather than when the lease runs out.
-    match connect(&registration.etcd.endpoints).await {
-        Ok(mut client) => {
-            client.delete(key.as_str(), None).await?;
-            tracing::info!(key, "deregistered");
-        }
-        Err(error) => {
-            tracing::warn!(error = %format!("{error:#}"), "could not deregister; the lease will expire")
-        }
+    if !registered {
+        return Ok(());
+    }
+    // Stopping: delete the key now rather than when the lease runs out. An
+    // etcd that is away cannot hold the stop up (the lease ends the key
+    // anyway), nor turn a clean stop into a failure.
+    let deregister = async {
+        let mut client = connect(&registration.etcd.endpoints).await?;
+        client.delete(key.as_str(), None).await?;
+        anyhow::Ok(())
+    };
+    match tokio::time::timeout(DEREGISTER_BOUND, deregister).await {
+        Ok(Ok(())) => tracing::info!(key, "deregistered"),
+        Ok(Err(error)) => tracing::warn!(
+            key,
+            error = %reason(&error),
+            "could not deregister; the key goes when its lease expires (--ttl-secs {ttl})"
+        ),
+        Err(_) => tracing::warn!(
+            key,
+            "could not deregister within {DEREGISTER_BOUND:?}; the key goes when its lease expires (--ttl-secs {ttl})"
+        ),
     }
     Ok(())
+}
+
+/// How long a stopping `register` tries to delete its key.
+const DEREGISTER_BOUND: Duration = Duration::from_secs(3);
+
+/// An etcd failure in one line: the gRPC status's message and its innermost
+/// cause ("tcp connect error: Connection refused (os error 111)"), not the
+/// status's rendering, which spells out tonic's nested error structures.
+fn reason(error: &anyhow::Error) -> String {
+    for cause in error.chain() {
+        if let Some(etcd_client::Error::GRpcStatus(status)) = cause.downcast_ref() {
+            let mut innermost = None;
+            let mut next = std::error::Error::source(status);
+            while let Some(cause) = next {
+                innermost = Some(cause);
+                next = cause.source();
+            }
+            return match innermost {
+                Some(cause) => format!("{}: {cause}", status.message()),
+                None => status.message().to_owned(),
+            };
+        }
+    }
+    format!("{error:#}")
 }

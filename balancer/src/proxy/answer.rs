@@ -39,10 +39,12 @@ pub enum ErrorCode {
     RequestTimeout,
     /// Kept request bodies already hold the process-wide budget.
     BodyBudgetExhausted,
+    /// No worker declares the model the request names.
+    ModelNotFound,
 }
 
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 13] = [
+    pub const ALL: [ErrorCode; 14] = [
         ErrorCode::NoAvailableWorkers,
         ErrorCode::AdmissionQueueFull,
         ErrorCode::AdmissionQueueTimeout,
@@ -56,6 +58,7 @@ impl ErrorCode {
         ErrorCode::PayloadTooLarge,
         ErrorCode::RequestTimeout,
         ErrorCode::BodyBudgetExhausted,
+        ErrorCode::ModelNotFound,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -73,6 +76,7 @@ impl ErrorCode {
             ErrorCode::PayloadTooLarge => "payload_too_large",
             ErrorCode::RequestTimeout => "request_timeout",
             ErrorCode::BodyBudgetExhausted => "body_budget_exhausted",
+            ErrorCode::ModelNotFound => "model_not_found",
         }
     }
 
@@ -87,7 +91,7 @@ impl ErrorCode {
             ErrorCode::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             ErrorCode::UpstreamUnreachable => StatusCode::BAD_GATEWAY,
             ErrorCode::InvalidRequest => StatusCode::BAD_REQUEST,
-            ErrorCode::NotFound => StatusCode::NOT_FOUND,
+            ErrorCode::NotFound | ErrorCode::ModelNotFound => StatusCode::NOT_FOUND,
             ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
             ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -100,6 +104,7 @@ impl ErrorCode {
         match self {
             ErrorCode::InvalidRequest
             | ErrorCode::NotFound
+            | ErrorCode::ModelNotFound
             | ErrorCode::MethodNotAllowed
             | ErrorCode::PayloadTooLarge
             | ErrorCode::RequestTimeout => "invalid_request_error",

@@ -59,8 +59,10 @@ pub(crate) fn is_generative(path: &str) -> bool {
     GENERATIVE_ROUTES.contains(&route)
 }
 
-/// Model listing: GET, no body.
-const MODEL_ROUTES: &[&str] = &["/v1/models"];
+/// The model list, which the gateway answers itself: GET or HEAD.
+const MODEL_LIST: &str = "/v1/models";
+/// One model's card (`/v1/models/{id}`), from a worker serving it: GET.
+const MODEL_CARD: &str = "/v1/models/";
 
 /// What the edge makes of a request's method and path.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -68,6 +70,11 @@ pub(crate) enum Route {
     /// A JSON inference route: forwarded, its body must be a JSON object.
     /// One of a fixed list, so it borrows the list's spelling.
     Inference(&'static str),
+    /// `GET /v1/models`: the union of the fleet's models, answered by the
+    /// gateway.
+    ModelList,
+    /// `GET /v1/models/{id}`: forwarded to a worker that serves `id`.
+    ModelCard { path: String, id: String },
     /// Any other allowed route: forwarded as it is.
     Forward(String),
     /// Allowed path, method not allowed there.
@@ -119,12 +126,9 @@ impl Routes {
             })
     }
 
-    /// Where `method path` goes.
+    /// Where `method path` goes. The `Allow` of a 405 lists exactly the
+    /// methods that path takes.
     pub(crate) fn route(&self, method: &Method, path: &str) -> Route {
-        if method != Method::GET && method != Method::POST {
-            // CONNECT, TRACE, PUT, DELETE, ... reach no worker anywhere.
-            return Route::MethodNotAllowed("GET, POST");
-        }
         let Some(path) = normalize_path(path) else {
             return Route::BadPath;
         };
@@ -144,20 +148,30 @@ impl Routes {
                 Route::MethodNotAllowed("POST")
             };
         }
-        let path = path.into_owned();
-        let models = MODEL_ROUTES.contains(&path.as_str())
-            || path
-                .strip_prefix("/v1/models/")
-                .is_some_and(|id| !id.is_empty());
-        if models {
+        if path == MODEL_LIST {
+            return if method == Method::GET || method == Method::HEAD {
+                Route::ModelList
+            } else {
+                Route::MethodNotAllowed("GET, HEAD")
+            };
+        }
+        if let Some(id) = path.strip_prefix(MODEL_CARD).filter(|id| !id.is_empty()) {
             return if method == Method::GET {
-                Route::Forward(path)
+                Route::ModelCard {
+                    id: id.to_owned(),
+                    path: path.into_owned(),
+                }
             } else {
                 Route::MethodNotAllowed("GET")
             };
         }
         if self.extra_allows(&path) {
-            return Route::Forward(path);
+            // CONNECT, TRACE, PUT, DELETE, ... reach no worker anywhere.
+            return if method == Method::GET || method == Method::POST {
+                Route::Forward(path.into_owned())
+            } else {
+                Route::MethodNotAllowed("GET, POST")
+            };
         }
         Route::NotFound
     }
@@ -552,9 +566,13 @@ mod tests {
             Route::Inference("/v1/chat/completions")
         );
         assert_eq!(
-            r.route(&Method::GET, "/v1/models/llama"),
-            Route::Forward("/v1/models/llama".into())
+            r.route(&Method::GET, "/v1/models/org/llama"),
+            Route::ModelCard {
+                path: "/v1/models/org/llama".into(),
+                id: "org/llama".into()
+            }
         );
+        assert_eq!(r.route(&Method::HEAD, "/v1/models"), Route::ModelList);
         for path in [
             "/_mock/fault",
             "/flush_cache",
@@ -569,12 +587,16 @@ mod tests {
         );
         assert_eq!(
             r.route(&Method::POST, "/v1/models"),
+            Route::MethodNotAllowed("GET, HEAD")
+        );
+        assert_eq!(
+            r.route(&Method::HEAD, "/v1/models/x"),
             Route::MethodNotAllowed("GET")
         );
         for method in [Method::DELETE, Method::CONNECT, Method::TRACE, Method::PUT] {
             assert_eq!(
                 r.route(&method, "/v1/chat/completions"),
-                Route::MethodNotAllowed("GET, POST")
+                Route::MethodNotAllowed("POST")
             );
         }
         let extra = Routes::new(&["/metrics".into(), "/admin/*".into()]);
@@ -585,6 +607,10 @@ mod tests {
         assert_eq!(
             extra.route(&Method::POST, "/admin/x"),
             Route::Forward("/admin/x".into())
+        );
+        assert_eq!(
+            extra.route(&Method::PUT, "/admin/x"),
+            Route::MethodNotAllowed("GET, POST")
         );
         assert_eq!(extra.route(&Method::GET, "/administrator"), Route::NotFound);
         assert!(Routes::check("/a/*").is_ok() && Routes::check("a").is_err());

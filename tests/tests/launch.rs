@@ -1,0 +1,238 @@
+//! End-to-end tests of `balancer launch` as a process, as an operator starts
+//! it: ports another process holds, and flag values refused or resolved at
+//! start. Every process a test starts is killed when the test ends, however
+//! it ends, and every wait is bounded.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use balancer_mock_worker::{Fault, MockWorker, MockWorkerConfig};
+use balancer_tests::balancer_binary;
+
+const BOUND: Duration = Duration::from_secs(10);
+
+/// A `balancer launch` process, killed on drop.
+struct Agent(Child);
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Agent {
+    fn start(binary: &Path, args: &[String]) -> Result<Self> {
+        let child = Command::new(binary)
+            .arg("launch")
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("starting balancer launch")?;
+        Ok(Self(child))
+    }
+
+    /// Its exit status and what it wrote on stderr, once it exits within
+    /// [`BOUND`]; an error if it is still running then.
+    fn exit(mut self) -> Result<(ExitStatus, String)> {
+        let deadline = Instant::now() + BOUND;
+        loop {
+            if let Some(status) = self.0.try_wait()? {
+                let mut stderr = String::new();
+                if let Some(mut pipe) = self.0.stderr.take() {
+                    pipe.read_to_string(&mut stderr)?;
+                }
+                return Ok((status, stderr));
+            }
+            if Instant::now() > deadline {
+                bail!("still running after {BOUND:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// The flags of an agent on `port` (metrics and admin on free ports) in
+/// front of `worker`.
+fn flags(port: u16, worker: &MockWorker) -> Result<Vec<String>> {
+    Ok([
+        "--port",
+        &port.to_string(),
+        "--prometheus-port",
+        &free_port()?.to_string(),
+        "--admin-port",
+        &free_port()?.to_string(),
+        "--worker-urls",
+        &worker.url(),
+    ]
+    .map(str::to_owned)
+    .to_vec())
+}
+
+/// `request` (a whole HTTP/1.1 request, `connection: close`) sent to
+/// `addr`; the whole answer.
+fn exchange(addr: SocketAddr, request: &str) -> Option<String> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
+    s.set_read_timeout(Some(BOUND)).ok()?;
+    s.write_all(request.as_bytes()).ok()?;
+    let mut got = String::new();
+    s.read_to_string(&mut got).ok()?;
+    Some(got)
+}
+
+/// The status line of `GET /health` on `addr`.
+fn health(addr: SocketAddr) -> Option<String> {
+    let got = exchange(
+        addr,
+        "GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+    )?;
+    got.lines().next().map(str::to_owned)
+}
+
+fn wait_serving(addr: SocketAddr, agent: &mut Agent) -> Result<()> {
+    let deadline = Instant::now() + BOUND;
+    while health(addr).is_none_or(|l| !l.contains(" 200 ")) {
+        if let Some(status) = agent.0.try_wait()? {
+            bail!("the agent exited: {status}");
+        }
+        ensure!(Instant::now() < deadline, "{addr} not serving in {BOUND:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+async fn worker() -> Result<MockWorker> {
+    Ok(MockWorker::spawn(
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+        MockWorkerConfig::named("a"),
+    )
+    .await?)
+}
+
+#[tokio::test]
+async fn a_second_agent_on_a_served_port_is_refused_naming_the_flag() -> Result<()> {
+    let binary = balancer_binary("--route-undeclared-models")?;
+    let worker = worker().await?;
+    let port = free_port()?;
+    let first_flags = flags(port, &worker)?;
+    let mut first = Agent::start(&binary, &first_flags)?;
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    wait_serving(addr, &mut first)?;
+
+    let (status, stderr) = Agent::start(&binary, &flags(port, &worker)?)?.exit()?;
+    ensure!(!status.success(), "the second agent started: {stderr}");
+    let expected = format!("--port {port}: address in use by another process");
+    ensure!(stderr.contains(&expected), "{stderr}");
+
+    // The metrics port of the first, with a free public port.
+    let metrics_port = &first_flags[3];
+    let mut second = flags(free_port()?, &worker)?;
+    second[3].clone_from(metrics_port);
+    let (status, stderr) = Agent::start(&binary, &second)?.exit()?;
+    ensure!(!status.success(), "the third agent started: {stderr}");
+    let expected = format!("--prometheus-port {metrics_port}: address in use by another process");
+    ensure!(stderr.contains(&expected), "{stderr}");
+
+    ensure!(
+        health(addr).is_some_and(|l| l.contains(" 200 ")),
+        "the first agent still serves"
+    );
+    drop(first);
+    worker.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_log_level_that_is_not_a_level_stops_the_start() -> Result<()> {
+    let binary = balancer_binary("--route-undeclared-models")?;
+    let worker = worker().await?;
+    let mut args = flags(free_port()?, &worker)?;
+    args.extend(["--log-level".to_owned(), "verbose".to_owned()]);
+    let (status, stderr) = Agent::start(&binary, &args)?.exit()?;
+    ensure!(!status.success(), "started with --log-level verbose");
+    ensure!(
+        stderr.contains("--log-level") && stderr.contains("error, warn, info, debug, trace"),
+        "{stderr}"
+    );
+    worker.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn host_localhost_serves_on_loopback() -> Result<()> {
+    let binary = balancer_binary("--route-undeclared-models")?;
+    let worker = worker().await?;
+    let port = free_port()?;
+    let mut args = flags(port, &worker)?;
+    args.extend(["--host".to_owned(), "localhost".to_owned()]);
+    let mut agent = Agent::start(&binary, &args)?;
+    wait_serving(SocketAddr::from(([127, 0, 0, 1], port)), &mut agent)?;
+    drop(agent);
+    worker.shutdown().await;
+    Ok(())
+}
+
+// The demo worker answers on the runtime's other thread while this one
+// waits on blocking sockets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_max_retries_counts_the_attempts_after_the_first() -> Result<()> {
+    let binary = balancer_binary("--route-undeclared-models")?;
+    let worker = worker().await?;
+    let port = free_port()?;
+    let mut args = flags(port, &worker)?;
+    args.extend(
+        [
+            "--retry-max-retries",
+            "1",
+            "--retry-initial-backoff-ms",
+            "1",
+        ]
+        .map(str::to_owned),
+    );
+    let mut agent = Agent::start(&binary, &args)?;
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    wait_serving(addr, &mut agent)?;
+    // Once the worker's model is known, only the chat reaches /v1/ there.
+    let models = "GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n";
+    let deadline = Instant::now() + BOUND;
+    while !exchange(addr, models).is_some_and(|a| a.contains("demo-model")) {
+        ensure!(Instant::now() < deadline, "the model was not learned");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    worker.set_fault(Fault {
+        status: Some(500),
+        ..Fault::default()
+    });
+    let before = worker.stats().inference_requests;
+    let body = r#"{"model":"demo-model","messages":[{"role":"user","content":"hi"}]}"#;
+    let chat = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let answer = exchange(addr, &chat);
+    ensure!(
+        answer
+            .as_deref()
+            .is_some_and(|a| a.starts_with("HTTP/1.1 500")),
+        "{answer:?}"
+    );
+    ensure!(
+        worker.stats().inference_requests - before == 2,
+        "the first attempt and one retry, not {}",
+        worker.stats().inference_requests - before
+    );
+    drop(agent);
+    worker.shutdown().await;
+    Ok(())
+}
