@@ -19,6 +19,7 @@ pub mod breaker;
 pub mod clock;
 pub mod health;
 pub mod metrics;
+pub mod prefix_tree;
 pub mod registry;
 pub mod ring;
 pub mod selection;

@@ -5,10 +5,16 @@
 //! policy first looks for an eligible worker the request has not tried yet,
 //! and falls back to a tried one only when no other is eligible.
 //!
+//! `cache_aware`'s prefix trees and rule live in [`cache_aware`].
+//!
 //! Cost: random probes find an eligible worker in O(1) expected time while
 //! most of the fleet is eligible; a full scan happens only when the probes
 //! miss, i.e. when most candidates are out. `least_load` compares every
 //! candidate up to 64 of them and a random sample of 16 beyond.
+
+mod cache_aware;
+
+pub use cache_aware::{CacheAware, CacheAwareConfig, Prompt, Reason};
 
 use std::cell::Cell;
 use std::str::FromStr;
@@ -17,7 +23,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rand::Rng;
 
-use crate::clock::Clock;
+use crate::clock::{Clock, Nanos};
 use crate::registry::{Attempt, Worker};
 use crate::ring::Ring;
 
@@ -35,12 +41,14 @@ pub enum Policy {
     RoundRobin,
     /// A uniformly random eligible worker.
     Random,
-    /// The less loaded (fewer in flight) of two random eligible workers; `cache_aware` selects it
-    /// too.
+    /// The less loaded ([`Worker::load`]) of two random eligible workers.
     PowerOfTwo,
-    /// The eligible worker with the fewest requests in flight; over more than 64 candidates, the
+    /// The least loaded ([`Worker::load`]) eligible worker; over more than 64 candidates, the
     /// least loaded of a random sample.
     LeastLoad,
+    /// The eligible worker that probably holds the prompt's prefix in its cache, unless the load
+    /// is out of balance ([`cache_aware`]).
+    CacheAware,
     /// The first eligible worker clockwise from the routing key's hash on the ring; round robin for
     /// a request without a key.
     ConsistentHash,
@@ -52,14 +60,13 @@ impl FromStr for Policy {
         Ok(match s {
             "round_robin" => Policy::RoundRobin,
             "random" => Policy::Random,
-            // The reference gateway's default: without a prefix cache tree
-            // here, the load-aware policy is the closest match.
-            "power_of_two" | "cache_aware" => Policy::PowerOfTwo,
+            "power_of_two" => Policy::PowerOfTwo,
+            "cache_aware" => Policy::CacheAware,
             "least_load" => Policy::LeastLoad,
             "consistent_hash" => Policy::ConsistentHash,
             other => {
                 return Err(format!(
-                    "unknown policy {other:?} (round_robin, random, power_of_two, least_load, consistent_hash)"
+                    "unknown policy {other:?} (round_robin, random, power_of_two, least_load, cache_aware, consistent_hash)"
                 ));
             }
         })
@@ -74,6 +81,7 @@ impl Policy {
             Policy::Random => "random",
             Policy::PowerOfTwo => "power_of_two",
             Policy::LeastLoad => "least_load",
+            Policy::CacheAware => "cache_aware",
             Policy::ConsistentHash => "consistent_hash",
         }
     }
@@ -104,25 +112,40 @@ impl Turn {
     }
 }
 
-/// The policy plus the little state it keeps (the round-robin cursor).
+/// The policy plus the state it keeps (the round-robin cursor, the prefix
+/// trees of `cache_aware`).
 #[derive(Debug)]
 pub struct Selector {
     policy: Policy,
     cursor: AtomicUsize,
+    cache: Option<CacheAware>,
 }
 
 impl Selector {
-    /// A selector for `policy`, its round-robin cursor at the first candidate.
+    /// A selector for `policy`, its round-robin cursor at the first candidate;
+    /// `cache_aware` with its default settings.
     pub fn new(policy: Policy) -> Self {
+        Self::with_cache_aware(policy, CacheAwareConfig::default())
+    }
+
+    /// A selector for `policy`; `cache` configures `cache_aware` and is
+    /// unused by the other policies.
+    pub fn with_cache_aware(policy: Policy, cache: CacheAwareConfig) -> Self {
         Self {
             policy,
             cursor: AtomicUsize::new(0),
+            cache: (policy == Policy::CacheAware).then(|| CacheAware::new(cache)),
         }
     }
 
     /// The policy it applies.
     pub fn policy(&self) -> Policy {
         self.policy
+    }
+
+    /// The prefix trees, under `cache_aware`.
+    pub fn cache_aware(&self) -> Option<&CacheAware> {
+        self.cache.as_ref()
     }
 
     /// Picks a worker among `candidates` for one attempt. `tried` lists the ids
@@ -140,7 +163,7 @@ impl Selector {
             tried,
             refused: &[],
         };
-        self.select_excluding(candidates, ring, key, skip, &Turn::default(), clock)
+        self.select_excluding(candidates, ring, key, None, skip, &Turn::default(), clock)
             .map(|i| candidates[i].clone())
     }
 
@@ -158,6 +181,28 @@ impl Selector {
         tried: &[u64],
         clock: &dyn Clock,
     ) -> Option<Attempt> {
+        self.attempt_prompt(candidates, ring, key, None, tried, clock)
+    }
+
+    /// [`Selector::attempt`] for a request whose prompt `cache_aware` routes
+    /// by; the other policies ignore `prompt`. The chosen worker's entry for
+    /// the prompt is inserted or refreshed once its breaker admitted it.
+    pub fn attempt_prompt(
+        &self,
+        candidates: &[Arc<Worker>],
+        ring: Option<&Ring>,
+        key: Option<u64>,
+        prompt: Option<Prompt<'_>>,
+        tried: &[u64],
+        clock: &dyn Clock,
+    ) -> Option<Attempt> {
+        let trees = match (&self.cache, prompt) {
+            (Some(cache), Some(p)) => Some((cache, p, cache.trees(p.model))),
+            _ => None,
+        };
+        let lookup = trees
+            .as_ref()
+            .map(|(cache, p, trees)| cache.lookup(*p, trees, clock.now()));
         // Allocated only when a breaker refuses.
         let mut refused = Vec::new();
         // One round-robin turn for the whole request: a refusal must not
@@ -169,8 +214,19 @@ impl Selector {
                 tried,
                 refused: &refused,
             };
-            let i = self.select_excluding(candidates, ring, key, skip, &turn, clock)?;
+            let i = self.select_excluding(
+                candidates,
+                ring,
+                key,
+                lookup.as_ref(),
+                skip,
+                &turn,
+                clock,
+            )?;
             if let Some(attempt) = candidates[i].try_attempt(clock) {
+                if let (Some(cache), Some(lookup)) = (&self.cache, &lookup) {
+                    cache.chose(lookup, &candidates[i]);
+                }
                 return Some(attempt);
             }
             refused.push(candidates[i].breaker.id());
@@ -178,11 +234,16 @@ impl Selector {
     }
 
     /// `select`, never returning a worker in `refused`.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one selection's inputs, passed down unchanged"
+    )]
     fn select_excluding(
         &self,
         candidates: &[Arc<Worker>],
         ring: Option<&Ring>,
         key: Option<u64>,
+        lookup: Option<&cache_aware::Lookup<'_>>,
         skip: Skip<'_>,
         turn: &Turn,
         clock: &dyn Clock,
@@ -190,36 +251,47 @@ impl Selector {
         let Skip { tried, refused } = skip;
         let eligible = |w: &Worker| w.is_eligible(clock) && !refused.contains(&w.breaker.id());
         let fresh = |w: &Worker| eligible(w) && !tried.contains(&w.breaker.id());
-        if let Some(i) = self.pick(candidates, ring, key, turn, &fresh) {
+        let now = clock.now();
+        if let Some(i) = self.pick(candidates, ring, key, lookup, turn, &fresh, now) {
             return Some(i);
         }
         if tried.is_empty() {
             return None;
         }
-        self.pick(candidates, ring, key, turn, &eligible)
+        self.pick(candidates, ring, key, lookup, turn, &eligible, now)
     }
 
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one selection's inputs, passed down unchanged"
+    )]
     fn pick(
         &self,
         ws: &[Arc<Worker>],
         ring: Option<&Ring>,
         key: Option<u64>,
+        lookup: Option<&cache_aware::Lookup<'_>>,
         turn: &Turn,
         ok: &dyn Fn(&Worker) -> bool,
+        now: Nanos,
     ) -> Option<usize> {
         let n = ws.len();
         if n == 0 {
             return None;
         }
         match self.policy {
-            Policy::RoundRobin => scan_from(ws, turn.take(&self.cursor) % n, ok),
+            Policy::RoundRobin => round_robin(ws, turn.take(&self.cursor) % n, ok),
             Policy::Random => sample(ws, ok).or_else(|| scan_from(ws, random_index(n), ok)),
             Policy::PowerOfTwo => match sample(ws, ok) {
                 None => scan_from(ws, random_index(n), ok),
                 Some(first) => match sample(ws, ok) {
-                    Some(second) if ws[second].inflight() < ws[first].inflight() => Some(second),
+                    Some(second) if ws[second].load(now) < ws[first].load(now) => Some(second),
                     _ => Some(first),
                 },
+            },
+            Policy::CacheAware => match &self.cache {
+                Some(cache) => cache.pick(ws, ok, lookup, now),
+                None => least_loaded(ws, ok, now),
             },
             // Exact over a small fleet; over a large one, the least loaded of
             // a random sample, which stays O(1) and is close to exact.
@@ -228,14 +300,14 @@ impl Selector {
                 (0..LEAST_LOAD_SAMPLE)
                     .map(|_| rng.random_range(0..n))
                     .filter(|&i| ok(&ws[i]))
-                    .min_by_key(|&i| ws[i].inflight())
-                    .or_else(|| least_loaded(ws, ok))
+                    .min_by_key(|&i| ws[i].load(now))
+                    .or_else(|| least_loaded(ws, ok, now))
             }
-            Policy::LeastLoad => least_loaded(ws, ok),
+            Policy::LeastLoad => least_loaded(ws, ok, now),
             Policy::ConsistentHash => match (ring, key) {
                 (Some(ring), Some(key)) => ring.walk(key).find(|&i| ok(&ws[i])),
                 // No routing key: spread like round robin.
-                _ => scan_from(ws, turn.take(&self.cursor) % n, ok),
+                _ => round_robin(ws, turn.take(&self.cursor) % n, ok),
             },
         }
     }
@@ -253,10 +325,19 @@ fn sample(ws: &[Arc<Worker>], ok: &dyn Fn(&Worker) -> bool) -> Option<usize> {
         .find(|&i| ok(&ws[i]))
 }
 
-fn least_loaded(ws: &[Arc<Worker>], ok: &dyn Fn(&Worker) -> bool) -> Option<usize> {
+fn least_loaded(ws: &[Arc<Worker>], ok: &dyn Fn(&Worker) -> bool, now: Nanos) -> Option<usize> {
     (0..ws.len())
         .filter(|&i| ok(&ws[i]))
-        .min_by_key(|&i| ws[i].inflight())
+        .min_by_key(|&i| ws[i].load(now))
+}
+
+/// The worker at the cursor; when it cannot be taken, a random eligible one,
+/// so its share spreads over the others instead of all going to the next.
+fn round_robin(ws: &[Arc<Worker>], start: usize, ok: &dyn Fn(&Worker) -> bool) -> Option<usize> {
+    if ok(&ws[start]) {
+        return Some(start);
+    }
+    sample(ws, ok).or_else(|| scan_from(ws, random_index(ws.len()), ok))
 }
 
 fn scan_from(ws: &[Arc<Worker>], start: usize, ok: &dyn Fn(&Worker) -> bool) -> Option<usize> {
