@@ -118,7 +118,7 @@ impl Turn {
 pub struct Selector {
     policy: Policy,
     cursor: AtomicUsize,
-    cache: Option<CacheAware>,
+    cache: Option<Arc<CacheAware>>,
 }
 
 impl Selector {
@@ -134,7 +134,7 @@ impl Selector {
         Self {
             policy,
             cursor: AtomicUsize::new(0),
-            cache: (policy == Policy::CacheAware).then(|| CacheAware::new(cache)),
+            cache: (policy == Policy::CacheAware).then(|| Arc::new(CacheAware::new(cache))),
         }
     }
 
@@ -144,7 +144,7 @@ impl Selector {
     }
 
     /// The prefix trees, under `cache_aware`.
-    pub fn cache_aware(&self) -> Option<&CacheAware> {
+    pub fn cache_aware(&self) -> Option<&Arc<CacheAware>> {
         self.cache.as_ref()
     }
 

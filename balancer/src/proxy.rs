@@ -4,7 +4,7 @@
 //! order: the gateway's own endpoints and admission ([`Lane::handle`]),
 //! reading the body ([`body`]), finding the model and the routing key and
 //! taking fallbacks ([`route`], with [`scan`] reading the common body's
-//! model in one pass), the attempt and retry loop with one breaker
+//! model in one pass, and [`prompt`] the prompt under `cache_aware`), the attempt and retry loop with one breaker
 //! charge per worker per request ([`attempt`], its timeouts on the thread's
 //! kept timers in [`deadline`]), then the worker's body
 //! ([`relay`]). The gateway's own answers live in [`answer`], the background
@@ -17,6 +17,7 @@ mod body;
 mod deadline;
 mod edge;
 mod probe;
+mod prompt;
 mod relay;
 mod route;
 mod scan;
@@ -147,6 +148,11 @@ impl Proxy {
             clock,
             worker_tls,
         }
+    }
+
+    /// The policy and its state (the prefix trees of `cache_aware`).
+    pub fn selector(&self) -> &Selector {
+        &self.selector
     }
 
     pub fn tokens(&self) -> &Arc<Tokens> {
@@ -357,6 +363,14 @@ impl Lane {
                 .then(|| headers.get(&proxy.config.routing_key_header))
                 .flatten()
                 .map(hash_key);
+            let prompt = match &body {
+                RequestBody::Replayable(bytes, _)
+                    if inference && proxy.selector.policy() == Policy::CacheAware =>
+                {
+                    prompt::prompt_text(bytes)
+                }
+                _ => None,
+            };
             let headers = Forwarded::new(
                 headers,
                 peer.addr.ip(),
@@ -374,6 +388,7 @@ impl Lane {
                 model,
                 key,
                 fallback_from: None,
+                prompt,
             };
             let mut body = Some(body);
             let mut budgeted = false;
