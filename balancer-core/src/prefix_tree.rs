@@ -314,7 +314,10 @@ mod tests {
             matches(&t, "system: be brief. user: help"),
             [(1, 27), (2, 24)]
         );
-        assert_eq!(matches(&t, "system: be brief. user: goodbye!"), [(1, 24), (2, 31)]);
+        assert_eq!(
+            matches(&t, "system: be brief. user: goodbye!"),
+            [(1, 24), (2, 31)]
+        );
         assert_eq!(matches(&t, "oth"), [(3, 3)]);
         assert_eq!(matches(&t, "nothing"), []);
         // Shared text counts once in the size, once per holder in the shares.

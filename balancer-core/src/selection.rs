@@ -214,15 +214,8 @@ impl Selector {
                 tried,
                 refused: &refused,
             };
-            let i = self.select_excluding(
-                candidates,
-                ring,
-                key,
-                lookup.as_ref(),
-                skip,
-                &turn,
-                clock,
-            )?;
+            let i =
+                self.select_excluding(candidates, ring, key, lookup.as_ref(), skip, &turn, clock)?;
             if let Some(attempt) = candidates[i].try_attempt(clock) {
                 if let (Some(cache), Some(lookup)) = (&self.cache, &lookup) {
                     cache.chose(lookup, &candidates[i]);
@@ -354,11 +347,12 @@ mod tests {
     use crate::ring::hash_key;
     use crate::spec::{BreakerDefaults, WorkerSpec};
 
-    const ALL: [Policy; 5] = [
+    const ALL: [Policy; 6] = [
         Policy::RoundRobin,
         Policy::Random,
         Policy::PowerOfTwo,
         Policy::LeastLoad,
+        Policy::CacheAware,
         Policy::ConsistentHash,
     ];
 
@@ -521,6 +515,7 @@ mod tests {
             Policy::Random,
             Policy::RoundRobin,
             Policy::LeastLoad,
+            Policy::CacheAware,
         ] {
             let (registry, clock) = fleet_with(
                 1,
@@ -551,8 +546,12 @@ mod tests {
             let fleet = registry.fleet();
             let admitted = (0..1000)
                 .filter(|_| {
+                    let prompt = Prompt {
+                        model: "",
+                        text: b"system: a long shared prompt",
+                    };
                     selector
-                        .attempt(&fleet.workers, None, None, &[], &*clock)
+                        .attempt_prompt(&fleet.workers, None, None, Some(prompt), &[], &*clock)
                         .is_some()
                 })
                 .count();
@@ -560,6 +559,221 @@ mod tests {
                 admitted.abs_diff(PCT as usize * 10) <= 50,
                 "{policy:?}: the only candidate got {admitted} of 1000, want {PCT}% ± 5"
             );
+        }
+    }
+
+    const SYSTEM: &[u8] = b"system: you are a helpful assistant who answers in French.\nuser: ";
+
+    fn prompt(text: &[u8]) -> Option<Prompt<'_>> {
+        Some(Prompt { model: "m", text })
+    }
+
+    /// One cache_aware choice for `text`, its attempt dropped at once.
+    fn route(
+        s: &Selector,
+        ws: &[Arc<Worker>],
+        text: &[u8],
+        tried: &[u64],
+        clock: &ManualClock,
+    ) -> u64 {
+        s.attempt_prompt(ws, None, None, prompt(text), tried, clock)
+            .unwrap()
+            .worker()
+            .breaker
+            .id()
+    }
+
+    #[test]
+    fn cache_aware_sends_a_prefix_back_to_its_worker_and_a_new_one_to_the_least_cached() {
+        let (registry, clock) = fleet(4);
+        let ws = registry.fleet().workers.clone();
+        let s = Selector::new(Policy::CacheAware);
+        let first = route(&s, &ws, &[SYSTEM, b"hello"].concat(), &[], &clock);
+        for turn in 0..20 {
+            let text = [SYSTEM, b"hello", format!(" turn {turn}").as_bytes()].concat();
+            assert_eq!(route(&s, &ws, &text, &[], &clock), first, "turn {turn}");
+        }
+        let cache = s.cache_aware().unwrap();
+        assert_eq!(cache.decisions(Reason::CacheMatch), 20);
+        // An unrelated prompt goes to a worker holding nothing yet.
+        let other = route(&s, &ws, b"completely different text", &[], &clock);
+        assert_ne!(other, first);
+        assert_eq!(cache.decisions(Reason::LeastCached), 2);
+        assert!(cache.cached(first) > SYSTEM.len() as u64);
+    }
+
+    #[test]
+    fn cache_aware_never_picks_a_holder_its_breaker_refuses_and_forgets_an_opened_one() {
+        let (registry, clock) = fleet_with(
+            3,
+            Settings {
+                failure_threshold: 1,
+                half_open_max_inflight: 1,
+                open_timeout: std::time::Duration::from_secs(1),
+                ..Settings::default()
+            },
+        );
+        let ws = registry.fleet().workers.clone();
+        let s = Selector::new(Policy::CacheAware);
+        let text = [SYSTEM, b"question"].concat();
+        let holder = route(&s, &ws, &text, &[], &clock);
+        let w = ws.iter().find(|w| w.breaker.id() == holder).unwrap();
+        // Open: none of its prefix's traffic; the agent drops its entries.
+        open(w, &clock);
+        for _ in 0..20 {
+            assert_ne!(route(&s, &ws, &text, &[], &clock), holder);
+        }
+        s.cache_aware().unwrap().forget(holder);
+        assert_eq!(s.cache_aware().unwrap().cached(holder), 0);
+        // Half-open with its one trial slot taken: refused, another worker.
+        clock.advance(std::time::Duration::from_secs(1));
+        let trial = w.try_attempt(&*clock).expect("half-open trial");
+        assert_eq!(w.breaker.state(), crate::breaker::State::HalfOpen);
+        for _ in 0..20 {
+            assert_ne!(route(&s, &ws, &text, &[], &clock), holder);
+        }
+        drop(trial);
+        // Its slot free again, it may take the trial.
+        let ids: Vec<u64> = ws
+            .iter()
+            .map(|w| w.breaker.id())
+            .filter(|&i| i != holder)
+            .collect();
+        assert_eq!(route(&s, &ws, &text, &ids, &clock), holder);
+    }
+
+    #[test]
+    fn cache_aware_retries_on_another_worker_while_one_is_eligible() {
+        let (registry, clock) = fleet(3);
+        let ws = registry.fleet().workers.clone();
+        let s = Selector::new(Policy::CacheAware);
+        let text = [SYSTEM, b"retry me"].concat();
+        let first = route(&s, &ws, &text, &[], &clock);
+        let second = route(&s, &ws, &text, &[first], &clock);
+        assert_ne!(second, first);
+        let third = route(&s, &ws, &text, &[first, second], &clock);
+        assert!(![first, second].contains(&third));
+        // All tried: the best of them again rather than nothing.
+        assert!(
+            s.attempt_prompt(
+                &ws,
+                None,
+                None,
+                prompt(&text),
+                &[first, second, third],
+                &*clock
+            )
+            .is_some()
+        );
+    }
+
+    #[test]
+    fn cache_aware_sends_to_the_least_loaded_when_load_is_imbalanced() {
+        let (registry, clock) = fleet(2);
+        let ws = registry.fleet().workers.clone();
+        let s = Selector::new(Policy::CacheAware);
+        let text = [SYSTEM, b"busy"].concat();
+        let holder = route(&s, &ws, &text, &[], &clock);
+        let w = ws.iter().find(|w| w.breaker.id() == holder).unwrap();
+        let held: Vec<_> = (0..65).map(|_| w.try_attempt(&*clock).unwrap()).collect();
+        assert_ne!(route(&s, &ws, &text, &[], &clock), holder);
+        assert_eq!(s.cache_aware().unwrap().decisions(Reason::Balance), 1);
+        drop(held);
+        // Balanced again: both now hold the prefix, so a match decides.
+        route(&s, &ws, &text, &[], &clock);
+        assert_eq!(s.cache_aware().unwrap().decisions(Reason::CacheMatch), 1);
+    }
+
+    #[test]
+    fn cache_aware_moves_a_prefix_off_a_worker_slow_enough_to_lose_its_benefit() {
+        let (registry, clock) = fleet(2);
+        let ws = registry.fleet().workers.clone();
+        let text = [SYSTEM, b"slow"].concat();
+        for weighting in [true, false] {
+            let s = Selector::with_cache_aware(
+                Policy::CacheAware,
+                CacheAwareConfig {
+                    ttft_weighting: weighting,
+                    ..CacheAwareConfig::default()
+                },
+            );
+            let holder = route(&s, &ws, &text, &[], &clock);
+            for w in &ws {
+                let ttfb = if w.breaker.id() == holder { 600 } else { 100 };
+                w.observe_ttfb(std::time::Duration::from_millis(ttfb), clock.now());
+            }
+            let now = route(&s, &ws, &text, &[], &clock);
+            assert_eq!(now != holder, weighting, "weighting {weighting}");
+            // Twice as slow is worth its match: it keeps the prefix.
+            if weighting {
+                let s2 = Selector::new(Policy::CacheAware);
+                let holder = route(&s2, &ws, &text, &[], &clock);
+                let fast = ws.iter().find(|w| w.breaker.id() != holder).unwrap();
+                let slow = ws.iter().find(|w| w.breaker.id() == holder).unwrap();
+                for _ in 0..30 {
+                    slow.observe_ttfb(std::time::Duration::from_millis(200), clock.now());
+                    fast.observe_ttfb(std::time::Duration::from_millis(100), clock.now());
+                }
+                assert_eq!(route(&s2, &ws, &text, &[], &clock), holder);
+            }
+        }
+    }
+
+    #[test]
+    fn load_aware_policies_do_not_favour_a_worker_that_fails_fast() {
+        let (registry, clock) = fleet_with(
+            2,
+            Settings {
+                failure_threshold: 1000,
+                ..Settings::default()
+            },
+        );
+        let ws = registry.fleet().workers.clone();
+        let mut charges = crate::breaker::RequestCharges::default();
+        for _ in 0..8 {
+            let mut a = ws[0].try_attempt(&*clock).unwrap();
+            a.record(
+                &mut charges,
+                Outcome::Failure(FailureReason::Status),
+                &*clock,
+            );
+            charges = Default::default();
+        }
+        // The healthy worker is busier, yet preferred.
+        let busy: Vec<_> = (0..3)
+            .map(|_| ws[1].try_attempt(&*clock).unwrap())
+            .collect();
+        assert!(ws[0].load(clock.now()) > ws[1].load(clock.now()));
+        for policy in [Policy::LeastLoad, Policy::PowerOfTwo] {
+            let s = Selector::new(policy);
+            let to_failing = (0..200)
+                .filter(|_| s.select(&ws, None, None, &[], &*clock).unwrap().url == ws[0].url)
+                .count();
+            // Power of two draws the same worker twice a quarter of the time.
+            assert!(
+                to_failing <= 80,
+                "{policy:?}: {to_failing} of 200 to the failing worker"
+            );
+        }
+        drop(busy);
+    }
+
+    #[test]
+    fn round_robin_spreads_an_open_workers_share_over_the_others() {
+        let (registry, clock) = fleet(4);
+        let ws = registry.fleet().workers.clone();
+        open(&ws[1], &clock);
+        let s = Selector::new(Policy::RoundRobin);
+        let mut counts = [0usize; 4];
+        for _ in 0..4000 {
+            let w = s.select(&ws, None, None, &[], &*clock).unwrap();
+            counts[ws.iter().position(|x| x.url == w.url).unwrap()] += 1;
+        }
+        assert_eq!(counts[1], 0);
+        // Each gets a third (1333); handing the share to the next would give
+        // worker 2 half (2000).
+        for i in [0, 2, 3] {
+            assert!(counts[i].abs_diff(1333) < 150, "{counts:?}");
         }
     }
 }

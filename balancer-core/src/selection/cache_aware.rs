@@ -198,7 +198,11 @@ impl CacheAware {
         }
         let _grow = self.grow.lock().unwrap_or_else(|e| e.into_inner());
         let mut models = HashMap::clone(&self.models.load());
-        let key = if models.len() >= MAX_MODELS { "" } else { model };
+        let key = if models.len() >= MAX_MODELS {
+            ""
+        } else {
+            model
+        };
         let shards = models
             .entry(key.into())
             .or_insert_with(|| (0..SHARDS).map(|_| Mutex::default()).collect())
@@ -208,7 +212,12 @@ impl CacheAware {
     }
 
     /// Reads the matches of `prompt` for one selection.
-    pub(super) fn lookup<'a>(&self, prompt: Prompt<'a>, shards: &'a [Shard], now: Nanos) -> Lookup<'a> {
+    pub(super) fn lookup<'a>(
+        &self,
+        prompt: Prompt<'a>,
+        shards: &'a [Shard],
+        now: Nanos,
+    ) -> Lookup<'a> {
         let head = &prompt.text[..prompt.text.len().min(SHARD_HEAD)];
         let mut h = foldhash::fast::FixedState::with_seed(0).build_hasher();
         h.write(head);
@@ -243,7 +252,8 @@ impl CacheAware {
         let before = tree.cached(id);
         tree.insert(lookup.prompt.text, id, lookup.now);
         let after = tree.cached(id);
-        held.bytes.fetch_add((after - before) as u64, Ordering::Relaxed);
+        held.bytes
+            .fetch_add((after - before) as u64, Ordering::Relaxed);
         if tree.size() > budget.saturating_mul(INLINE_EVICTION_FACTOR) {
             self.evict_shard(&mut tree, budget);
         }
@@ -407,10 +417,7 @@ impl CacheAware {
 
 impl Lookup<'_> {
     fn matched(&self, id: WorkerId) -> usize {
-        self.matches
-            .iter()
-            .find(|m| m.0 == id)
-            .map_or(0, |m| m.1)
+        self.matches.iter().find(|m| m.0 == id).map_or(0, |m| m.1)
     }
 }
 

@@ -127,7 +127,10 @@ mod tests {
 
     #[test]
     fn completions_embeddings_and_text_fields_are_prompts() {
-        assert_eq!(text(r#"{"prompt":"once upon"}"#).as_deref(), Some("once upon"));
+        assert_eq!(
+            text(r#"{"prompt":"once upon"}"#).as_deref(),
+            Some("once upon")
+        );
         assert_eq!(text(r#"{"prompt":["a","b"]}"#).as_deref(), Some("ab"));
         assert_eq!(text(r#"{"input":"embed me"}"#).as_deref(), Some("embed me"));
         assert_eq!(text(r#"{"text":"gen"}"#).as_deref(), Some("gen"));
@@ -139,7 +142,9 @@ mod tests {
     #[test]
     fn a_long_prompt_is_cut_at_the_bound() {
         let long = "x".repeat(MAX_PROMPT_BYTES * 2);
-        let body = format!(r#"{{"messages":[{{"role":"user","content":"{long}"}},{{"role":"user","content":"more"}}]}}"#);
+        let body = format!(
+            r#"{{"messages":[{{"role":"user","content":"{long}"}},{{"role":"user","content":"more"}}]}}"#
+        );
         let got = prompt_text(body.as_bytes()).unwrap();
         assert_eq!(got.len(), MAX_PROMPT_BYTES);
         assert!(got.starts_with(b"user:xxx"));

@@ -71,7 +71,11 @@ impl Proxy {
         // A model no worker declares shares one set of trees: a client's
         // invented names grow nothing.
         let prompt = req.prompt.as_deref().map(|text| Prompt {
-            model: req.model.as_deref().filter(|m| fleet.declares(m)).unwrap_or(""),
+            model: req
+                .model
+                .as_deref()
+                .filter(|m| fleet.declares(m))
+                .unwrap_or(""),
             text,
         });
         self.selector
