@@ -17,10 +17,9 @@
 //! 2. else, when the longest match covers at least `cache_threshold` of the
 //!    prompt: the worker with the least predicted time to first token, where
 //!    a worker's prediction is its recent time to first byte times
-//!    `CACHED_COST + (1 - CACHED_COST) * uncached / length`; with equal
-//!    recent times that is the longest match (`cache_match`), and a worker
-//!    slow enough to lose the benefit of its match loses the request
-//!    (`slow`);
+//!    `CACHED_COST + (1 - CACHED_COST) * uncached / length`: the longest
+//!    match (`cache_match`) unless another worker is predicted faster by
+//!    more than 10 ms (`slow`);
 //! 3. else the worker holding the least cached text (`least_cached`).
 //!
 //! Ties go to the less loaded, then to a random one, never to the first in
@@ -53,6 +52,9 @@ const MAX_MODELS: usize = 256;
 /// Share of a full prefill's time to first token that a fully cached prompt
 /// still costs (scheduling, the last block, the first decode step).
 const CACHED_COST: f64 = 0.2;
+/// A predicted gain in time to first token below this is noise (a
+/// connection's set-up, a scheduler's tick), not worth a cache miss.
+const MIN_GAIN_SECS: f64 = 0.010;
 /// A shard past this multiple of its budget is evicted inline, so a burst
 /// between two eviction ticks cannot outgrow memory.
 const INLINE_EVICTION_FACTOR: usize = 2;
@@ -407,7 +409,7 @@ impl CacheAware {
             // Microseconds: an ordering key, finer than any TTFB moves.
             ((predicted(w, ttfb(w)) * 1e6) as u64, w.load(now))
         })?;
-        if predicted(&ws[fastest], ttfb(&ws[fastest])) < best_time {
+        if predicted(&ws[fastest], ttfb(&ws[fastest])) + MIN_GAIN_SECS < best_time {
             lookup.reason.set(Reason::Slow);
             return Some(fastest);
         }
