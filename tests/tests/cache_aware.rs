@@ -23,15 +23,22 @@ fn conversation(user: usize, turns: usize) -> String {
     serde_json::json!({"model": "demo-model", "max_tokens": 4, "messages": messages}).to_string()
 }
 
-/// Sends `body` and says which worker served it (requests are sequential).
-async fn served_by(h: &Harness, body: &str) -> usize {
+/// Sends `body` and says which workers it reached (requests are
+/// sequential): one, or several when it was retried.
+async fn reached(h: &Harness, body: &str) -> Vec<usize> {
     let before: Vec<u64> = (0..h.workers.len()).map(|i| h.served(i)).collect();
     let r = h.chat(body).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text());
     let after: Vec<u64> = (0..h.workers.len()).map(|i| h.served(i)).collect();
-    let moved: Vec<usize> = (0..after.len()).filter(|&i| after[i] > before[i]).collect();
-    // A retried request touched more than one: the last one served it.
-    *moved.last().expect("some worker served it")
+    (0..after.len()).filter(|&i| after[i] > before[i]).collect()
+}
+
+/// The one worker that served `body`, without a retry.
+async fn served_by(h: &Harness, body: &str) -> usize {
+    match reached(h, body).await[..] {
+        [one] => one,
+        ref several => panic!("retried over {several:?}"),
+    }
 }
 
 #[tokio::test]
@@ -89,8 +96,9 @@ async fn an_isolated_workers_prefixes_move_to_another_and_stay_there() {
 
     // Its breaker opens on the first failure; the retry goes elsewhere.
     h.workers[home].set_fault(always(500));
-    let moved = served_by(&h, &conversation(1, 2)).await;
-    assert_ne!(moved, home);
+    let tried = reached(&h, &conversation(1, 2)).await;
+    assert_eq!(tried.len(), 2, "{tried:?}");
+    let moved = *tried.iter().find(|&&w| w != home).unwrap();
     assert_eq!(h.breaker(home).state, State::Open);
     // Its entries are dropped, and the conversation stays on its new worker.
     eventually("the open worker's entries dropped", || async {
