@@ -776,4 +776,36 @@ mod tests {
             assert!(counts[i].abs_diff(1333) < 150, "{counts:?}");
         }
     }
+
+    #[test]
+    fn cache_aware_memory_stays_bounded_between_evictions_and_within_it_after() {
+        let (registry, clock) = fleet(4);
+        let ws = registry.fleet().workers.clone();
+        let max = 64 * 1024;
+        let s = Selector::with_cache_aware(
+            Policy::CacheAware,
+            CacheAwareConfig {
+                max_tree_size: max,
+                ..CacheAwareConfig::default()
+            },
+        );
+        let cache = s.cache_aware().unwrap();
+        for i in 0..4000 {
+            let text = format!("{i:08} unique prompt {}", "padding ".repeat(16));
+            route(&s, &ws, text.as_bytes(), &[], &clock);
+            // Without a tick, a shard is cut back at twice its share.
+            assert!(cache.size() <= 2 * max, "{} after {i}", cache.size());
+        }
+        assert!(cache.size() > max, "the test outgrew the bound");
+        assert!(cache.evict() <= max);
+        assert!(cache.size() <= max);
+        let held: u64 = ws.iter().map(|w| cache.cached(w.breaker.id())).sum();
+        assert!(
+            held >= max as u64 / 2,
+            "each worker's share is counted: {held}"
+        );
+        // Removal drops a worker's entries everywhere.
+        cache.forget(ws[0].breaker.id());
+        assert_eq!(cache.cached(ws[0].breaker.id()), 0);
+    }
 }

@@ -902,6 +902,52 @@ mod tests {
     }
 
     #[test]
+    fn cache_aware_flags_come_from_the_command_line_or_the_file() {
+        let d = parse(&[]).unwrap().to_config().unwrap().cache_aware;
+        assert_eq!(d, CacheAwareConfig::default());
+        assert_eq!(
+            (
+                d.cache_threshold,
+                d.balance_abs_threshold,
+                d.balance_rel_threshold
+            ),
+            (0.3, 64, 1.5)
+        );
+        assert_eq!(
+            (d.eviction_interval.as_secs(), d.max_tree_size),
+            (60, 1 << 26)
+        );
+        let (flags, _) = config_text_args(
+            "policy = \"cache_aware\"\ncache_threshold = 0.5\nbalance_abs_threshold = 8\n\
+             balance_rel_threshold = 2.0\neviction_interval_secs = 5\nmax_tree_size = 4096\n\
+             disable_ttft_weighting = true\n",
+            Path::new("c.toml"),
+            &[],
+        )
+        .unwrap();
+        let mut args = vec![OsString::from("balancer launch")];
+        args.extend(flags);
+        let c = LaunchArgs::try_parse_from(args)
+            .unwrap()
+            .to_config()
+            .unwrap();
+        assert_eq!(c.policy, Policy::CacheAware);
+        assert_eq!(
+            c.cache_aware,
+            CacheAwareConfig {
+                cache_threshold: 0.5,
+                balance_abs_threshold: 8,
+                balance_rel_threshold: 2.0,
+                eviction_interval: Duration::from_secs(5),
+                max_tree_size: 4096,
+                ttft_weighting: false,
+            }
+        );
+        assert!(parse(&["--cache-threshold", "1.5"]).is_err());
+        assert!(parse(&["--balance-rel-threshold", "0.5"]).is_err());
+    }
+
+    #[test]
     fn config_file_fills_in_and_flags_win() {
         let dir = std::env::temp_dir().join(format!("balancer-config-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();

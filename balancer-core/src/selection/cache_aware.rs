@@ -329,6 +329,16 @@ impl CacheAware {
         }
     }
 
+    /// Bytes of text all trees hold, shared prefixes counted once.
+    pub fn size(&self) -> usize {
+        let models = self.models.load();
+        models
+            .values()
+            .flat_map(|shards| shards.iter())
+            .map(|shard| lock(shard).size())
+            .sum()
+    }
+
     /// Bytes the worker with breaker id `id` holds over every tree.
     pub fn cached(&self, id: WorkerId) -> u64 {
         self.held
@@ -472,6 +482,12 @@ impl MetricsSource for CacheAware {
             "Share of each routed prompt the chosen worker already held, by the prefix tree.",
         );
         self.matched.render(w, "routing_matched_fraction", &[]);
+        w.family(
+            "routing_tree_bytes",
+            "gauge",
+            "Bytes of prompt text all prefix trees hold, shared prefixes counted once.",
+        );
+        w.sample("routing_tree_bytes", &[], self.size() as f64);
         w.family(
             "worker_cached_bytes",
             "gauge",
