@@ -78,7 +78,11 @@ fn common_prefix(a: &[u8], b: &[u8]) -> usize {
         }
         i += 8;
     }
-    i + a[i..n].iter().zip(&b[i..n]).take_while(|(x, y)| x == y).count()
+    i + a[i..n]
+        .iter()
+        .zip(&b[i..n])
+        .take_while(|(x, y)| x == y)
+        .count()
 }
 
 impl PrefixTree {
