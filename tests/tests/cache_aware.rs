@@ -135,3 +135,30 @@ async fn fallback_models_and_token_budgets_apply_under_cache_aware() {
     assert_eq!((h.served(0), h.served(1)), (base.0 + 1, base.1 + 1));
     h.stop().await;
 }
+
+#[tokio::test]
+async fn a_removed_workers_prefixes_are_dropped_and_move_to_another() {
+    let h = harness(&["a", "b"], |c| {
+        quiet(c);
+        c.policy = Policy::CacheAware;
+    })
+    .await;
+    let home = served_by(&h, &conversation(7, 0)).await;
+    let url = h.workers[home].url();
+    let row = format!("balancer_worker_cached_bytes{{worker=\"{url}\"}}");
+    assert!(h.metrics().await.contains(&row));
+    let id = h.gw.registry.fleet().get(&url).unwrap().id.clone();
+    let r = h
+        .admin(http::Method::DELETE, &format!("/workers/{id}"), "")
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    eventually("the removed worker's entries dropped", || async {
+        !h.metrics().await.contains(&row)
+    })
+    .await;
+    let other = 1 - home;
+    for turn in 1..4 {
+        assert_eq!(served_by(&h, &conversation(7, turn)).await, other);
+    }
+    h.stop().await;
+}
