@@ -1,7 +1,8 @@
 //! Worker selection cost against fleet size: every policy at 8, 512 and 4096
 //! workers, with the whole fleet eligible and with half of it open; and
 //! `cache_aware` for a 4 KiB prompt over 16 workers whose trees hold 256
-//! conversations (match, breaker admission, insert; target: 2 us median).
+//! conversations (match, breaker admission, insert; target: 2 us median),
+//! alone and with a second thread routing prompts of the same shard.
 //!
 //! `cargo bench -p balancer-core --bench selection` (or `cargo xtask bench breaker`).
 
@@ -131,6 +132,26 @@ fn cache_aware(c: &mut Criterion) {
             i = (i + 1) % prompts.len();
             black_box(route(&prompts[i]))
         })
+    });
+    // Contention: every prompt under one system prompt (one shard, one
+    // lock) while a second thread routes the same ones without pause.
+    let same: Vec<&[u8]> = prompts.iter().step_by(16).map(Vec::as_slice).collect();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            let mut j = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                j = (j + 1) % same.len();
+                drop(black_box(route(same[j])));
+            }
+        });
+        group.bench_function("4KiB prompt, 16 workers, one shard, 2 threads", |b| {
+            b.iter(|| {
+                i = (i + 1) % same.len();
+                black_box(route(same[i]))
+            })
+        });
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
     });
     group.finish();
 }
