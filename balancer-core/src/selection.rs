@@ -196,13 +196,13 @@ impl Selector {
         tried: &[u64],
         clock: &dyn Clock,
     ) -> Option<Attempt> {
-        let trees = match (&self.cache, prompt) {
-            (Some(cache), Some(p)) => Some((cache, p, cache.trees(p.model))),
+        let models = match (&self.cache, prompt) {
+            (Some(cache), Some(p)) => Some((cache, p, cache.models(p.model))),
             _ => None,
         };
-        let lookup = trees
+        let lookup = models
             .as_ref()
-            .map(|(cache, p, trees)| cache.lookup(*p, trees, clock.now()));
+            .and_then(|(cache, p, models)| cache.lookup(*p, models, clock.now()));
         // Allocated only when a breaker refuses.
         let mut refused = Vec::new();
         // One round-robin turn for the whole request: a refusal must not

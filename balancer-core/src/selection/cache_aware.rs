@@ -142,12 +142,24 @@ struct Held {
 }
 
 type Shard = Mutex<PrefixTree>;
+/// Each model's shards, by model name.
+pub(super) type Models = HashMap<Box<str>, Arc<[Shard]>>;
+
+/// The trees of `model` in `models`: its own, or past [`MAX_MODELS`] the
+/// shared ones.
+fn shards_of<'m>(models: &'m Models, model: &str) -> Option<&'m [Shard]> {
+    match models.get(model) {
+        Some(shards) => Some(shards),
+        None if models.len() >= MAX_MODELS => models.get("").map(|s| &**s),
+        None => None,
+    }
+}
 
 /// The prefix trees, the rule and its counters; see the module documentation.
 #[derive(Debug)]
 pub struct CacheAware {
     config: CacheAwareConfig,
-    models: ArcSwap<HashMap<Box<str>, Arc<[Shard]>>>,
+    models: ArcSwap<Models>,
     held: ArcSwap<HashMap<WorkerId, Arc<Held>>>,
     /// Serialises additions to `models` and `held` (a new model, a new
     /// worker): never taken for a known one.
@@ -193,46 +205,51 @@ impl CacheAware {
         &self.config
     }
 
-    /// The trees of `model`, created on first use.
-    pub(super) fn trees(&self, model: &str) -> Arc<[Shard]> {
-        if let Some(shards) = self.models.load().get(model) {
-            return shards.clone();
+    /// The model map, holding trees for `model` (created on first use). The
+    /// request borrows its shards from this guard: no shared reference count
+    /// is touched per request.
+    pub(super) fn models(&self, model: &str) -> arc_swap::Guard<Arc<Models>> {
+        let models = self.models.load();
+        if shards_of(&models, model).is_some() {
+            return models;
         }
-        let _grow = self.grow.lock().unwrap_or_else(|e| e.into_inner());
-        let mut models = HashMap::clone(&self.models.load());
-        let key = if models.len() >= MAX_MODELS {
-            ""
-        } else {
-            model
-        };
-        let shards = models
-            .entry(key.into())
-            .or_insert_with(|| (0..SHARDS).map(|_| Mutex::default()).collect())
-            .clone();
-        self.models.store(Arc::new(models));
-        shards
+        drop(models);
+        {
+            let _grow = self.grow.lock().unwrap_or_else(|e| e.into_inner());
+            let current = self.models.load();
+            if shards_of(&current, model).is_none() {
+                let mut next = Models::clone(&current);
+                let key = if next.len() >= MAX_MODELS { "" } else { model };
+                next.entry(key.into())
+                    .or_insert_with(|| (0..SHARDS).map(|_| Mutex::default()).collect());
+                self.models.store(Arc::new(next));
+            }
+        }
+        self.models.load()
     }
 
-    /// Reads the matches of `prompt` for one selection.
+    /// Reads the matches of `prompt` for one selection, in the trees
+    /// `models` holds for its model.
     pub(super) fn lookup<'a>(
         &self,
         prompt: Prompt<'a>,
-        shards: &'a [Shard],
+        models: &'a Models,
         now: Nanos,
-    ) -> Lookup<'a> {
+    ) -> Option<Lookup<'a>> {
+        let shards = shards_of(models, prompt.model)?;
         let head = &prompt.text[..prompt.text.len().min(SHARD_HEAD)];
         let mut h = foldhash::fast::FixedState::with_seed(0).build_hasher();
         h.write(head);
         let shard = &shards[h.finish() as usize % SHARDS];
         let mut matches = Matches::new();
         lock(shard).match_prefix(prompt.text, &mut matches);
-        Lookup {
+        Some(Lookup {
             prompt,
             shard,
             matches,
             now,
             reason: std::cell::Cell::new(Reason::Balance),
-        }
+        })
     }
 
     /// Records the choice of `worker` for the looked-up prompt: its entry
@@ -503,5 +520,27 @@ impl MetricsSource for CacheAware {
                 h.bytes.load(Ordering::Relaxed) as f64,
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn models_past_the_bound_share_one_set_of_trees() {
+        let cache = CacheAware::new(CacheAwareConfig::default());
+        for i in 0..MAX_MODELS + 50 {
+            let model = format!("invented-{i}");
+            let models = cache.models(&model);
+            assert!(shards_of(&models, &model).is_some(), "{model}");
+        }
+        let models = cache.models.load();
+        assert_eq!(models.len(), MAX_MODELS + 1);
+        assert!(models.contains_key(""));
+        assert!(std::ptr::eq(
+            shards_of(&models, "invented-300").unwrap(),
+            shards_of(&models, "invented-301").unwrap()
+        ));
     }
 }
