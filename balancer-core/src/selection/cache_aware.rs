@@ -302,8 +302,14 @@ impl CacheAware {
         let held = self.held.load();
         for &(w, was) in before {
             if let Some(h) = held.get(&w) {
-                h.bytes
-                    .fetch_sub((was - tree.cached(w)) as u64, Ordering::Relaxed);
+                let freed = (was - tree.cached(w)) as u64;
+                // Saturating: an insert racing with `forget` may have
+                // counted into the entry `forget` dropped.
+                let _ = h
+                    .bytes
+                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
+                        Some(b.saturating_sub(freed))
+                    });
             }
         }
     }
