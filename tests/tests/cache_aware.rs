@@ -162,3 +162,42 @@ async fn a_removed_workers_prefixes_are_dropped_and_move_to_another() {
     }
     h.stop().await;
 }
+
+#[tokio::test]
+async fn a_slowed_workers_conversation_moves_to_a_faster_worker_and_stays() {
+    let h = harness(&["a", "b"], |c| {
+        quiet(c);
+        c.policy = Policy::CacheAware;
+    })
+    .await;
+    // Conversations on both workers, so both have a recent time to first byte.
+    let mut homes = Vec::new();
+    for user in 0..6 {
+        homes.push(served_by(&h, &conversation(user, 0)).await);
+    }
+    let slowed = homes[0];
+    assert!(
+        homes.contains(&(1 - slowed)),
+        "all on one worker: {homes:?}"
+    );
+    h.workers[slowed].set_fault(balancer_mock_worker::Fault {
+        latency_ms: Some(300),
+        ..balancer_mock_worker::Fault::default()
+    });
+    // A few slow answers raise its average until the cache no longer pays
+    // (with --disable-ttft-weighting it would stay there).
+    let mut turn = 1;
+    while served_by(&h, &conversation(0, turn)).await == slowed {
+        turn += 1;
+        assert!(turn <= 5, "still on the slowed worker after {turn} turns");
+    }
+    for more in turn + 1..turn + 4 {
+        assert_eq!(served_by(&h, &conversation(0, more)).await, 1 - slowed);
+    }
+    let m = h.metrics().await;
+    assert!(
+        m.contains("balancer_routing_decisions_total{reason=\"slow\"} 1"),
+        "{m}"
+    );
+    h.stop().await;
+}
