@@ -4,8 +4,8 @@
 //! order: the gateway's own endpoints and admission ([`Lane::handle`]),
 //! reading the body ([`body`]), finding the model and the routing key and
 //! taking fallbacks ([`route`], with [`scan`] reading the common body's
-//! model in one pass, and [`prompt`] the prompt under `cache_aware`), the attempt and retry loop with one breaker
-//! charge per worker per request ([`attempt`], its timeouts on the thread's
+//! model in one pass, and [`prompt`] the prompt under `cache_aware`), the
+//! attempt and retry loop with one breaker charge per worker per request ([`attempt`], its timeouts on the thread's
 //! kept timers in [`deadline`]), then the worker's body
 //! ([`relay`]). The gateway's own answers live in [`answer`], the background
 //! health and model probes in [`probe`], the path's own series in [`stats`]. It may read the registry and record
@@ -148,11 +148,6 @@ impl Proxy {
             clock,
             worker_tls,
         }
-    }
-
-    /// The policy and its state (the prefix trees of `cache_aware`).
-    pub fn selector(&self) -> &Selector {
-        &self.selector
     }
 
     pub fn tokens(&self) -> &Arc<Tokens> {
