@@ -5,7 +5,7 @@
 //! policy first looks for an eligible worker the request has not tried yet,
 //! and falls back to a tried one only when no other is eligible.
 //!
-//! `cache_aware`'s prefix trees and rule live in [`cache_aware`].
+//! `cache_aware`'s prefix trees and rule live in its `cache_aware` submodule ([`CacheAware`]).
 //!
 //! Cost: random probes find an eligible worker in O(1) expected time while
 //! most of the fleet is eligible; a full scan happens only when the probes
@@ -47,7 +47,7 @@ pub enum Policy {
     /// least loaded of a random sample.
     LeastLoad,
     /// The eligible worker that probably holds the prompt's prefix in its cache, unless the load
-    /// is out of balance ([`cache_aware`]).
+    /// is out of balance ([`CacheAware`]).
     CacheAware,
     /// The first eligible worker clockwise from the routing key's hash on the ring; round robin for
     /// a request without a key.
