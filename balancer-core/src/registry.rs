@@ -154,9 +154,9 @@ impl Worker {
     }
 
     /// The load every load-aware policy compares, the one place it is read:
-    /// its attempts in flight, plus 64 times the share
-    /// of its recent attempts that failed, so that a worker failing fast
-    /// (and so with few requests in flight) does not look idle.
+    /// its attempts in flight, plus 64 (`recent::FAILURE_LOAD`) times the
+    /// share of its recent attempts that failed, so that a worker failing
+    /// fast (and so with few requests in flight) does not look idle.
     #[inline]
     pub fn load(&self, now: Nanos) -> u32 {
         let failing = self.recent.failure_rate(now);
