@@ -13,7 +13,9 @@
 //! stamps the whole path), so a node nobody holds has no children and is
 //! freed at once. The tree's size is the bytes of its nodes' text, each
 //! counted once however many workers hold it; a worker's share is the bytes
-//! of the nodes it holds.
+//! of the nodes it holds. Eviction bounds the footprint: the size plus
+//! [`NODE_COST`] per node, so prompts crafted to split the tree at every
+//! byte cannot multiply its memory.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -28,6 +30,10 @@ pub type WorkerId = u64;
 pub type Matches = SmallVec<[(WorkerId, usize); 16]>;
 
 const ROOT: u32 = 0;
+
+/// What a node costs beside its text: the node itself and its lists, about
+/// this many bytes on a 64-bit target.
+pub const NODE_COST: usize = 64;
 
 #[derive(Debug, Default)]
 struct Node {
@@ -51,6 +57,8 @@ pub struct PrefixTree {
     nodes: Vec<Node>,
     free: Vec<u32>,
     size: usize,
+    /// Nodes in use, the root aside.
+    live: usize,
     cached: HashMap<WorkerId, usize>,
 }
 
@@ -60,6 +68,7 @@ impl Default for PrefixTree {
             nodes: vec![Node::default()],
             free: Vec::new(),
             size: 0,
+            live: 0,
             cached: HashMap::default(),
         }
     }
@@ -100,6 +109,11 @@ impl PrefixTree {
     /// Bytes of text the tree holds, shared prefixes counted once.
     pub fn size(&self) -> usize {
         self.size
+    }
+
+    /// Bytes the tree takes: its text plus [`NODE_COST`] per node.
+    pub fn footprint(&self) -> usize {
+        self.size + self.live * NODE_COST
     }
 
     /// Bytes of text `worker` holds here.
@@ -148,6 +162,7 @@ impl PrefixTree {
     }
 
     fn alloc(&mut self, node: Node) -> u32 {
+        self.live += 1;
         match self.free.pop() {
             Some(i) => {
                 self.nodes[i as usize] = node;
@@ -248,6 +263,7 @@ impl PrefixTree {
             siblings.remove(i);
         }
         self.size -= len;
+        self.live -= 1;
         self.free.push(n);
         true
     }
@@ -260,10 +276,10 @@ impl PrefixTree {
     }
 
     /// Evicts the least recently used (worker, leaf) entries, oldest epoch
-    /// first, until the tree holds at most `target` bytes. Returns the
-    /// entries dropped.
+    /// first, until the tree's [`PrefixTree::footprint`] is at most
+    /// `target` bytes. Returns the entries dropped.
     pub fn evict(&mut self, target: usize) -> usize {
-        if self.size <= target {
+        if self.footprint() <= target {
             return 0;
         }
         let mut heap = BinaryHeap::new();
@@ -275,7 +291,7 @@ impl PrefixTree {
             }
         }
         let mut dropped = 0;
-        while self.size > target {
+        while self.footprint() > target {
             let Some(Reverse((_, n, w))) = heap.pop() else {
                 break;
             };
@@ -380,13 +396,14 @@ mod tests {
         // Worker 1's entries (epoch 1) go first but free nothing worker 2
         // still holds; then worker 2's oldest leaf, new-tail (epoch 2).
         assert_eq!(t.size(), 7 + 8 + 8);
-        t.evict(16);
+        assert_eq!(t.footprint(), 7 + 8 + 8 + 3 * NODE_COST);
+        t.evict(t.footprint() - 1);
         assert_eq!(t.size(), 15);
         assert_eq!(t.cached(1), 0);
         assert_eq!(matches(&t, "prefix-old-tail"), [(2, 15)]);
         assert_eq!(matches(&t, "prefix-new-tail"), [(2, 7)]);
         t.evict(0);
-        assert_eq!(t.size(), 0);
+        assert_eq!((t.size(), t.footprint()), (0, 0));
         assert_eq!(t.cached(2), 0);
         assert_eq!(matches(&t, "prefix"), []);
     }
@@ -401,7 +418,7 @@ mod tests {
             t.insert(prompt.as_bytes(), i % 4, i);
             if i % 100 == 99 {
                 t.evict(bound);
-                assert!(t.size() <= bound, "{} > {bound}", t.size());
+                assert!(t.footprint() <= bound, "{} > {bound}", t.footprint());
             }
         }
         let shares: usize = t.holders().map(|(_, n)| n).sum();
@@ -413,6 +430,23 @@ mod tests {
         assert!(matches(&t, &last).contains(&(4999 % 4, last.len())));
         let first = prompt(0);
         assert!(matches(&t, &first).iter().all(|m| m.1 < first.len()));
+    }
+
+    #[test]
+    fn prompts_splitting_the_tree_at_every_byte_are_bounded_by_their_nodes() {
+        let mut t = PrefixTree::new();
+        let long: Vec<u8> = (0..4000u32).map(|i| b'a' + (i % 26) as u8).collect();
+        for n in 1..=long.len() {
+            t.insert(&long[..n], 1, n as u64);
+        }
+        t.insert(&long, 2, 0);
+        // Every prefix a node: 4000 bytes of text, 4000 nodes.
+        assert_eq!(t.size(), 4000);
+        assert_eq!(t.footprint(), 4000 * (1 + NODE_COST));
+        let bound = 20_000;
+        t.evict(bound);
+        assert!(t.footprint() <= bound);
+        assert!(t.live * NODE_COST <= bound);
     }
 
     #[test]

@@ -71,8 +71,8 @@ pub struct CacheAwareConfig {
     pub balance_rel_threshold: f64,
     /// How often the agent evicts down to `max_tree_size`.
     pub eviction_interval: Duration,
-    /// Bytes of prompt text each model's trees hold at most after an
-    /// eviction (and twice that at any time).
+    /// Bytes each model's trees take at most after an eviction (text plus
+    /// 64 per node; twice that at any time).
     pub max_tree_size: usize,
     /// Weigh each worker's recent time to first byte against its match.
     pub ttft_weighting: bool,
@@ -273,7 +273,7 @@ impl CacheAware {
         let after = tree.cached(id);
         held.bytes
             .fetch_add((after - before) as u64, Ordering::Relaxed);
-        if tree.size() > budget.saturating_mul(INLINE_EVICTION_FACTOR) {
+        if tree.footprint() > budget.saturating_mul(INLINE_EVICTION_FACTOR) {
             self.evict_shard(&mut tree, budget);
         }
     }
@@ -322,7 +322,7 @@ impl CacheAware {
 
     /// Evicts every tree down to its share of `max_tree_size`, least
     /// recently used leaves first (the agent calls it every
-    /// `eviction_interval`). Returns the bytes all trees hold after.
+    /// `eviction_interval`). Returns the bytes all trees take after.
     pub fn evict(&self) -> usize {
         let budget = self.config.max_tree_size / SHARDS;
         let mut total = 0;
@@ -330,7 +330,7 @@ impl CacheAware {
             for shard in shards.iter() {
                 let mut tree = lock(shard);
                 self.evict_shard(&mut tree, budget);
-                total += tree.size();
+                total += tree.footprint();
             }
         }
         total
@@ -352,13 +352,14 @@ impl CacheAware {
         }
     }
 
-    /// Bytes of text all trees hold, shared prefixes counted once.
+    /// Bytes all trees take: their text, shared prefixes counted once, plus
+    /// a node's cost per node (what `max_tree_size` bounds).
     pub fn size(&self) -> usize {
         let models = self.models.load();
         models
             .values()
             .flat_map(|shards| shards.iter())
-            .map(|shard| lock(shard).size())
+            .map(|shard| lock(shard).footprint())
             .sum()
     }
 
@@ -508,7 +509,7 @@ impl MetricsSource for CacheAware {
         w.family(
             "routing_tree_bytes",
             "gauge",
-            "Bytes of prompt text all prefix trees hold, shared prefixes counted once.",
+            "Bytes all prefix trees take: their prompt text, shared prefixes once, plus 64 per node.",
         );
         w.sample("routing_tree_bytes", &[], self.size() as f64);
         w.family(
