@@ -797,8 +797,24 @@ mod tests {
             assert!(cache.size() <= 2 * max, "{} after {i}", cache.size());
         }
         assert!(cache.size() > max, "the test outgrew the bound");
+        for w in &ws {
+            let id = w.breaker.id();
+            assert_eq!(
+                cache.cached(id),
+                cache.cached_in_trees(id),
+                "inline evictions"
+            );
+        }
         assert!(cache.evict() <= max);
         assert!(cache.size() <= max);
+        for w in &ws {
+            let id = w.breaker.id();
+            assert_eq!(
+                cache.cached(id),
+                cache.cached_in_trees(id),
+                "the eviction tick"
+            );
+        }
         let held: u64 = ws.iter().map(|w| cache.cached(w.breaker.id())).sum();
         assert!(
             held >= max as u64 / 2,

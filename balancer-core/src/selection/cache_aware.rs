@@ -265,22 +265,26 @@ impl CacheAware {
         if len == 0 {
             return;
         }
-        let held = self.held(id, worker);
         let budget = self.config.max_tree_size / SHARDS;
         let mut tree = lock(lookup.shard);
         let before = tree.cached(id);
         tree.insert(lookup.prompt.text, id, lookup.now);
-        let after = tree.cached(id);
-        held.bytes
-            .fetch_add((after - before) as u64, Ordering::Relaxed);
+        let added = (tree.cached(id) - before) as u64;
+        // Counted before an eviction settles what it frees.
+        if added > 0 {
+            self.add_held(worker, added);
+        }
         if tree.footprint() > budget.saturating_mul(INLINE_EVICTION_FACTOR) {
             self.evict_shard(&mut tree, budget);
         }
     }
 
-    fn held(&self, id: WorkerId, worker: &Worker) -> Arc<Held> {
+    /// Counts `bytes` more for `worker`, adding its entry on first use.
+    fn add_held(&self, worker: &Worker, bytes: u64) {
+        let id = worker.breaker.id();
         if let Some(h) = self.held.load().get(&id) {
-            return h.clone();
+            h.bytes.fetch_add(bytes, Ordering::Relaxed);
+            return;
         }
         let _grow = self.grow.lock().unwrap_or_else(|e| e.into_inner());
         let mut held = HashMap::clone(&self.held.load());
@@ -293,8 +297,8 @@ impl CacheAware {
                 }))
                 .clone(),
         };
+        h.bytes.fetch_add(bytes, Ordering::Relaxed);
         self.held.store(Arc::new(held));
-        h
     }
 
     /// Applies a shard's change in per-worker bytes to the totals.
@@ -360,6 +364,18 @@ impl CacheAware {
             .values()
             .flat_map(|shards| shards.iter())
             .map(|shard| lock(shard).footprint())
+            .sum()
+    }
+
+    /// The worker's bytes summed over the trees themselves, to check the
+    /// running count against.
+    #[cfg(test)]
+    pub(super) fn cached_in_trees(&self, id: WorkerId) -> u64 {
+        let models = self.models.load();
+        models
+            .values()
+            .flat_map(|shards| shards.iter())
+            .map(|shard| lock(shard).cached(id) as u64)
             .sum()
     }
 
