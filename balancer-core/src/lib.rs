@@ -20,6 +20,7 @@ pub mod breaker;
 pub mod clock;
 pub mod health;
 pub mod metrics;
+pub mod prefix_tree;
 pub mod quality;
 pub mod registry;
 pub mod ring;

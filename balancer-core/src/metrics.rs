@@ -78,6 +78,13 @@ impl Histogram {
         self.sum_nanos.fetch_add(nanos, Ordering::Relaxed);
     }
 
+    /// Records a plain value in the unit of the bounds (a share, a count)
+    /// rather than a duration.
+    #[inline]
+    pub fn observe_value(&self, v: f64) {
+        self.observe_nanos((v.max(0.0) * 1e9) as u64);
+    }
+
     /// Observations recorded so far.
     pub fn count(&self) -> u64 {
         self.count.load(Ordering::Relaxed)

@@ -11,6 +11,7 @@
 //! in its `metrics` submodule, next to the state they read.
 
 mod metrics;
+mod recent;
 #[cfg(test)]
 mod tests;
 
@@ -79,6 +80,7 @@ pub struct Worker {
     selected: AtomicU64,
     /// Time to first byte of the attempts that went through.
     pub ttfb: Histogram,
+    recent: recent::Recent,
     /// Background tasks (the prober) that must stop with the worker.
     tasks: Mutex<Vec<tokio::task::AbortHandle>>,
     /// The timer that ends the current open or degraded period; replaced
@@ -151,6 +153,35 @@ impl Worker {
         self.inflight.load(Ordering::Relaxed)
     }
 
+    /// The load every load-aware policy compares, the one place it is read:
+    /// its attempts in flight, plus 64 (`recent::FAILURE_LOAD`) times the
+    /// share of its recent attempts that failed, so that a worker failing
+    /// fast (and so with few requests in flight) does not look idle.
+    #[inline]
+    pub fn load(&self, now: Nanos) -> u32 {
+        let failing = self.recent.failure_rate(now);
+        let penalty = if failing == 0.0 {
+            0
+        } else {
+            (failing * recent::FAILURE_LOAD).round() as u32
+        };
+        self.inflight().saturating_add(penalty)
+    }
+
+    /// Its recent average time to first byte (first token for streams), as
+    /// the gateway measured it; `None` without a sample in the last 30 s.
+    #[inline]
+    pub fn recent_ttfb(&self, now: Nanos) -> Option<Duration> {
+        self.recent.ttfb(now)
+    }
+
+    /// Records the time to first byte of an attempt that went through: the
+    /// `worker_ttfb` histogram and the recent average.
+    pub fn observe_ttfb(&self, ttfb: Duration, now: Nanos) {
+        self.ttfb.observe(ttfb);
+        self.recent.record_ttfb(ttfb, now);
+    }
+
     /// Requests started on it since it was added (`worker_selected_total`).
     pub fn selected_total(&self) -> u64 {
         self.selected.load(Ordering::Relaxed)
@@ -210,6 +241,10 @@ impl Attempt {
     /// request). Only the first call records; later ones do nothing.
     pub fn record(&mut self, charges: &mut RequestCharges, outcome: Outcome, clock: &dyn Clock) {
         if let Some(ticket) = self.ticket.take() {
+            if outcome != Outcome::Ignored {
+                let failed = matches!(outcome, Outcome::Failure(_));
+                self.worker.recent.record_outcome(failed, clock.now());
+            }
             charges.record(&self.worker.breaker, ticket, outcome, clock);
         }
     }
@@ -487,6 +522,7 @@ impl Registry {
                 inflight: AtomicU32::new(0),
                 selected: AtomicU64::new(0),
                 ttfb: Histogram::default(),
+                recent: recent::Recent::default(),
                 tasks: Mutex::new(Vec::new()),
                 timer: Mutex::new(None),
             }

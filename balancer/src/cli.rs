@@ -20,7 +20,7 @@ use balancer_core::admission::AdmissionConfig;
 use balancer_core::breaker::{DegradedSettings, MAX_HALF_OPEN_INFLIGHT, Settings, WindowSettings};
 use balancer_core::health::HealthThresholds;
 use balancer_core::registry::DEFAULT_REMOVED_GRACE;
-use balancer_core::selection::Policy;
+use balancer_core::selection::{CacheAwareConfig, Policy};
 use balancer_core::spec::{BreakerDefaults, WorkerSpec, redacted_url};
 use balancer_dataplane::XdpMode;
 use balancer_dataplane::steering::{ForwardMode, L4Config};
@@ -155,7 +155,7 @@ pub struct LaunchArgs {
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub demo_workers: u16,
     /// Load-balancing policy: round_robin, random, power_of_two, least_load,
-    /// consistent_hash.
+    /// cache_aware, consistent_hash.
     #[arg(long, default_value = "power_of_two")]
     pub policy: Policy,
     /// Header whose value is the routing key of `consistent_hash`.
@@ -392,6 +392,9 @@ pub struct LaunchArgs {
     pub breaker: BreakerArgs,
 
     #[command(flatten)]
+    pub cache_aware: CacheAwareArgs,
+
+    #[command(flatten)]
     pub compat: CompatArgs,
 
     /// Worker specs from the config file's `[[workers]]` tables.
@@ -399,8 +402,8 @@ pub struct LaunchArgs {
     pub worker_specs: Vec<WorkerSpec>,
 }
 
-/// Flags of the reference gateway that have no meaning here (cache-aware
-/// routing, start-up waits, ...). They are accepted so that an existing
+/// Flags of the reference gateway that have no meaning here (start-up
+/// waits, ...). They are accepted so that an existing
 /// `smg launch` command line starts this gateway unchanged, and each one
 /// given is named in a warning at start.
 #[derive(Debug, Clone, Default, Args)]
@@ -409,16 +412,6 @@ pub struct CompatArgs {
     pub worker_startup_timeout_secs: Option<String>,
     #[arg(long, hide = true)]
     pub worker_startup_check_interval: Option<String>,
-    #[arg(long, hide = true)]
-    pub cache_threshold: Option<String>,
-    #[arg(long, hide = true)]
-    pub balance_abs_threshold: Option<String>,
-    #[arg(long, hide = true)]
-    pub balance_rel_threshold: Option<String>,
-    #[arg(long, hide = true)]
-    pub eviction_interval: Option<String>,
-    #[arg(long, hide = true)]
-    pub max_tree_size: Option<String>,
     #[arg(long, hide = true)]
     pub log_dir: Option<String>,
     #[arg(long, hide = true, num_args = 1..)]
@@ -439,11 +432,6 @@ impl CompatArgs {
                 "--worker-startup-check-interval",
                 &self.worker_startup_check_interval,
             ),
-            ("--cache-threshold", &self.cache_threshold),
-            ("--balance-abs-threshold", &self.balance_abs_threshold),
-            ("--balance-rel-threshold", &self.balance_rel_threshold),
-            ("--eviction-interval", &self.eviction_interval),
-            ("--max-tree-size", &self.max_tree_size),
             ("--log-dir", &self.log_dir),
         ];
         let lists = [
@@ -461,6 +449,48 @@ impl CompatArgs {
                     .map(|(f, _)| f),
             )
             .collect()
+    }
+}
+
+/// The flags of `--policy cache_aware`, with `smg launch`'s names and
+/// defaults (smg 1.13.0).
+#[derive(Debug, Clone, Args)]
+pub struct CacheAwareArgs {
+    /// cache_aware: the least share (0-1) of a prompt its best-matching
+    /// worker must already hold to be sent it.
+    #[arg(long, alias = "cache-match-threshold", default_value_t = 0.3, value_parser = fraction)]
+    pub cache_threshold: f64,
+    /// cache_aware: load is imbalanced when the most and least loaded
+    /// candidates differ by more than this many requests ...
+    #[arg(long, default_value_t = 64)]
+    pub balance_abs_threshold: u32,
+    /// ... and the most loaded carries more than this multiple of the least
+    /// (at least 1.0); then the least loaded gets the request.
+    #[arg(long, default_value_t = 1.5, value_parser = positive_f64)]
+    pub balance_rel_threshold: f64,
+    /// cache_aware: seconds between evictions of the prefix trees.
+    #[arg(long, alias = "eviction-interval", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub eviction_interval_secs: u64,
+    /// cache_aware: bytes of prompt text each model's prefix trees keep after
+    /// an eviction, shared by all its workers (never more than twice that).
+    #[arg(long, default_value_t = 1 << 26, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_tree_size: u64,
+    /// cache_aware: route by the prefix match alone, without weighing each
+    /// worker's recent time to first token against it.
+    #[arg(long)]
+    pub disable_ttft_weighting: bool,
+}
+
+impl CacheAwareArgs {
+    pub fn config(&self) -> CacheAwareConfig {
+        CacheAwareConfig {
+            cache_threshold: self.cache_threshold,
+            balance_abs_threshold: self.balance_abs_threshold,
+            balance_rel_threshold: self.balance_rel_threshold,
+            eviction_interval: Duration::from_secs(self.eviction_interval_secs),
+            max_tree_size: usize::try_from(self.max_tree_size).unwrap_or(usize::MAX),
+            ttft_weighting: !self.disable_ttft_weighting,
+        }
     }
 }
 
@@ -624,6 +654,7 @@ impl LaunchArgs {
                 prefix: self.etcd_prefix.clone(),
             }),
             policy: self.policy,
+            cache_aware: self.cache_aware.config(),
             proxy: ProxyConfig {
                 retry: RetryPolicy {
                     max_attempts: if self.disable_retries {
@@ -876,14 +907,11 @@ mod tests {
             "b",
         ])
         .unwrap();
-        assert_eq!(a.policy, Policy::PowerOfTwo);
+        assert_eq!(a.policy, Policy::CacheAware);
+        assert_eq!(a.to_config().unwrap().cache_aware.cache_threshold, 0.5);
         assert_eq!(
             a.compat.ignored(),
-            [
-                "--worker-startup-timeout-secs",
-                "--cache-threshold",
-                "--cors-allowed-origins"
-            ]
+            ["--worker-startup-timeout-secs", "--cors-allowed-origins"]
         );
     }
 
@@ -981,6 +1009,52 @@ mod tests {
         let from_file: Vec<String> = args.iter().map(|a| a.to_string_lossy().into()).collect();
         let from_file: Vec<&str> = from_file.iter().map(String::as_str).collect();
         assert_eq!(grace(&from_file), Duration::from_secs(45));
+    }
+
+    #[test]
+    fn cache_aware_flags_come_from_the_command_line_or_the_file() {
+        let d = parse(&[]).unwrap().to_config().unwrap().cache_aware;
+        assert_eq!(d, CacheAwareConfig::default());
+        assert_eq!(
+            (
+                d.cache_threshold,
+                d.balance_abs_threshold,
+                d.balance_rel_threshold
+            ),
+            (0.3, 64, 1.5)
+        );
+        assert_eq!(
+            (d.eviction_interval.as_secs(), d.max_tree_size),
+            (60, 1 << 26)
+        );
+        let (flags, _) = config_text_args(
+            "policy = \"cache_aware\"\ncache_threshold = 0.5\nbalance_abs_threshold = 8\n\
+             balance_rel_threshold = 2.0\neviction_interval_secs = 5\nmax_tree_size = 4096\n\
+             disable_ttft_weighting = true\n",
+            Path::new("c.toml"),
+            &[],
+        )
+        .unwrap();
+        let mut args = vec![OsString::from("balancer launch")];
+        args.extend(flags);
+        let c = LaunchArgs::try_parse_from(args)
+            .unwrap()
+            .to_config()
+            .unwrap();
+        assert_eq!(c.policy, Policy::CacheAware);
+        assert_eq!(
+            c.cache_aware,
+            CacheAwareConfig {
+                cache_threshold: 0.5,
+                balance_abs_threshold: 8,
+                balance_rel_threshold: 2.0,
+                eviction_interval: Duration::from_secs(5),
+                max_tree_size: 4096,
+                ttft_weighting: false,
+            }
+        );
+        assert!(parse(&["--cache-threshold", "1.5"]).is_err());
+        assert!(parse(&["--balance-rel-threshold", "0.5"]).is_err());
     }
 
     #[test]

@@ -17,7 +17,7 @@ use balancer_core::admission::AdmissionConfig;
 use balancer_core::breaker::MAX_HALF_OPEN_INFLIGHT;
 use balancer_core::health::HealthThresholds;
 use balancer_core::registry::DEFAULT_REMOVED_GRACE;
-use balancer_core::selection::Policy;
+use balancer_core::selection::{CacheAwareConfig, Policy};
 use balancer_core::spec::{BreakerDefaults, WorkerAddress, WorkerSpec, redacted_url};
 use balancer_dataplane::maglev::is_prime;
 use balancer_dataplane::steering::L4Config;
@@ -46,6 +46,9 @@ pub struct GatewayConfig {
     pub etcd: Option<EtcdConfig>,
     /// `--policy`.
     pub policy: Policy,
+    /// `--cache-threshold`, `--balance-*-threshold`, `--eviction-interval-secs`,
+    /// `--max-tree-size`, `--disable-ttft-weighting` (`cache_aware` only).
+    pub cache_aware: CacheAwareConfig,
     /// Timeouts, retries, replay limit, routing key and fallbacks.
     pub proxy: ProxyConfig,
     /// The `--cb-*` flags, before per-worker overrides.
@@ -121,6 +124,7 @@ impl Default for GatewayConfig {
             workers: Vec::new(),
             etcd: None,
             policy: Policy::PowerOfTwo,
+            cache_aware: CacheAwareConfig::default(),
             proxy: ProxyConfig::default(),
             breaker: BreakerDefaults::default(),
             max_open_percent: 100,

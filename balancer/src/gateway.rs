@@ -21,8 +21,8 @@ use tokio::task::JoinSet;
 use balancer_core::admission::Admission;
 use balancer_core::clock::{Clock, MonotonicClock};
 use balancer_core::metrics::MetricsSource;
-use balancer_core::registry::{Registry, RegistryConfig};
-use balancer_core::selection::{Policy, Selector};
+use balancer_core::registry::{Registry, RegistryConfig, WorkerEvent};
+use balancer_core::selection::{CacheAware, Policy, Selector};
 use balancer_core::tokens::Tokens;
 use balancer_dataplane::steering::Steering;
 
@@ -47,7 +47,7 @@ pub struct Gateway {
     pub proxy: Arc<Proxy>,
     /// The XDP dataplane, with `--xdp-iface`.
     steering: Option<Steering>,
-    /// The discovery sources' follow tasks.
+    /// The discovery sources' follow tasks, and `cache_aware`'s upkeep.
     discovery: Vec<tokio::task::AbortHandle>,
     /// HTTPS on the public port (`--tls-cert-path`).
     serves_tls: bool,
@@ -271,11 +271,16 @@ impl Gateway {
             sources.push(s.metrics());
         }
         sources.extend(discovery_series);
+        let selector = Selector::with_cache_aware(config.policy, config.cache_aware);
+        if let Some(cache) = selector.cache_aware() {
+            sources.push(cache.clone());
+            discovery.extend(cache_upkeep(cache.clone(), &registry));
+        }
         let exposition = Arc::new(Exposition::new(&config.metrics_prefix, sources));
 
         let proxy = Arc::new(Proxy::new(
             registry.clone(),
-            Selector::new(config.policy),
+            selector,
             config.proxy.clone(),
             admission,
             stats,
@@ -488,4 +493,46 @@ fn forced(registry: &Registry, name: &str, number: i32) -> Stopped {
         "second signal: stopping now, cutting the requests still in flight"
     );
     Stopped::Forced(number)
+}
+
+/// `cache_aware`'s two background tasks: eviction every
+/// `--eviction-interval-secs`, and dropping a worker's prefix entries when
+/// its breaker opens (its cache is presumed lost) or it leaves the fleet.
+fn cache_upkeep(cache: Arc<CacheAware>, registry: &Registry) -> [tokio::task::AbortHandle; 2] {
+    let interval = cache.config().eviction_interval;
+    let evictor = {
+        let cache = cache.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let cache = cache.clone();
+                // The walk is bounded by --max-tree-size but not short.
+                let held = tokio::task::spawn_blocking(move || cache.evict()).await;
+                tracing::debug!(bytes = held.unwrap_or_default(), "prefix trees evicted");
+            }
+        })
+    };
+    let mut events = registry.subscribe();
+    let forgetter = tokio::spawn(async move {
+        loop {
+            let worker = match events.recv().await {
+                Ok(WorkerEvent::Removed(w)) => w,
+                Ok(WorkerEvent::Breaker(w, t)) if t.to == balancer_core::breaker::State::Open => w,
+                Ok(_) => continue,
+                // Missed events may have been openings: a lagging subscriber
+                // cannot tell which, and stale entries only cost a miss.
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                    tracing::warn!(missed = n, "cache_aware missed worker events");
+                    continue;
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+            };
+            cache.forget(worker.breaker.id());
+            tracing::info!(worker = %worker.url, "cache_aware dropped the worker's prefix entries");
+        }
+    });
+    [evictor.abort_handle(), forgetter.abort_handle()]
 }

@@ -4,8 +4,8 @@
 //! order: the gateway's own endpoints and admission ([`Lane::handle`]),
 //! reading the body ([`body`]), finding the model and the routing key and
 //! taking fallbacks ([`route`], with [`scan`] reading the common body's
-//! model in one pass), the attempt and retry loop with one breaker
-//! charge per worker per request ([`attempt`], its timeouts on the thread's
+//! model in one pass, and [`prompt`] the prompt under `cache_aware`), the
+//! attempt and retry loop with one breaker charge per worker per request ([`attempt`], its timeouts on the thread's
 //! kept timers in [`deadline`]), then the worker's body
 //! ([`relay`]). The gateway's own answers live in [`answer`] (what it says
 //! about models in [`models`]), the background
@@ -20,6 +20,7 @@ mod edge;
 mod json_check;
 mod models;
 mod probe;
+mod prompt;
 mod relay;
 mod route;
 mod scan;
@@ -405,6 +406,14 @@ impl Lane {
                 .then(|| headers.get(&proxy.config.routing_key_header))
                 .flatten()
                 .map(hash_key);
+            let prompt = match &body {
+                RequestBody::Replayable(bytes, _)
+                    if inference && proxy.selector.policy() == Policy::CacheAware =>
+                {
+                    prompt::prompt_text(bytes)
+                }
+                _ => None,
+            };
             let headers = Forwarded::new(
                 headers,
                 peer.addr.ip(),
@@ -422,6 +431,7 @@ impl Lane {
                 model,
                 key,
                 fallback_from: None,
+                prompt,
             };
             let mut body = Some(body);
             // An undeclared model with a fallback takes it now: any worker

@@ -109,6 +109,8 @@ const INSTALL_WITHIN: Duration = Duration::from_secs(240);
 const STOP_GRACE: Duration = Duration::from_secs(3);
 /// The row the ratios are relative to.
 const GATEWAY: &str = "balancer";
+/// The gateway under `--policy cache_aware` (the others run round robin).
+const GATEWAY_CACHE_AWARE: &str = "cache_aware";
 /// The gateway serving HTTPS, in the HTTPS row.
 const GATEWAY_TLS: &str = "balancer https";
 const NGINX_TLS: &str = "nginx https";
@@ -150,6 +152,19 @@ fn l7(args: &L7) -> Result<()> {
     lab.start(GATEWAY, &mut launch(&balancer, gateway, &urls)?)?;
     lab.await_ready(GATEWAY, gateway)?;
     targets.push(Target::new(GATEWAY, gateway, lab.pid(GATEWAY)?));
+
+    // The same gateway routing by prompt: the cost of the prefix trees.
+    let cache_aware = free_addr()?;
+    lab.start(
+        GATEWAY_CACHE_AWARE,
+        &mut launch_with(&balancer, cache_aware, &urls, "cache_aware")?,
+    )?;
+    lab.await_ready(GATEWAY_CACHE_AWARE, cache_aware)?;
+    targets.push(Target::new(
+        GATEWAY_CACHE_AWARE,
+        cache_aware,
+        lab.pid(GATEWAY_CACHE_AWARE)?,
+    ));
 
     let certificate = Certificate::new(&lab.dir)?;
     let gateway_tls = free_addr()?;
@@ -340,6 +355,16 @@ fn l7(args: &L7) -> Result<()> {
 /// `balancer launch` on `addr` before `urls`, round robin, its operator
 /// listeners on free ports.
 fn launch(balancer: &Path, addr: SocketAddr, urls: &[String]) -> Result<Command> {
+    launch_with(balancer, addr, urls, "round_robin")
+}
+
+/// [`launch`] under `policy`.
+fn launch_with(
+    balancer: &Path,
+    addr: SocketAddr,
+    urls: &[String],
+    policy: &str,
+) -> Result<Command> {
     let mut command = Command::new(balancer);
     command
         .arg("launch")
@@ -349,13 +374,7 @@ fn launch(balancer: &Path, addr: SocketAddr, urls: &[String]) -> Result<Command>
         .arg(free_addr()?.port().to_string())
         .arg("--admin-port")
         .arg(free_addr()?.port().to_string())
-        .args([
-            "--policy",
-            "round_robin",
-            "--log-level",
-            "warn",
-            "--worker-urls",
-        ])
+        .args(["--policy", policy, "--log-level", "warn", "--worker-urls"])
         .args(urls);
     Ok(command)
 }
@@ -490,6 +509,15 @@ fn table(targets: &[Target]) -> String {
          p99 above 1 is slower; CPU is user + system time of the target's process tree over \
          the run divided by the requests it served)"
     ));
+    if let (Some(gateway), Some(cache)) = (
+        gateway,
+        targets.iter().find(|t| t.name == GATEWAY_CACHE_AWARE),
+    ) {
+        out.push_str(&format!(
+            "\n{GATEWAY_CACHE_AWARE} / {GATEWAY} (round_robin): CPU per request {:.2}x (goal <= 1.15)",
+            cache.median(|s| s.cpu_us) / gateway.median(|s| s.cpu_us),
+        ));
+    }
     if let (Some(gateway), Some(nginx)) = (gateway, targets.iter().find(|t| t.name == "nginx")) {
         let ratio = |f: &dyn Fn(&Sample) -> f64| gateway.median(f) / nginx.median(f);
         out.push_str(&format!(

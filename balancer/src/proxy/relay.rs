@@ -72,7 +72,7 @@ impl Completion {
     fn finish(mut self, outcome: Outcome, first_byte: Duration, tail: &Tail, short: bool) {
         let worker = self.attempt.worker().clone();
         let outcome = if outcome == Outcome::Success {
-            worker.ttfb.observe(first_byte);
+            worker.observe_ttfb(first_byte, self.clock.now());
             if let (Some(tokens), Some(usage)) = (&self.tokens, tail.usage()) {
                 tokens.record(usage, self.clock.now());
             }

@@ -14,6 +14,7 @@ use http::header;
 use crate::wire::Headers;
 
 use balancer_core::registry::Attempt;
+use balancer_core::selection::Prompt;
 
 use super::Proxy;
 use super::body::RequestBody;
@@ -31,6 +32,8 @@ pub(crate) struct Outgoing {
     pub(crate) key: Option<u64>,
     /// The model the client asked for, when a fallback replaced it.
     pub(crate) fallback_from: Option<String>,
+    /// The rendered prompt, under `cache_aware` only ([`super::prompt`]).
+    pub(crate) prompt: Option<Vec<u8>>,
 }
 
 impl Proxy {
@@ -65,8 +68,18 @@ impl Proxy {
     pub(crate) fn select(&self, req: &Outgoing, tried: &[u64]) -> Option<Attempt> {
         let fleet = self.registry.fleet();
         let (candidates, ring) = fleet.candidates(req.model.as_deref());
+        // A model no worker declares shares one set of trees: a client's
+        // invented names grow nothing.
+        let prompt = req.prompt.as_deref().map(|text| Prompt {
+            model: req
+                .model
+                .as_deref()
+                .filter(|m| fleet.declares(m))
+                .unwrap_or(""),
+            text,
+        });
         self.selector
-            .attempt(candidates, ring, req.key, tried, &*self.clock)
+            .attempt_prompt(candidates, ring, req.key, prompt, tried, &*self.clock)
     }
 }
 
