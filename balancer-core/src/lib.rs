@@ -4,7 +4,7 @@
 //! circuit breaker ([`breaker`]), worker health ([`health`]), worker specs
 //! ([`spec`]) and the live fleet ([`registry`]), picking a worker
 //! ([`selection`] over the hash [`ring`]), admission control ([`admission`]),
-//! token accounting ([`tokens`]) and the metric primitives every layer
+//! token accounting ([`tokens`]), the load workers report ([`load`]) and the metric primitives every layer
 //! publishes its series through ([`metrics`]).
 //!
 //! It must not depend on hyper, aya, or sockets: the agent (`balancer`) does
@@ -18,6 +18,7 @@ pub mod admission;
 pub mod breaker;
 pub mod clock;
 pub mod health;
+pub mod load;
 pub mod metrics;
 pub mod registry;
 pub mod ring;

@@ -28,8 +28,9 @@ use crate::breaker::{
     Breaker, Classifier, OpenGate, Outcome, RequestCharges, State, Ticket, Transition,
     TransitionObserver,
 };
-use crate::clock::Clock;
+use crate::clock::{Clock, Nanos};
 use crate::health::{Health, HealthChange, HealthThresholds, HealthTracker};
+use crate::load::{LoadCell, ReportedLoad};
 use crate::metrics::Histogram;
 use crate::ring::{Ring, ring_points};
 use crate::spec::{BreakerDefaults, Resilience, SpecError, WorkerAddress, WorkerSpec};
@@ -78,6 +79,8 @@ pub struct Worker {
     selected: AtomicU64,
     /// Time to first byte of the attempts that went through.
     pub ttfb: Histogram,
+    /// The load it reports on its own `/metrics`, when a monitor scrapes it.
+    load: LoadCell,
     /// Background tasks (the prober) that must stop with the worker.
     tasks: Mutex<Vec<tokio::task::AbortHandle>>,
     /// The timer that ends the current open or degraded period; replaced
@@ -148,6 +151,39 @@ impl Worker {
     #[inline]
     pub fn inflight(&self) -> u32 {
         self.inflight.load(Ordering::Relaxed)
+    }
+
+    /// The queue and cache occupancy it reported, while the report is fresh
+    /// (see [`crate::load`]); `None` when nothing scrapes it or the last good
+    /// scrape is more than three intervals old.
+    #[inline]
+    pub fn reported_load(&self, now: Nanos) -> Option<ReportedLoad> {
+        self.load.current(now)
+    }
+
+    /// Its load for the load-aware policies: the requests it reports (waiting
+    /// plus running) where the report is fresh, else the gateway's in-flight
+    /// count. Never below the in-flight count, so that between two scrapes
+    /// the requests just sent to it count and the least loaded worker does
+    /// not take every request until the next report.
+    #[inline]
+    pub fn load(&self, now: Nanos) -> u32 {
+        let inflight = self.inflight();
+        self.reported_load(now)
+            .map_or(inflight, |r| r.requests().max(inflight))
+    }
+
+    /// Whether it reports more waiting requests than
+    /// `--worker-overload-waiting-requests` (in a fresh report): selection
+    /// then gives it a request only when no other candidate can take one.
+    #[inline]
+    pub fn is_overloaded(&self, clock: &dyn Clock) -> bool {
+        self.load.is_overloaded(|| clock.now())
+    }
+
+    /// Its load report's state: the monitor writes it, the series read it.
+    pub fn load_cell(&self) -> &LoadCell {
+        &self.load
     }
 
     /// Requests started on it since it was added (`worker_selected_total`).
@@ -436,6 +472,7 @@ impl Registry {
                 inflight: AtomicU32::new(0),
                 selected: AtomicU64::new(0),
                 ttfb: Histogram::default(),
+                load: LoadCell::default(),
                 tasks: Mutex::new(Vec::new()),
                 timer: Mutex::new(None),
             }

@@ -190,13 +190,47 @@ impl Selector {
         let Skip { tried, refused } = skip;
         let eligible = |w: &Worker| w.is_eligible(clock) && !refused.contains(&w.breaker.id());
         let fresh = |w: &Worker| eligible(w) && !tried.contains(&w.breaker.id());
-        if let Some(i) = self.pick(candidates, ring, key, turn, &fresh) {
+        if let Some(i) = self.pick_unloaded(candidates, ring, key, turn, &fresh, clock) {
             return Some(i);
         }
         if tried.is_empty() {
             return None;
         }
-        self.pick(candidates, ring, key, turn, &eligible)
+        self.pick_unloaded(candidates, ring, key, turn, &eligible, clock)
+    }
+
+    /// `pick` among the workers `ok` allows, leaving out those that report an
+    /// overload (`--worker-overload-waiting-requests`) while another can take
+    /// the request; a shed is counted once per pick, on the first overloaded
+    /// worker passed over.
+    fn pick_unloaded(
+        &self,
+        ws: &[Arc<Worker>],
+        ring: Option<&Ring>,
+        key: Option<u64>,
+        turn: &Turn,
+        ok: &dyn Fn(&Worker) -> bool,
+        clock: &dyn Clock,
+    ) -> Option<usize> {
+        let passed_over: Cell<Option<u64>> = Cell::new(None);
+        let unloaded = |w: &Worker| {
+            let overloaded = w.is_overloaded(clock);
+            if overloaded && passed_over.get().is_none() {
+                passed_over.set(Some(w.breaker.id()));
+            }
+            !overloaded
+        };
+        match self.pick(ws, ring, key, turn, &|w| ok(w) && unloaded(w)) {
+            Some(i) => {
+                if let Some(id) = passed_over.get()
+                    && let Some(shed) = ws.iter().find(|w| w.breaker.id() == id)
+                {
+                    shed.load_cell().note_shed();
+                }
+                Some(i)
+            }
+            None => self.pick(ws, ring, key, turn, ok),
+        }
     }
 
     fn pick(
