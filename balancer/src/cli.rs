@@ -27,7 +27,10 @@ use http::HeaderName;
 
 use crate::config::{ConnectionConfig, GatewayConfig};
 use crate::discovery::etcd::{EtcdConfig, Registration};
-use crate::proxy::{HealthCheckConfig, ProxyConfig, RetryPolicy, Routes};
+use crate::proxy::{
+    DEFAULT_LOAD_MONITOR_INTERVAL, HealthCheckConfig, LoadMonitorConfig, ProxyConfig, RetryPolicy,
+    Routes,
+};
 use crate::tls::{ServingTlsConfig, WorkerTlsConfig};
 
 fn positive_f64(s: &str) -> Result<f64, String> {
@@ -341,6 +344,9 @@ pub struct LaunchArgs {
     pub breaker: BreakerArgs,
 
     #[command(flatten)]
+    pub load: LoadArgs,
+
+    #[command(flatten)]
     pub compat: CompatArgs,
 
     /// Worker specs from the config file's `[[workers]]` tables.
@@ -410,6 +416,34 @@ impl CompatArgs {
                     .map(|(f, _)| f),
             )
             .collect()
+    }
+}
+
+/// The workers' own load: `--load-monitor-interval-ms` and
+/// `--worker-overload-waiting-requests`.
+#[derive(Debug, Clone, Args)]
+pub struct LoadArgs {
+    /// Read each worker's Prometheus `/metrics` this often for its queue and
+    /// KV-cache occupancy (vLLM's and SGLang's series); the load-aware
+    /// policies use it while it is at most three intervals old, else the
+    /// gateway's in-flight count. Each read is bounded by the interval and
+    /// 1 MiB, and a failed read never counts against the breaker. 0: off.
+    #[arg(long, value_name = "MS", default_value_t = DEFAULT_LOAD_MONITOR_INTERVAL.as_millis() as u64, value_parser = clap::value_parser!(u64).range(0..=600_000))]
+    pub load_monitor_interval_ms: u64,
+    /// A worker reporting more than N requests waiting takes no new request
+    /// while another candidate can (a shed, not a failure;
+    /// `worker_overload_sheds_total`). Off when absent.
+    #[arg(long, value_name = "N")]
+    pub worker_overload_waiting_requests: Option<u32>,
+}
+
+impl LoadArgs {
+    fn config(&self) -> LoadMonitorConfig {
+        LoadMonitorConfig {
+            interval: (self.load_monitor_interval_ms > 0)
+                .then(|| Duration::from_millis(self.load_monitor_interval_ms)),
+            overload_waiting: self.worker_overload_waiting_requests,
+        }
     }
 }
 
@@ -596,6 +630,7 @@ impl LaunchArgs {
                 failure: self.health_failure_threshold,
                 success: self.health_success_threshold,
             },
+            load_monitor: self.load.config(),
             health_check: HealthCheckConfig {
                 enabled: !self.disable_health_check,
                 endpoint: self.health_check_endpoint.clone(),

@@ -22,7 +22,7 @@ use balancer_dataplane::maglev::is_prime;
 use balancer_dataplane::steering::L4Config;
 
 use crate::discovery::etcd::EtcdConfig;
-use crate::proxy::{HealthCheckConfig, ProxyConfig, RetryPolicy, Routes};
+use crate::proxy::{HealthCheckConfig, LoadMonitorConfig, ProxyConfig, RetryPolicy, Routes};
 use crate::tls::{ServingTlsConfig, WorkerTlsConfig};
 
 /// Everything one agent is started with.
@@ -56,6 +56,8 @@ pub struct GatewayConfig {
     pub health: HealthThresholds,
     /// `--health-check-*`.
     pub health_check: HealthCheckConfig,
+    /// `--load-monitor-interval-ms`, `--worker-overload-waiting-requests`.
+    pub load_monitor: LoadMonitorConfig,
     /// `--max-concurrent-requests` and its queue; `None`: no admission limit.
     pub admission: Option<AdmissionConfig>,
     /// `--token-budget MODEL=TOKENS` per rolling minute.
@@ -125,6 +127,7 @@ impl Default for GatewayConfig {
                 success: 2,
             },
             health_check: HealthCheckConfig::default(),
+            load_monitor: LoadMonitorConfig::default(),
             admission: None,
             token_budgets: Vec::new(),
             l4: None,

@@ -8,7 +8,8 @@
 //! charge per worker per request ([`attempt`], its timeouts on the thread's
 //! kept timers in [`deadline`]), then the worker's body
 //! ([`relay`]). The gateway's own answers live in [`answer`], the background
-//! health and model probes in [`probe`], the path's own series in [`stats`]. It may read the registry and record
+//! health and model probes in [`probe`] and the workers' load scrapes in
+//! [`load_monitor`], the path's own series in [`stats`]. It may read the registry and record
 //! on breakers; it never changes the fleet.
 
 mod answer;
@@ -16,6 +17,7 @@ mod attempt;
 mod body;
 mod deadline;
 mod edge;
+mod load_monitor;
 mod probe;
 mod relay;
 mod route;
@@ -47,6 +49,7 @@ pub use attempt::RetryPolicy;
 pub use body::BufferBudget;
 pub(crate) use edge::Forwarded;
 pub use edge::Routes;
+pub use load_monitor::{DEFAULT_LOAD_MONITOR_INTERVAL, LoadMonitor, LoadMonitorConfig};
 pub use probe::{HealthCheckConfig, Prober};
 pub use stats::GatewayStats;
 

@@ -17,7 +17,8 @@ use balancer_core::registry::{Registry, Worker};
 
 use crate::tls::WorkerConnector;
 
-type ProbeClient = Client<WorkerConnector, Empty<Bytes>>;
+/// The client of the background reads: health probes, models, load scrapes.
+pub(super) type ProbeClient = Client<WorkerConnector, Empty<Bytes>>;
 
 /// How each worker's background task probes it.
 #[derive(Clone)]
@@ -63,6 +64,11 @@ impl Prober {
             client: Client::builder(TokioExecutor::new()).build(connector),
             config,
         }
+    }
+
+    /// Its client (a handle on the same pool), for the load scrapes.
+    pub(super) fn client(&self) -> ProbeClient {
+        self.client.clone()
     }
 
     /// Starts probing `worker` until it is removed.
@@ -122,7 +128,7 @@ impl Prober {
 }
 
 /// `GET path` on `worker`, with the worker URL's credentials if it has any.
-fn get(worker: &Worker, path: &str) -> Option<http::Request<Empty<Bytes>>> {
+pub(super) fn get(worker: &Worker, path: &str) -> Option<http::Request<Empty<Bytes>>> {
     let mut request = http::Request::get(format!("{}{path}", worker.url));
     if let Some(auth) = &worker.address.basic_auth {
         request = request.header(http::header::AUTHORIZATION, auth.expose());
