@@ -22,7 +22,7 @@ pub(crate) async fn control(shared: &Shared, req: Request<Incoming>) -> Resp {
     let (parts, body) = req.into_parts();
     match (&parts.method, parts.uri.path()) {
         (&Method::GET, "/_mock/stats") => {
-            shared.json_value(StatusCode::OK, &shared.stats.snapshot())
+            shared.json_value(StatusCode::OK, &shared.stats.snapshot(&shared.engine))
         }
         (&Method::GET, "/_mock/fault") => {
             let guard = shared.fault.load();
@@ -57,7 +57,7 @@ pub(crate) async fn control(shared: &Shared, req: Request<Incoming>) -> Resp {
         }
         (&Method::POST, "/_mock/reset") => {
             shared.reset();
-            shared.json_value(StatusCode::OK, &shared.stats.snapshot())
+            shared.json_value(StatusCode::OK, &shared.stats.snapshot(&shared.engine))
         }
         (_, "/_mock/stats" | "/_mock/fault" | "/_mock/reset") => shared.error(
             StatusCode::METHOD_NOT_ALLOWED,
