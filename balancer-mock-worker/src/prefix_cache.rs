@@ -181,6 +181,9 @@ impl Drop for Running {
 /// One worker's engine: cache, slots, counters.
 pub struct Engine {
     config: EngineConfig,
+    /// The prefill time per token in nanoseconds: the config's, until
+    /// `POST /_mock/engine` slows the engine down or speeds it up.
+    prefill_nanos: AtomicU64,
     cache: Option<Mutex<lru::LruCache<u64, ()>>>,
     slots: Option<std::sync::Arc<Semaphore>>,
     waiting: AtomicU64,
@@ -194,6 +197,9 @@ impl Engine {
     pub fn new(config: EngineConfig) -> Self {
         Self {
             config,
+            prefill_nanos: AtomicU64::new(
+                u64::try_from(config.prefill_per_token.as_nanos()).unwrap_or(u64::MAX),
+            ),
             cache: NonZeroUsize::new(config.cache_blocks)
                 .map(|n| Mutex::new(lru::LruCache::new(n))),
             slots: (config.slots > 0).then(|| std::sync::Arc::new(Semaphore::new(config.slots))),
@@ -224,10 +230,11 @@ impl Engine {
         };
         let lookup = self.lookup(body);
         let uncached = lookup.query_tokens - lookup.hit_tokens;
-        let prefill = self
-            .config
-            .prefill_per_token
-            .saturating_mul(u32::try_from(uncached).unwrap_or(u32::MAX));
+        let prefill = Duration::from_nanos(
+            self.prefill_nanos
+                .load(Ordering::Relaxed)
+                .saturating_mul(uncached),
+        );
         if !prefill.is_zero() {
             tokio::time::sleep(prefill).await;
         }
@@ -256,6 +263,20 @@ impl Engine {
             query_tokens,
             hit_tokens,
         }
+    }
+
+    /// The prefill time of one uncached token now.
+    pub fn prefill_per_token(&self) -> Duration {
+        Duration::from_nanos(self.prefill_nanos.load(Ordering::Relaxed))
+    }
+
+    /// Changes the prefill time of one uncached token (a worker made slower
+    /// mid-run); requests already in prefill keep theirs.
+    pub fn set_prefill_per_token(&self, per_token: Duration) {
+        self.prefill_nanos.store(
+            u64::try_from(per_token.as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
     }
 
     /// Prompt tokens looked up so far, and of those the cached ones.

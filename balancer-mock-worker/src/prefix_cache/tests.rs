@@ -161,3 +161,104 @@ fn the_metrics_are_the_prometheus_text_format_with_vllm_names() {
         assert!(text.lines().any(|l| l == line), "{line}\n{text}");
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_slowed_engine_takes_longer_per_uncached_token() {
+    let e = Arc::new(Engine::new(EngineConfig {
+        cache_blocks: 0,
+        prefill_per_token: Duration::from_micros(100),
+        slots: 0,
+    }));
+    e.set_prefill_per_token(Duration::from_micros(600));
+    assert_eq!(e.prefill_per_token(), Duration::from_micros(600));
+    let start = tokio::time::Instant::now();
+    // Ten tokens: 6 ms (the paused clock counts whole milliseconds).
+    let (_slot, l) = e
+        .prefill(br#"{"prompt":"0123456789abcdef0123456789abcdef01234567"}"#)
+        .await;
+    assert_eq!(l.query_tokens, 10);
+    assert_eq!(start.elapsed(), Duration::from_millis(6));
+}
+
+mod over_http {
+    use http::{Method, StatusCode};
+
+    use crate::config::MockWorkerConfig;
+    use crate::server::MockWorker;
+    use crate::test_support::call;
+
+    use super::*;
+
+    async fn demo_worker() -> MockWorker {
+        let config = MockWorkerConfig {
+            engine: EngineConfig {
+                prefill_per_token: Duration::ZERO,
+                ..EngineConfig::DEMO
+            },
+            ..MockWorkerConfig::named("w-engine")
+        };
+        MockWorker::spawn(std::net::SocketAddr::from(([127, 0, 0, 1], 0)), config)
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn metrics_and_stats_show_the_cache_and_are_not_counted_as_requests() {
+        let w = demo_worker().await;
+        let body = String::from_utf8(chat(&"s".repeat(BLOCK_BYTES * 4), "q")).unwrap();
+        for _ in 0..2 {
+            let a = call(&w, Method::POST, "/v1/chat/completions", &body).await;
+            assert_eq!(a.status, StatusCode::OK);
+        }
+        let m = call(&w, Method::GET, "/metrics", "").await;
+        assert_eq!(m.status, StatusCode::OK);
+        assert_eq!(m.headers["content-type"], "text/plain; version=0.0.4");
+        let text = String::from_utf8_lossy(&m.body).into_owned();
+        assert!(
+            text.contains(
+                "vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"demo-model\"} 64.0"
+            ),
+            "{text}"
+        );
+        let s = w.stats();
+        assert_eq!(
+            (s.requests, s.inference_requests),
+            (2, 2),
+            "/metrics is not counted"
+        );
+        assert_eq!(s.prefix_cache_hit_tokens, 64);
+        assert!(s.prefix_cache_query_tokens > 128);
+        w.reset();
+        assert_eq!(w.stats().prefix_cache_hit_tokens, 0);
+    }
+
+    #[tokio::test]
+    async fn the_engine_speed_is_read_and_changed_and_bounded() {
+        let w = demo_worker().await;
+        let a = call(
+            &w,
+            Method::POST,
+            "/_mock/engine",
+            r#"{"prefill_us_per_token":600}"#,
+        )
+        .await;
+        assert_eq!(a.status, StatusCode::OK);
+        assert_eq!(a.json()["prefill_us_per_token"], 600);
+        let a = call(&w, Method::GET, "/_mock/engine", "").await;
+        assert_eq!(a.json()["prefill_us_per_token"], 600);
+        for bad in [
+            "",
+            "{}",
+            r#"{"prefill_us_per_token":-1}"#,
+            r#"{"prefill_us_per_token":1000001}"#,
+            r#"{"speed":1}"#,
+        ] {
+            let a = call(&w, Method::POST, "/_mock/engine", bad).await;
+            assert_eq!(a.status, StatusCode::BAD_REQUEST, "{bad:?}");
+        }
+        assert_eq!(
+            call(&w, Method::GET, "/_mock/engine", "").await.json()["prefill_us_per_token"],
+            600
+        );
+    }
+}
