@@ -1,6 +1,8 @@
 //! `cargo xtask bench ...`: load measured on loopback (`l7`, below) and
-//! across network namespaces (`l4`, in [`l4`]), and instructions per
-//! request counted by callgrind (`instructions`, in [`instructions`]).
+//! across network namespaces (`l4`, in [`l4`]), instructions per
+//! request counted by callgrind (`instructions`, in [`instructions`]), and
+//! prefix-cache hits and time to first token of a chat trace (`cache`, in
+//! [`cache`]).
 //!
 //! `bench l7` drives wrk at four targets in front of the same two demo
 //! workers: one worker directly (the ceiling), this gateway, nginx as a plain
@@ -36,6 +38,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use clap::{Args, Subcommand};
 
+mod cache;
 mod instructions;
 mod l4;
 
@@ -57,6 +60,11 @@ pub enum Which {
     /// User-space instructions per proxied request of this gateway and of
     /// nginx, counted by callgrind: steady where CPU time is noisy.
     Instructions(instructions::Instructions),
+    /// Prefix-cache hit ratio and time to first token of a multi-turn chat
+    /// trace over four demo workers, through round_robin, power_of_two,
+    /// cache_aware and the reference gateway's cache_aware; steady, then
+    /// with one worker slowed and another failing.
+    Cache(cache::Cache),
 }
 
 #[derive(Args)]
@@ -77,6 +85,7 @@ pub fn bench(which: Which) -> Result<()> {
         Which::L7(args) => l7(&args),
         Which::L4(args) => l4::l4(&args),
         Which::Instructions(args) => instructions::instructions(&args),
+        Which::Cache(args) => cache::cache(&args),
         Which::Breaker => run(Command::new("cargo")
             .args([
                 "bench",
@@ -147,7 +156,10 @@ fn l7(args: &L7) -> Result<()> {
     )];
 
     let gateway = free_addr()?;
-    lab.start(GATEWAY, &mut launch(&balancer, gateway, &urls)?)?;
+    lab.start(
+        GATEWAY,
+        &mut launch(&balancer, gateway, &urls, "round_robin")?,
+    )?;
     lab.await_ready(GATEWAY, gateway)?;
     targets.push(Target::new(GATEWAY, gateway, lab.pid(GATEWAY)?));
 
@@ -155,7 +167,7 @@ fn l7(args: &L7) -> Result<()> {
     let gateway_tls = free_addr()?;
     lab.start(
         GATEWAY_TLS,
-        launch(&balancer, gateway_tls, &urls)?
+        launch(&balancer, gateway_tls, &urls, "round_robin")?
             .arg("--tls-cert-path")
             .arg(&certificate.cert)
             .arg("--tls-key-path")
@@ -200,24 +212,7 @@ fn l7(args: &L7) -> Result<()> {
 
     if let Some(smg) = smg {
         let addr = free_addr()?;
-        lab.start(
-            "smg",
-            Command::new(smg)
-                .args(["launch", "--host", "127.0.0.1", "--port"])
-                .arg(addr.port().to_string())
-                .args(["--prometheus-host", "127.0.0.1", "--prometheus-port"])
-                .arg(free_addr()?.port().to_string())
-                // Its default 180 s drain would outlast the stop's grace.
-                .args(["--shutdown-grace-period-secs", "1"])
-                .args([
-                    "--policy",
-                    "round_robin",
-                    "--log-level",
-                    "warn",
-                    "--worker-urls",
-                ])
-                .args(&urls),
-        )?;
+        lab.start("smg", &mut smg_command(&smg, addr, &urls, "round_robin")?)?;
         optional(&mut lab, &mut targets, &mut left_out, "smg", addr);
     }
 
@@ -337,9 +332,9 @@ fn l7(args: &L7) -> Result<()> {
     Ok(())
 }
 
-/// `balancer launch` on `addr` before `urls`, round robin, its operator
+/// `balancer launch` on `addr` before `urls` with `policy`, its operator
 /// listeners on free ports.
-fn launch(balancer: &Path, addr: SocketAddr, urls: &[String]) -> Result<Command> {
+fn launch(balancer: &Path, addr: SocketAddr, urls: &[String], policy: &str) -> Result<Command> {
     let mut command = Command::new(balancer);
     command
         .arg("launch")
@@ -349,13 +344,23 @@ fn launch(balancer: &Path, addr: SocketAddr, urls: &[String]) -> Result<Command>
         .arg(free_addr()?.port().to_string())
         .arg("--admin-port")
         .arg(free_addr()?.port().to_string())
-        .args([
-            "--policy",
-            "round_robin",
-            "--log-level",
-            "warn",
-            "--worker-urls",
-        ])
+        .args(["--policy", policy, "--log-level", "warn", "--worker-urls"])
+        .args(urls);
+    Ok(command)
+}
+
+/// `smg launch` on `addr` before `urls` with `policy`, its metrics
+/// listener on a free port.
+fn smg_command(smg: &Path, addr: SocketAddr, urls: &[String], policy: &str) -> Result<Command> {
+    let mut command = Command::new(smg);
+    command
+        .args(["launch", "--host", "127.0.0.1", "--port"])
+        .arg(addr.port().to_string())
+        .args(["--prometheus-host", "127.0.0.1", "--prometheus-port"])
+        .arg(free_addr()?.port().to_string())
+        // Its default 180 s drain would outlast the stop's grace.
+        .args(["--shutdown-grace-period-secs", "1"])
+        .args(["--policy", policy, "--log-level", "warn", "--worker-urls"])
         .args(urls);
     Ok(command)
 }
@@ -939,6 +944,9 @@ impl Certificate {
     }
 }
 
+/// The reference gateway's release the benches compare with.
+const SMG_PACKAGE: &str = "smg==1.13.0";
+
 /// The `smg` launcher from a venv under target/, installed on first use.
 fn smg_launcher() -> Result<PathBuf> {
     let venv = target_dir().join("bench-venv");
@@ -960,7 +968,7 @@ fn smg_launcher() -> Result<PathBuf> {
         "install",
         "--quiet",
         "--disable-pip-version-check",
-        "smg",
+        SMG_PACKAGE,
     ]);
     eprintln!("$ {}", display(&command));
     bounded(&mut command, INSTALL_WITHIN)?;
