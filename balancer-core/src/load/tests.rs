@@ -20,12 +20,18 @@ vllm:kv_cache_usage_perc{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct
 # HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
 # TYPE vllm:prefix_cache_queries_total counter
 vllm:prefix_cache_queries_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 182736.0
+# HELP vllm:prefix_cache_queries_created Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_created gauge
+vllm:prefix_cache_queries_created{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.7331234567890825e+09
 # HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
 # TYPE vllm:time_to_first_token_seconds histogram
 vllm:time_to_first_token_seconds_bucket{engine="0",le="0.04",model_name="meta-llama/Llama-3.1-8B-Instruct"} 120.0
 vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 131.0
 vllm:time_to_first_token_seconds_count{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 131.0
 vllm:time_to_first_token_seconds_sum{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 4.91
+# HELP vllm:time_to_first_token_seconds_created Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds_created gauge
+vllm:time_to_first_token_seconds_created{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.7331234567890825e+09
 "#;
 
 /// SGLang's `--enable-metrics` page: its own names, `model_name` and
@@ -152,6 +158,17 @@ fn an_oversized_page_is_refused_before_parsing() {
     let end = text.rfind('\n').unwrap() + 1;
     text.truncate(end);
     assert_eq!(parse_exposition(&text).unwrap().waiting, 3);
+}
+
+proptest::proptest! {
+    /// Whatever a worker sends, the parser answers (no panic), and a page
+    /// it accepts holds only finite, non-negative loads.
+    #[test]
+    fn any_text_is_answered(text in "(#|vllm:num_requests_waiting|sglang:token_usage|\\{|\\}|=|\"|[a-z_:]{1,8}| |\\n|[0-9.eE+-]{1,6}|NaN|Inf){0,40}") {
+        if let Ok(load) = parse_exposition(&text) {
+            proptest::prop_assert!(load.cache_usage.is_none_or(|c| (0.0..=1.0).contains(&c)));
+        }
+    }
 }
 
 #[test]
