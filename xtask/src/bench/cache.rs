@@ -6,6 +6,10 @@
 //! each group sharing one long system prompt, `--turns` turns each, every
 //! turn resending the whole conversation (system prompt, the earlier
 //! questions and answers, the new question) as a streamed chat completion.
+//! The defaults (32 system prompts of 10 kB, about 5,000 cache blocks in
+//! all) are more than one demo worker's 4,096-block cache holds and less
+//! than four hold: spreading every prompt over every worker evicts, keeping
+//! each prompt on one worker does not.
 //! `--concurrency` clients run it closed-loop: each takes its users in turn
 //! and sends a user's next turn only after the previous answer ended.
 //!
@@ -46,19 +50,19 @@ use crate::{target_dir, workspace_root};
 #[derive(Args)]
 pub struct Cache {
     /// Conversations in the trace.
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=10_000))]
     users: u64,
     /// Groups of conversations sharing one system prompt.
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=1_000))]
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..=1_000))]
     groups: u64,
     /// Turns of each conversation.
-    #[arg(long, default_value_t = 6, value_parser = clap::value_parser!(u64).range(1..=50))]
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=50))]
     turns: u64,
     /// Clients sending at once (closed loop).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=256))]
     concurrency: u64,
     /// Bytes of each group's system prompt (about 4 bytes a token).
-    #[arg(long, default_value_t = 6000, value_parser = clap::value_parser!(u64).range(64..=200_000))]
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(64..=200_000))]
     system_bytes: u64,
     /// Run the debug build of the agent (a quick smoke run while developing;
     /// its figures are not the release build's).
