@@ -1073,6 +1073,34 @@ resilience = { capacity_status_codes = [429, 503], cb_failure_threshold = 2 }
             Duration::from_millis(1000)
         );
     }
+    #[test]
+    fn load_monitor_flags() {
+        let c = parse(&[]).unwrap().to_config().unwrap();
+        assert_eq!(
+            c.load_monitor,
+            LoadMonitorConfig {
+                interval: Some(Duration::from_millis(500)),
+                overload_waiting: None,
+            }
+        );
+        let c = parse(&[
+            "--load-monitor-interval-ms",
+            "0",
+            "--worker-overload-waiting-requests",
+            "16",
+        ])
+        .unwrap()
+        .to_config()
+        .unwrap();
+        assert_eq!(c.load_monitor.interval, None, "0 turns the scrapes off");
+        assert_eq!(c.load_monitor.overload_waiting, Some(16));
+        for bad in [
+            ["--load-monitor-interval-ms", "600001"],
+            ["--worker-overload-waiting-requests", "-1"],
+        ] {
+            assert!(parse(&bad).is_err(), "{bad:?}");
+        }
+    }
 }
 
 /// `balancer register`: keep one worker registered in etcd under a lease
