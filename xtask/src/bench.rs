@@ -951,7 +951,7 @@ const SMG_PACKAGE: &str = "smg==1.13.0";
 fn smg_launcher() -> Result<PathBuf> {
     let venv = target_dir().join("bench-venv");
     let smg = venv.join("bin/smg");
-    if smg.is_file() {
+    if smg.is_file() && installed(&venv, SMG_PACKAGE) {
         return Ok(smg);
     }
     let python = venv.join("bin/python");
@@ -978,6 +978,21 @@ fn smg_launcher() -> Result<PathBuf> {
         smg.display()
     );
     Ok(smg)
+}
+
+/// Whether `venv` holds `package` (`name==version`) itself: an earlier
+/// install of another version is replaced.
+fn installed(venv: &Path, package: &str) -> bool {
+    let dist_info = format!("{}.dist-info", package.replace("==", "-"));
+    fs::read_dir(venv.join("lib")).is_ok_and(|pythons| {
+        pythons.flatten().any(|python| {
+            python
+                .path()
+                .join("site-packages")
+                .join(&dist_info)
+                .is_dir()
+        })
+    })
 }
 
 /// `binary` from PATH (or sbin, where nginx lives), installing the Debian
@@ -1336,6 +1351,18 @@ Transfer/sec:     36.08MB
         assert_eq!(parse_latency("12us").unwrap(), Duration::from_micros(12));
         assert!(parse_latency("12").is_err());
         assert!(parse_latency("12ns").is_err());
+    }
+
+    #[test]
+    fn the_pinned_reference_gateway_is_recognised_and_another_version_is_not() {
+        let venv = std::env::temp_dir().join(format!("bench-venv-test-{}", std::process::id()));
+        let site = venv.join("lib/python3.11/site-packages");
+        fs::create_dir_all(site.join("smg-1.12.0.dist-info")).unwrap();
+        assert!(!installed(&venv, "smg==1.13.0"));
+        fs::create_dir_all(site.join("smg-1.13.0.dist-info")).unwrap();
+        assert!(installed(&venv, "smg==1.13.0"));
+        fs::remove_dir_all(&venv).unwrap();
+        assert!(!installed(&venv, "smg==1.13.0"));
     }
 
     #[test]
