@@ -241,3 +241,38 @@ async fn a_worker_that_serves_but_whose_metrics_are_malformed_is_served_on_the_g
     );
     h.stop().await;
 }
+
+#[tokio::test]
+async fn a_worker_that_never_answers_its_metrics_times_out_without_a_breaker_charge() {
+    // Accepts connections and answers nothing: every scrape runs into the
+    // interval's bound.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let silent = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    let h = balancer_tests::gateway::harness_unprobed(std::slice::from_ref(&url), |c| {
+        quiet(c);
+        c.load_monitor.interval = Some(INTERVAL);
+    })
+    .await;
+    let timeouts = |m: &str| metric(m, "worker_load_scrapes_total", &url, ",outcome=\"timeout\"");
+    eventually("timed-out scrapes counted", || async {
+        timeouts(&h.metrics().await).unwrap() >= 2.0
+    })
+    .await;
+    let w = h.gw.registry.fleet().workers[0].clone();
+    assert_eq!(w.reported_load(now(&h)), None);
+    let snapshot = w.breaker.snapshot();
+    assert_eq!(snapshot.state, State::Closed);
+    assert_eq!(
+        (snapshot.successes, snapshot.failures_total()),
+        (0, 0),
+        "scrapes record nothing"
+    );
+    h.stop().await;
+    silent.abort();
+}
