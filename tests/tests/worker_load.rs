@@ -214,17 +214,40 @@ async fn a_worker_that_serves_but_whose_metrics_are_malformed_is_served_on_the_g
     // Answers every request, `/metrics` included, with `{}`: a 200 that is no
     // Prometheus text.
     let worker = CaptureWorker::start(Answer::default()).await;
-    let h = harness_with_urls(&[worker.url()], |c| {
+    // Answers with 2 MiB: past the scrape's 1 MiB bound.
+    let huge = CaptureWorker::start(Answer {
+        body: "x".repeat(2 << 20),
+        ..Answer::default()
+    })
+    .await;
+    let h = harness_with_urls(&[worker.url(), huge.url()], |c| {
         quiet(c);
         c.load_monitor.interval = Some(INTERVAL);
     })
     .await;
     let url = h.gw.registry.fleet().workers[0].url.to_string();
-    let errors = |m: &str| metric(m, "worker_load_scrapes_total", &url, ",outcome=\"error\"");
+    let huge_url = h.gw.registry.fleet().workers[1].url.to_string();
+    let errors =
+        |m: &str, url: &str| metric(m, "worker_load_scrapes_total", url, ",outcome=\"error\"");
     eventually("failed scrapes counted", || async {
-        errors(&h.metrics().await).unwrap() >= 2.0
+        let m = h.metrics().await;
+        errors(&m, &url).unwrap() >= 2.0 && errors(&m, &huge_url).unwrap() >= 2.0
     })
     .await;
+    let m = h.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            "worker_load_scrapes_total",
+            &huge_url,
+            ",outcome=\"ok\""
+        ),
+        Some(0.0),
+        "an oversized page is a failed read"
+    );
+    // The first worker serves; the other is left out of rotation below by
+    // draining it, so that only the first takes the requests.
+    h.gw.registry.drain(&huge_url).unwrap();
     for _ in 0..5 {
         let r = h.chat(CHAT).await;
         assert_eq!(r.status, StatusCode::OK, "{}", r.text());

@@ -314,6 +314,22 @@ mod selection {
     }
 
     #[test]
+    fn a_retry_prefers_an_untried_overloaded_worker_to_the_one_it_tried() {
+        let (registry, clock, workers) = fleet(2);
+        workers[0]
+            .load_cell()
+            .record(&workers[0].url, ScrapeOutcome::Ok(load(50)), clock.now());
+        let tried = [workers[1].breaker.id()];
+        let fleet = registry.fleet();
+        for policy in [Policy::RoundRobin, Policy::PowerOfTwo, Policy::LeastLoad] {
+            let attempt = Selector::new(policy)
+                .attempt(&fleet.workers, None, None, &tried, &*clock)
+                .unwrap();
+            assert!(Arc::ptr_eq(attempt.worker(), &workers[0]), "{policy:?}");
+        }
+    }
+
+    #[test]
     fn when_every_worker_is_overloaded_they_still_serve() {
         let (registry, clock, workers) = fleet(2);
         for w in &workers {
