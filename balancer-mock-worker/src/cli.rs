@@ -36,16 +36,19 @@ pub struct MockWorkerArgs {
     #[arg(long, default_value_t = 0)]
     pub token_delay_ms: u64,
     /// Prompt blocks (16 tokens of ~4 bytes each) the simulated prefix cache
-    /// holds, least recently used evicted first; 0: no cache.
-    #[arg(long, value_name = "N", default_value_t = EngineConfig::DEMO.cache_blocks)]
+    /// holds, least recently used evicted first; 0: no cache. Off by default,
+    /// like the prefill time and the slots, so that the proxy benchmarks
+    /// measure a worker that answers at once; the demo workers of
+    /// `balancer launch --demo-workers` run with 4096, 100 µs and 8.
+    #[arg(long, value_name = "N", default_value_t = 0)]
     pub prefix_cache_blocks: usize,
     /// Prefill time of each prompt token not found in the cache, in
     /// microseconds: the time to first token a cache hit saves.
-    #[arg(long, value_name = "US", default_value_t = EngineConfig::DEMO.prefill_per_token.as_micros() as u64, value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+    #[arg(long, value_name = "US", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
     pub prefill_us_per_token: u64,
     /// Requests computed at once; the others wait in the queue
     /// (`vllm:num_requests_waiting`). 0: no limit.
-    #[arg(long, value_name = "N", default_value_t = EngineConfig::DEMO.slots)]
+    #[arg(long, value_name = "N", default_value_t = 0)]
     pub slots: usize,
 }
 

@@ -19,8 +19,9 @@
 //! (empty caches): as is, then with faults: a third into the trace worker 2
 //! becomes six times slower at prefill (`POST /_mock/engine`), and two
 //! thirds in worker 3 answers every request with 500 (`POST /_mock/fault`).
-//! The workers are the demo engine (`balancer mock-worker` defaults: a
-//! 4096-block prefix cache, 100 µs per uncached token, 8 slots).
+//! The workers run the demo engine of `balancer launch --demo-workers`
+//! ([`ENGINE`]: a 4096-block prefix cache, 100 µs per uncached token, 8
+//! slots).
 //!
 //! Reported per run: the aggregate prefix-cache hit ratio (hit tokens over
 //! prompt tokens, from the workers' `/_mock/stats`), the time to first token
@@ -75,6 +76,15 @@ pub struct Cache {
 
 /// Demo workers per run.
 const WORKERS: usize = 4;
+/// The demo workers' engine flags: `EngineConfig::DEMO` of the demo worker.
+const ENGINE: [&str; 6] = [
+    "--prefix-cache-blocks",
+    "4096",
+    "--prefill-us-per-token",
+    "100",
+    "--slots",
+    "8",
+];
 /// Worker 2's prefill per token once slowed: six times the demo's 100 µs.
 const SLOW_PREFILL_US: u64 = 600;
 /// Tokens each answer streams.
@@ -170,7 +180,9 @@ fn run_target(
         lab.start(
             &worker,
             Command::new(balancer)
-                .args(["mock-worker", "--model", "demo-model", "--listen"])
+                .args(["mock-worker", "--model", "demo-model"])
+                .args(ENGINE)
+                .arg("--listen")
                 .arg(addr.to_string()),
         )?;
         lab.await_ready(&worker, addr)?;
