@@ -228,6 +228,17 @@ impl Engine {
             _permit: permit,
             _running: Running(self.clone()),
         };
+        // An engine without cache or prefill time (the default: tests and
+        // the proxy benchmarks) reads no prompt at all.
+        if self.cache.is_none() && self.prefill_nanos.load(Ordering::Relaxed) == 0 {
+            return (
+                slot,
+                Lookup {
+                    query_tokens: 0,
+                    hit_tokens: 0,
+                },
+            );
+        }
         let lookup = self.lookup(body);
         let uncached = lookup.query_tokens - lookup.hit_tokens;
         let prefill = Duration::from_nanos(

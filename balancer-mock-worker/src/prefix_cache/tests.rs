@@ -262,3 +262,15 @@ mod over_http {
         );
     }
 }
+
+#[tokio::test]
+async fn an_engine_without_cache_or_prefill_reads_no_prompt() {
+    let e = Arc::new(Engine::new(EngineConfig::default()));
+    let (_slot, l) = e.prefill(&chat(&"s".repeat(500), "q")).await;
+    assert_eq!((l.query_tokens, l.hit_tokens), (0, 0));
+    assert_eq!(e.tokens().query_tokens, 0);
+    assert!(
+        e.metrics("m")
+            .contains("vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 1.0")
+    );
+}
