@@ -5,7 +5,7 @@
 //! ([`spec`]) and the live fleet ([`registry`]), picking a worker
 //! ([`selection`] over the hash [`ring`]), admission control ([`admission`]),
 //! token accounting ([`tokens`]), the quality rule of completions
-//! ([`quality`]) and the metric primitives every layer
+//! ([`quality`]), the load workers report ([`load`]) and the metric primitives every layer
 //! publishes its series through ([`metrics`]).
 //!
 //! It must not depend on hyper, aya, or sockets: the agent (`balancer`) does
@@ -19,6 +19,7 @@ pub mod admission;
 pub mod breaker;
 pub mod clock;
 pub mod health;
+pub mod load;
 pub mod metrics;
 pub mod prefix_tree;
 pub mod quality;

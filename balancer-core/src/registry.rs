@@ -32,6 +32,7 @@ use crate::breaker::{
 };
 use crate::clock::{Clock, Nanos, nanos};
 use crate::health::{Health, HealthChange, HealthThresholds, HealthTracker};
+use crate::load::{LoadCell, ReportedLoad};
 use crate::metrics::Histogram;
 use crate::ring::{Ring, ring_points};
 use crate::spec::{BreakerDefaults, Resilience, SpecError, WorkerAddress, WorkerSpec};
@@ -81,6 +82,8 @@ pub struct Worker {
     /// Time to first byte of the attempts that went through.
     pub ttfb: Histogram,
     recent: recent::Recent,
+    /// The load it reports on its own `/metrics`, when a monitor scrapes it.
+    load: LoadCell,
     /// Background tasks (the prober) that must stop with the worker.
     tasks: Mutex<Vec<tokio::task::AbortHandle>>,
     /// The timer that ends the current open or degraded period; replaced
@@ -154,7 +157,8 @@ impl Worker {
     }
 
     /// The load every load-aware policy compares, the one place it is read:
-    /// its attempts in flight, plus 64 (`recent::FAILURE_LOAD`) times the
+    /// the requests it has (reported by the worker while the report is fresh,
+    /// else its attempts in flight), plus 64 (`recent::FAILURE_LOAD`) times the
     /// share of its recent attempts that failed, so that a worker failing
     /// fast (and so with few requests in flight) does not look idle.
     #[inline]
@@ -165,7 +169,14 @@ impl Worker {
         } else {
             (failing * recent::FAILURE_LOAD).round() as u32
         };
-        self.inflight().saturating_add(penalty)
+        // The requests it reports (waiting plus running) where the report is
+        // fresh, never below the gateway's in-flight count (between two
+        // scrapes the requests just sent to it count); else that count.
+        let inflight = self.inflight();
+        let requests = self
+            .reported_load(now)
+            .map_or(inflight, |r| r.requests().max(inflight));
+        requests.saturating_add(penalty)
     }
 
     /// Its recent average time to first byte (first token for streams), as
@@ -180,6 +191,27 @@ impl Worker {
     pub fn observe_ttfb(&self, ttfb: Duration, now: Nanos) {
         self.ttfb.observe(ttfb);
         self.recent.record_ttfb(ttfb, now);
+    }
+
+    /// The queue and cache occupancy it reported, while the report is fresh
+    /// (see [`crate::load`]); `None` when nothing scrapes it or the last good
+    /// scrape is more than three intervals old.
+    #[inline]
+    pub fn reported_load(&self, now: Nanos) -> Option<ReportedLoad> {
+        self.load.current(now)
+    }
+
+    /// Whether it reports more waiting requests than
+    /// `--worker-overload-waiting-requests` (in a fresh report): selection
+    /// then gives it a request only when no other candidate can take one.
+    #[inline]
+    pub fn is_overloaded(&self, clock: &dyn Clock) -> bool {
+        self.load.is_overloaded(|| clock.now())
+    }
+
+    /// Its load report's state: the monitor writes it, the series read it.
+    pub fn load_cell(&self) -> &LoadCell {
+        &self.load
     }
 
     /// Requests started on it since it was added (`worker_selected_total`).
@@ -523,6 +555,7 @@ impl Registry {
                 selected: AtomicU64::new(0),
                 ttfb: Histogram::default(),
                 recent: recent::Recent::default(),
+                load: LoadCell::default(),
                 tasks: Mutex::new(Vec::new()),
                 timer: Mutex::new(None),
             }

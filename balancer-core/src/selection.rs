@@ -244,14 +244,53 @@ impl Selector {
         let Skip { tried, refused } = skip;
         let eligible = |w: &Worker| w.is_eligible(clock) && !refused.contains(&w.breaker.id());
         let fresh = |w: &Worker| eligible(w) && !tried.contains(&w.breaker.id());
-        let now = clock.now();
-        if let Some(i) = self.pick(candidates, ring, key, lookup, turn, &fresh, now) {
+        if let Some(i) = self.pick_unloaded(candidates, ring, key, lookup, turn, &fresh, clock) {
             return Some(i);
         }
         if tried.is_empty() {
             return None;
         }
-        self.pick(candidates, ring, key, lookup, turn, &eligible, now)
+        self.pick_unloaded(candidates, ring, key, lookup, turn, &eligible, clock)
+    }
+
+    /// `pick` among the workers `ok` allows, leaving out those that report an
+    /// overload (`--worker-overload-waiting-requests`) while another can take
+    /// the request; a shed is counted once per pick, on the first overloaded
+    /// worker passed over.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one selection's inputs, passed down unchanged"
+    )]
+    fn pick_unloaded(
+        &self,
+        ws: &[Arc<Worker>],
+        ring: Option<&Ring>,
+        key: Option<u64>,
+        lookup: Option<&cache_aware::Lookup<'_>>,
+        turn: &Turn,
+        ok: &dyn Fn(&Worker) -> bool,
+        clock: &dyn Clock,
+    ) -> Option<usize> {
+        let now = clock.now();
+        let passed_over: Cell<Option<u64>> = Cell::new(None);
+        let unloaded = |w: &Worker| {
+            let overloaded = w.is_overloaded(clock);
+            if overloaded && passed_over.get().is_none() {
+                passed_over.set(Some(w.breaker.id()));
+            }
+            !overloaded
+        };
+        match self.pick(ws, ring, key, lookup, turn, &|w| ok(w) && unloaded(w), now) {
+            Some(i) => {
+                if let Some(id) = passed_over.get()
+                    && let Some(shed) = ws.iter().find(|w| w.breaker.id() == id)
+                {
+                    shed.load_cell().note_shed();
+                }
+                Some(i)
+            }
+            None => self.pick(ws, ring, key, lookup, turn, ok, now),
+        }
     }
 
     #[expect(

@@ -17,6 +17,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 
 use crate::config::MockWorkerConfig;
+use crate::prefix_cache::EngineConfig;
 use crate::server::MockWorker;
 
 /// `balancer mock-worker`: run one demo worker in the foreground.
@@ -34,6 +35,21 @@ pub struct MockWorkerArgs {
     /// Delay before each generated token, in milliseconds.
     #[arg(long, default_value_t = 0)]
     pub token_delay_ms: u64,
+    /// Prompt blocks (16 tokens of ~4 bytes each) the simulated prefix cache
+    /// holds, least recently used evicted first; 0: no cache. Off by default,
+    /// like the prefill time and the slots, so that the proxy benchmarks
+    /// measure a worker that answers at once; the demo workers of
+    /// `balancer launch --demo-workers` run with 4096, 100 µs and 8.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub prefix_cache_blocks: usize,
+    /// Prefill time of each prompt token not found in the cache, in
+    /// microseconds: the time to first token a cache hit saves.
+    #[arg(long, value_name = "US", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+    pub prefill_us_per_token: u64,
+    /// Requests computed at once; the others wait in the queue
+    /// (`vllm:num_requests_waiting`). 0: no limit.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub slots: usize,
 }
 
 /// Serves until ctrl-c or SIGTERM.
@@ -42,6 +58,11 @@ pub async fn run(args: MockWorkerArgs) -> anyhow::Result<()> {
         name: args.name.unwrap_or_default(),
         model: args.model,
         token_delay: Duration::from_millis(args.token_delay_ms),
+        engine: EngineConfig {
+            cache_blocks: args.prefix_cache_blocks,
+            prefill_per_token: Duration::from_micros(args.prefill_us_per_token),
+            slots: args.slots,
+        },
         ..MockWorkerConfig::default()
     };
     let worker = MockWorker::spawn(args.listen, cfg)

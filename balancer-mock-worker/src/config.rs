@@ -6,7 +6,8 @@
 //! `generation`, `body`, `shared`, `control`, `routes`, `server`, `cli`.
 //! This module is at the bottom: plain data and arithmetic on atomics. It
 //! must not do I/O, touch a socket, a body or a counter, or depend on any
-//! other module of this crate: callers ask it whether a fault applies and act
+//! other module of this crate but `prefix_cache` (whose engine settings it
+//! carries): callers ask it whether a fault applies and act
 //! on the answer.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -14,6 +15,8 @@ use std::time::Duration;
 
 use http::StatusCode;
 use serde::{Deserialize, Serialize};
+
+use crate::prefix_cache::EngineConfig;
 
 /// How a worker instance presents itself.
 #[derive(Debug, Clone)]
@@ -29,6 +32,8 @@ pub struct MockWorkerConfig {
     pub default_tokens: u64,
     /// Upper bound applied to the request's `max_tokens`.
     pub max_tokens_cap: u64,
+    /// The simulated engine: prefix cache, prefill time, slots (off by default).
+    pub engine: EngineConfig,
 }
 
 impl Default for MockWorkerConfig {
@@ -39,6 +44,7 @@ impl Default for MockWorkerConfig {
             token_delay: Duration::ZERO,
             default_tokens: 8,
             max_tokens_cap: 4096,
+            engine: EngineConfig::default(),
         }
     }
 }

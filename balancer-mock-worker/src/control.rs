@@ -1,5 +1,5 @@
 //! The control API under `/_mock/`: read and reset the counters, set, read
-//! and clear the fault.
+//! and clear the fault, read and change the simulated engine's prefill speed.
 //!
 //! Layering (each module uses only those before it): `config`,
 //! `generation`, `body`, `shared`, `control`, `routes`, `server`, `cli`.
@@ -10,6 +10,8 @@
 //! (polling the stats would disturb them), and it must not add a lock: the
 //! state it reads and replaces is the request path's atomics and `ArcSwap`.
 
+use std::time::Duration;
+
 use bytes::Bytes;
 use http::{Method, Request, StatusCode};
 use hyper::body::Incoming;
@@ -17,12 +19,29 @@ use hyper::body::Incoming;
 use crate::config::Fault;
 use crate::shared::{Resp, Shared, read_body};
 
+/// `POST /_mock/engine`: the simulated engine's speed, changed mid-run.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EngineSpeed {
+    prefill_us_per_token: u64,
+}
+
+/// A second per token: far slower than any engine, and bounded.
+const MAX_PREFILL_US: u64 = 1_000_000;
+
+fn engine_answer(shared: &Shared) -> Resp {
+    let speed = EngineSpeed {
+        prefill_us_per_token: shared.engine.prefill_per_token().as_micros() as u64,
+    };
+    shared.json_value(StatusCode::OK, &speed)
+}
+
 /// Answers a request under `/_mock/`.
 pub(crate) async fn control(shared: &Shared, req: Request<Incoming>) -> Resp {
     let (parts, body) = req.into_parts();
     match (&parts.method, parts.uri.path()) {
         (&Method::GET, "/_mock/stats") => {
-            shared.json_value(StatusCode::OK, &shared.stats.snapshot())
+            shared.json_value(StatusCode::OK, &shared.stats.snapshot(&shared.engine))
         }
         (&Method::GET, "/_mock/fault") => {
             let guard = shared.fault.load();
@@ -55,11 +74,35 @@ pub(crate) async fn control(shared: &Shared, req: Request<Incoming>) -> Resp {
             shared.clear_fault();
             shared.json(StatusCode::OK, Bytes::from_static(b"null"))
         }
+        (&Method::GET, "/_mock/engine") => engine_answer(shared),
+        (&Method::POST, "/_mock/engine") => {
+            let Ok(body) = read_body(body).await else {
+                return shared.error(StatusCode::BAD_REQUEST, "unreadable body", "invalid_body");
+            };
+            match serde_json::from_slice::<EngineSpeed>(&body) {
+                Ok(speed) if speed.prefill_us_per_token <= MAX_PREFILL_US => {
+                    shared
+                        .engine
+                        .set_prefill_per_token(Duration::from_micros(speed.prefill_us_per_token));
+                    engine_answer(shared)
+                }
+                Ok(_) => shared.error(
+                    StatusCode::BAD_REQUEST,
+                    &format!("prefill_us_per_token must be at most {MAX_PREFILL_US}"),
+                    "invalid_engine",
+                ),
+                Err(e) => shared.error(
+                    StatusCode::BAD_REQUEST,
+                    &format!("invalid engine JSON: {e}"),
+                    "invalid_engine",
+                ),
+            }
+        }
         (&Method::POST, "/_mock/reset") => {
             shared.reset();
-            shared.json_value(StatusCode::OK, &shared.stats.snapshot())
+            shared.json_value(StatusCode::OK, &shared.stats.snapshot(&shared.engine))
         }
-        (_, "/_mock/stats" | "/_mock/fault" | "/_mock/reset") => shared.error(
+        (_, "/_mock/stats" | "/_mock/fault" | "/_mock/reset" | "/_mock/engine") => shared.error(
             StatusCode::METHOD_NOT_ALLOWED,
             "method not allowed",
             "method_not_allowed",

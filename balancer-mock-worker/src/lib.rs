@@ -29,6 +29,8 @@
 //! Modules, layered from the bottom up; each may use only the modules before
 //! it, never one after it:
 //!
+//! 0. `prefix_cache`: the simulated engine ([`EngineConfig`]): prompt blocks
+//!    hashed in chain, their LRU, compute slots and the vLLM-named `/metrics`.
 //! 1. `config`: [`MockWorkerConfig`], [`Fault`] and fault matching.
 //! 2. `generation`: OpenAI request parsing and the generated answer, as bytes.
 //! 3. `body`: response bodies, SSE pacing, stall and truncate cuts.
@@ -47,6 +49,7 @@ mod cli;
 mod config;
 mod control;
 mod generation;
+mod prefix_cache;
 mod routes;
 mod server;
 mod shared;
@@ -55,5 +58,6 @@ mod test_support;
 
 pub use cli::{MockWorkerArgs, run};
 pub use config::{Fault, InvalidFault, MockWorkerConfig};
+pub use prefix_cache::{BLOCK_TOKENS, CHARS_PER_TOKEN, EngineConfig};
 pub use server::MockWorker;
 pub use shared::{MockStats, WORKER_HEADER};

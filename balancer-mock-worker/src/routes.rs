@@ -53,6 +53,16 @@ pub(crate) async fn handle(
     if path.starts_with("/_mock/") {
         return Ok(control(&shared, req).await);
     }
+    // The engine's own series: like the control API, never counted, so a
+    // gateway scraping the load does not move the request counters.
+    if path == "/metrics" && req.method() == Method::GET {
+        let text = shared.engine.metrics(&shared.model);
+        return Ok(shared.respond(
+            StatusCode::OK,
+            "text/plain; version=0.0.4",
+            MockBody::full(text.into()),
+        ));
+    }
     bump(&shared.stats.requests);
     if path == "/health" {
         bump(&shared.stats.health_checks);
@@ -160,6 +170,9 @@ async fn generate(
     if let Some(n) = fault.completion_tokens {
         req.tokens = n;
     }
+    // The engine's queue and prefill come before the first token; a streamed
+    // answer frees its slot once its headers go, a whole one after its decode.
+    let (_slot, _lookup) = shared.engine.prefill(body).await;
     let (stream, tokens) = (req.stream, req.tokens);
     let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
     let mut gen_ = req.into_generation(id, shared.model.clone());

@@ -89,7 +89,7 @@ impl MockWorker {
     }
 
     pub fn stats(&self) -> MockStats {
-        self.shared.stats.snapshot()
+        self.shared.stats.snapshot(&self.shared.engine)
     }
 
     /// The fault currently set, if any.

@@ -30,6 +30,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::body::MockBody;
 use crate::config::{Applied, Fault, FaultState, MockWorkerConfig};
+use crate::prefix_cache::Engine;
 
 /// Header carried by every response so tests can tell workers apart.
 pub const WORKER_HEADER: &str = "x-mock-worker";
@@ -58,6 +59,12 @@ pub struct MockStats {
     pub faults_applied: u64,
     /// Connections open right now; a gauge, so a reset leaves it alone.
     pub open_connections: u64,
+    /// Prompt tokens looked up in the prefix cache (0 while it is off).
+    #[serde(default)]
+    pub prefix_cache_query_tokens: u64,
+    /// Of those, the tokens found cached.
+    #[serde(default)]
+    pub prefix_cache_hit_tokens: u64,
 }
 
 /// The live counters behind [`MockStats`], bumped on the request path.
@@ -71,8 +78,11 @@ pub(crate) struct Counters {
 }
 
 impl Counters {
-    pub(crate) fn snapshot(&self) -> MockStats {
+    pub(crate) fn snapshot(&self, engine: &Engine) -> MockStats {
+        let tokens = engine.tokens();
         MockStats {
+            prefix_cache_query_tokens: tokens.query_tokens,
+            prefix_cache_hit_tokens: tokens.hit_tokens,
             requests: self.requests.load(Ordering::Relaxed),
             inference_requests: self.inference_requests.load(Ordering::Relaxed),
             health_checks: self.health_checks.load(Ordering::Relaxed),
@@ -111,6 +121,7 @@ pub(crate) struct Shared {
     pub(crate) stats: Counters,
     pub(crate) fault: ArcSwapOption<FaultState>,
     pub(crate) next_id: AtomicU64,
+    pub(crate) engine: Arc<Engine>,
 }
 
 impl Shared {
@@ -150,6 +161,7 @@ impl Shared {
             stats: Counters::default(),
             fault: ArcSwapOption::empty(),
             next_id: AtomicU64::new(1),
+            engine: Arc::new(Engine::new(cfg.engine)),
         })
     }
 
@@ -166,6 +178,7 @@ impl Shared {
     pub(crate) fn reset(&self) {
         self.clear_fault();
         self.stats.reset();
+        self.engine.reset_counters();
     }
 
     /// Decides whether the current fault hits this `/v1/*` request, consuming

@@ -28,7 +28,10 @@ use http::HeaderName;
 
 use crate::config::{ConnectionConfig, GatewayConfig};
 use crate::discovery::etcd::{EtcdConfig, Registration};
-use crate::proxy::{HealthCheckConfig, ProxyConfig, RetryPolicy, Routes};
+use crate::proxy::{
+    DEFAULT_LOAD_MONITOR_INTERVAL, HealthCheckConfig, LoadMonitorConfig, ProxyConfig, RetryPolicy,
+    Routes,
+};
 use crate::tls::{ServingTlsConfig, WorkerTlsConfig};
 
 fn positive_f64(s: &str) -> Result<f64, String> {
@@ -395,6 +398,9 @@ pub struct LaunchArgs {
     pub cache_aware: CacheAwareArgs,
 
     #[command(flatten)]
+    pub load: LoadArgs,
+
+    #[command(flatten)]
     pub compat: CompatArgs,
 
     /// Worker specs from the config file's `[[workers]]` tables.
@@ -490,6 +496,34 @@ impl CacheAwareArgs {
             eviction_interval: Duration::from_secs(self.eviction_interval_secs),
             max_tree_size: usize::try_from(self.max_tree_size).unwrap_or(usize::MAX),
             ttft_weighting: !self.disable_ttft_weighting,
+        }
+    }
+}
+
+/// The workers' own load: `--load-monitor-interval-ms` and
+/// `--worker-overload-waiting-requests`.
+#[derive(Debug, Clone, Args)]
+pub struct LoadArgs {
+    /// Read each worker's Prometheus `/metrics` this often for its queue and
+    /// KV-cache occupancy (vLLM's and SGLang's series); the load-aware
+    /// policies use it while it is at most three intervals old, else the
+    /// gateway's in-flight count. Each read is bounded by the interval and
+    /// 1 MiB, and a failed read never counts against the breaker. 0: off.
+    #[arg(long, value_name = "MS", default_value_t = DEFAULT_LOAD_MONITOR_INTERVAL.as_millis() as u64, value_parser = clap::value_parser!(u64).range(0..=600_000))]
+    pub load_monitor_interval_ms: u64,
+    /// A worker reporting more than N requests waiting takes no new request
+    /// while another candidate can (a shed, not a failure;
+    /// `worker_overload_sheds_total`). Off when absent.
+    #[arg(long, value_name = "N")]
+    pub worker_overload_waiting_requests: Option<u32>,
+}
+
+impl LoadArgs {
+    fn config(&self) -> LoadMonitorConfig {
+        LoadMonitorConfig {
+            interval: (self.load_monitor_interval_ms > 0)
+                .then(|| Duration::from_millis(self.load_monitor_interval_ms)),
+            overload_waiting: self.worker_overload_waiting_requests,
         }
     }
 }
@@ -687,6 +721,7 @@ impl LaunchArgs {
                 failure: self.health_failure_threshold,
                 success: self.health_success_threshold,
             },
+            load_monitor: self.load.config(),
             health_check: HealthCheckConfig {
                 enabled: !self.disable_health_check,
                 endpoint: self.health_check_endpoint.clone(),
@@ -1301,6 +1336,34 @@ resilience = { cb_min_completion_tokens = 0 }
             p.backoff(1, Some(Duration::from_secs(60))),
             Duration::from_millis(1000)
         );
+    }
+    #[test]
+    fn load_monitor_flags() {
+        let c = parse(&[]).unwrap().to_config().unwrap();
+        assert_eq!(
+            c.load_monitor,
+            LoadMonitorConfig {
+                interval: Some(Duration::from_millis(500)),
+                overload_waiting: None,
+            }
+        );
+        let c = parse(&[
+            "--load-monitor-interval-ms",
+            "0",
+            "--worker-overload-waiting-requests",
+            "16",
+        ])
+        .unwrap()
+        .to_config()
+        .unwrap();
+        assert_eq!(c.load_monitor.interval, None, "0 turns the scrapes off");
+        assert_eq!(c.load_monitor.overload_waiting, Some(16));
+        for bad in [
+            ["--load-monitor-interval-ms", "600001"],
+            ["--worker-overload-waiting-requests", "-1"],
+        ] {
+            assert!(parse(&bad).is_err(), "{bad:?}");
+        }
     }
 }
 

@@ -23,7 +23,7 @@ use balancer_dataplane::maglev::is_prime;
 use balancer_dataplane::steering::L4Config;
 
 use crate::discovery::etcd::EtcdConfig;
-use crate::proxy::{HealthCheckConfig, ProxyConfig, RetryPolicy, Routes};
+use crate::proxy::{HealthCheckConfig, LoadMonitorConfig, ProxyConfig, RetryPolicy, Routes};
 use crate::tls::{ServingTlsConfig, WorkerTlsConfig};
 
 /// Everything one agent is started with.
@@ -60,6 +60,8 @@ pub struct GatewayConfig {
     pub health: HealthThresholds,
     /// `--health-check-*`.
     pub health_check: HealthCheckConfig,
+    /// `--load-monitor-interval-ms`, `--worker-overload-waiting-requests`.
+    pub load_monitor: LoadMonitorConfig,
     /// `--max-concurrent-requests` and its queue; `None`: no admission limit.
     pub admission: Option<AdmissionConfig>,
     /// `--token-budget MODEL=TOKENS` per rolling minute.
@@ -133,6 +135,7 @@ impl Default for GatewayConfig {
                 success: 2,
             },
             health_check: HealthCheckConfig::default(),
+            load_monitor: LoadMonitorConfig::default(),
             admission: None,
             token_budgets: Vec::new(),
             l4: None,

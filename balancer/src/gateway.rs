@@ -31,7 +31,7 @@ use crate::config::GatewayConfig;
 use crate::discovery::etcd::EtcdDiscovery;
 use crate::discovery::{Discovery, FleetUpdates, OnAdded, StaticList};
 use crate::metrics::Exposition;
-use crate::proxy::{GatewayStats, Lane, Prober, Proxy, ResponseBody};
+use crate::proxy::{GatewayStats, Lane, LoadMonitor, Prober, Proxy, ResponseBody};
 use crate::server::{ConnectionLimits, Listener, Member, members, serve};
 use crate::tls::{ServingTls, TlsStats, WorkerTls};
 
@@ -231,9 +231,13 @@ impl Gateway {
             config.health_check.clone(),
             worker_tls.connector(config.health_check.timeout),
         );
+        let monitor = LoadMonitor::new(&prober, registry.clock().clone(), config.load_monitor);
         let on_added: OnAdded = {
-            let prober = prober.clone();
-            Arc::new(move |w| prober.spawn(w))
+            let (prober, monitor) = (prober.clone(), monitor.clone());
+            Arc::new(move |w| {
+                prober.spawn(w);
+                monitor.spawn(w);
+            })
         };
         let mut discovery = Vec::new();
         let mut discovery_series = Vec::new();
@@ -361,7 +365,10 @@ impl Gateway {
         let admin_api = Arc::new(Admin {
             registry: registry.clone(),
             token: config.admin_token.clone(),
-            on_added: Box::new(move |w| prober.spawn(w)),
+            on_added: Box::new(move |w| {
+                prober.spawn(w);
+                monitor.spawn(w);
+            }),
             drain_timeout: grace,
             probed: config.health_check.enabled,
         });

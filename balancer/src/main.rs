@@ -88,12 +88,17 @@ async fn demo_workers(
     count: u16,
     config: &mut balancer::config::GatewayConfig,
 ) -> anyhow::Result<Vec<balancer_mock_worker::MockWorker>> {
-    use balancer_mock_worker::{MockWorker, MockWorkerConfig};
+    use balancer_mock_worker::{EngineConfig, MockWorker, MockWorkerConfig};
     let mut workers = Vec::new();
     for i in 0..count {
         let w = MockWorker::spawn(
             std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-            MockWorkerConfig::named(format!("demo-{i}")),
+            // The demo's engine: prefix cache, prefill time and slots, so
+            // routing for cache hits and load shows in `/metrics`.
+            MockWorkerConfig {
+                engine: EngineConfig::DEMO,
+                ..MockWorkerConfig::named(format!("demo-{i}"))
+            },
         )
         .await
         .context("cannot start a demo worker")?;

@@ -9,7 +9,8 @@
 //! kept timers in [`deadline`]), then the worker's body
 //! ([`relay`]). The gateway's own answers live in [`answer`] (what it says
 //! about models in [`models`]), the background
-//! health and model probes in [`probe`], the path's own series in [`stats`]. It may read the registry and record
+//! health and model probes in [`probe`] and the workers' load scrapes in
+//! [`load_monitor`], the path's own series in [`stats`]. It may read the registry and record
 //! on breakers; it never changes the fleet.
 
 mod answer;
@@ -18,6 +19,7 @@ mod body;
 mod deadline;
 mod edge;
 mod json_check;
+mod load_monitor;
 mod models;
 mod probe;
 mod prompt;
@@ -51,6 +53,7 @@ pub use attempt::RetryPolicy;
 pub use body::BufferBudget;
 pub(crate) use edge::Forwarded;
 pub use edge::Routes;
+pub use load_monitor::{DEFAULT_LOAD_MONITOR_INTERVAL, LoadMonitor, LoadMonitorConfig};
 pub use probe::{HealthCheckConfig, Prober, served_models};
 pub use stats::GatewayStats;
 

@@ -55,11 +55,13 @@ impl Reply {
 pub const CHAT: &str = r#"{"model":"demo-model","messages":[{"role":"user","content":"hi"}]}"#;
 pub const STREAM: &str = r#"{"model":"demo-model","stream":true,"max_tokens":6,"messages":[{"role":"user","content":"hi"}]}"#;
 
-/// Fast retries, no probes unless a test asks for them.
+/// Fast retries, no probes nor load scrapes unless a test asks for them
+/// (a test that counts what a worker received sees only its own requests).
 pub fn quiet(c: &mut GatewayConfig) {
     c.proxy.retry.initial_backoff = Duration::from_millis(1);
     c.proxy.retry.max_backoff = Duration::from_millis(5);
     c.health_check.enabled = false;
+    c.load_monitor.interval = None;
 }
 
 /// Demo workers named `names`, serving `demo-model`, behind a gateway that

@@ -1,6 +1,8 @@
 //! `cargo xtask bench ...`: load measured on loopback (`l7`, below) and
-//! across network namespaces (`l4`, in [`l4`]), and instructions per
-//! request counted by callgrind (`instructions`, in [`instructions`]).
+//! across network namespaces (`l4`, in [`l4`]), instructions per
+//! request counted by callgrind (`instructions`, in [`instructions`]), and
+//! prefix-cache hits and time to first token of a chat trace (`cache`, in
+//! [`cache`]).
 //!
 //! `bench l7` drives wrk at four targets in front of the same two demo
 //! workers: one worker directly (the ceiling), this gateway, nginx as a plain
@@ -36,6 +38,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use clap::{Args, Subcommand};
 
+mod cache;
 mod instructions;
 mod l4;
 
@@ -57,6 +60,11 @@ pub enum Which {
     /// User-space instructions per proxied request of this gateway and of
     /// nginx, counted by callgrind: steady where CPU time is noisy.
     Instructions(instructions::Instructions),
+    /// Prefix-cache hit ratio and time to first token of a multi-turn chat
+    /// trace over four demo workers, through round_robin, power_of_two,
+    /// cache_aware and the reference gateway's cache_aware; steady, then
+    /// with one worker slowed and another failing.
+    Cache(cache::Cache),
 }
 
 #[derive(Args)]
@@ -77,6 +85,7 @@ pub fn bench(which: Which) -> Result<()> {
         Which::L7(args) => l7(&args),
         Which::L4(args) => l4::l4(&args),
         Which::Instructions(args) => instructions::instructions(&args),
+        Which::Cache(args) => cache::cache(&args),
         Which::Breaker => run(cargo()
             .args([
                 "bench",
@@ -149,7 +158,10 @@ fn l7(args: &L7) -> Result<()> {
     )];
 
     let gateway = free_addr()?;
-    lab.start(GATEWAY, &mut launch(&balancer, gateway, &urls)?)?;
+    lab.start(
+        GATEWAY,
+        &mut launch(&balancer, gateway, &urls, "round_robin")?,
+    )?;
     lab.await_ready(GATEWAY, gateway)?;
     targets.push(Target::new(GATEWAY, gateway, lab.pid(GATEWAY)?));
 
@@ -157,7 +169,7 @@ fn l7(args: &L7) -> Result<()> {
     let cache_aware = free_addr()?;
     lab.start(
         GATEWAY_CACHE_AWARE,
-        &mut launch_with(&balancer, cache_aware, &urls, "cache_aware")?,
+        &mut launch(&balancer, cache_aware, &urls, "cache_aware")?,
     )?;
     lab.await_ready(GATEWAY_CACHE_AWARE, cache_aware)?;
     targets.push(Target::new(
@@ -170,7 +182,7 @@ fn l7(args: &L7) -> Result<()> {
     let gateway_tls = free_addr()?;
     lab.start(
         GATEWAY_TLS,
-        launch(&balancer, gateway_tls, &urls)?
+        launch(&balancer, gateway_tls, &urls, "round_robin")?
             .arg("--tls-cert-path")
             .arg(&certificate.cert)
             .arg("--tls-key-path")
@@ -215,24 +227,7 @@ fn l7(args: &L7) -> Result<()> {
 
     if let Some(smg) = smg {
         let addr = free_addr()?;
-        lab.start(
-            "smg",
-            Command::new(smg)
-                .args(["launch", "--host", "127.0.0.1", "--port"])
-                .arg(addr.port().to_string())
-                .args(["--prometheus-host", "127.0.0.1", "--prometheus-port"])
-                .arg(free_addr()?.port().to_string())
-                // Its default 180 s drain would outlast the stop's grace.
-                .args(["--shutdown-grace-period-secs", "1"])
-                .args([
-                    "--policy",
-                    "round_robin",
-                    "--log-level",
-                    "warn",
-                    "--worker-urls",
-                ])
-                .args(&urls),
-        )?;
+        lab.start("smg", &mut smg_command(&smg, addr, &urls, "round_robin")?)?;
         optional(&mut lab, &mut targets, &mut left_out, "smg", addr);
     }
 
@@ -352,19 +347,9 @@ fn l7(args: &L7) -> Result<()> {
     Ok(())
 }
 
-/// `balancer launch` on `addr` before `urls`, round robin, its operator
+/// `balancer launch` on `addr` before `urls` with `policy`, its operator
 /// listeners on free ports.
-fn launch(balancer: &Path, addr: SocketAddr, urls: &[String]) -> Result<Command> {
-    launch_with(balancer, addr, urls, "round_robin")
-}
-
-/// [`launch`] under `policy`.
-fn launch_with(
-    balancer: &Path,
-    addr: SocketAddr,
-    urls: &[String],
-    policy: &str,
-) -> Result<Command> {
+fn launch(balancer: &Path, addr: SocketAddr, urls: &[String], policy: &str) -> Result<Command> {
     let mut command = Command::new(balancer);
     command
         .arg("launch")
@@ -374,6 +359,22 @@ fn launch_with(
         .arg(free_addr()?.port().to_string())
         .arg("--admin-port")
         .arg(free_addr()?.port().to_string())
+        .args(["--policy", policy, "--log-level", "warn", "--worker-urls"])
+        .args(urls);
+    Ok(command)
+}
+
+/// `smg launch` on `addr` before `urls` with `policy`, its metrics
+/// listener on a free port.
+fn smg_command(smg: &Path, addr: SocketAddr, urls: &[String], policy: &str) -> Result<Command> {
+    let mut command = Command::new(smg);
+    command
+        .args(["launch", "--host", "127.0.0.1", "--port"])
+        .arg(addr.port().to_string())
+        .args(["--prometheus-host", "127.0.0.1", "--prometheus-port"])
+        .arg(free_addr()?.port().to_string())
+        // Its default 180 s drain would outlast the stop's grace.
+        .args(["--shutdown-grace-period-secs", "1"])
         .args(["--policy", policy, "--log-level", "warn", "--worker-urls"])
         .args(urls);
     Ok(command)
@@ -967,11 +968,14 @@ impl Certificate {
     }
 }
 
+/// The reference gateway's release the benches compare with.
+const SMG_PACKAGE: &str = "smg==1.13.0";
+
 /// The `smg` launcher from a venv under target/, installed on first use.
 fn smg_launcher() -> Result<PathBuf> {
     let venv = target_dir().join("bench-venv");
     let smg = venv.join("bin/smg");
-    if smg.is_file() {
+    if smg.is_file() && installed(&venv, SMG_PACKAGE) {
         return Ok(smg);
     }
     let python = venv.join("bin/python");
@@ -988,7 +992,7 @@ fn smg_launcher() -> Result<PathBuf> {
         "install",
         "--quiet",
         "--disable-pip-version-check",
-        "smg",
+        SMG_PACKAGE,
     ]);
     eprintln!("$ {}", display(&command));
     bounded(&mut command, INSTALL_WITHIN)?;
@@ -998,6 +1002,21 @@ fn smg_launcher() -> Result<PathBuf> {
         smg.display()
     );
     Ok(smg)
+}
+
+/// Whether `venv` holds `package` (`name==version`) itself: an earlier
+/// install of another version is replaced.
+fn installed(venv: &Path, package: &str) -> bool {
+    let dist_info = format!("{}.dist-info", package.replace("==", "-"));
+    fs::read_dir(venv.join("lib")).is_ok_and(|pythons| {
+        pythons.flatten().any(|python| {
+            python
+                .path()
+                .join("site-packages")
+                .join(&dist_info)
+                .is_dir()
+        })
+    })
 }
 
 /// `binary` from PATH (or sbin, where nginx lives), installing the Debian
@@ -1356,6 +1375,18 @@ Transfer/sec:     36.08MB
         assert_eq!(parse_latency("12us").unwrap(), Duration::from_micros(12));
         assert!(parse_latency("12").is_err());
         assert!(parse_latency("12ns").is_err());
+    }
+
+    #[test]
+    fn the_pinned_reference_gateway_is_recognised_and_another_version_is_not() {
+        let venv = std::env::temp_dir().join(format!("bench-venv-test-{}", std::process::id()));
+        let site = venv.join("lib/python3.11/site-packages");
+        fs::create_dir_all(site.join("smg-1.12.0.dist-info")).unwrap();
+        assert!(!installed(&venv, "smg==1.13.0"));
+        fs::create_dir_all(site.join("smg-1.13.0.dist-info")).unwrap();
+        assert!(installed(&venv, "smg==1.13.0"));
+        fs::remove_dir_all(&venv).unwrap();
+        assert!(!installed(&venv, "smg==1.13.0"));
     }
 
     #[test]

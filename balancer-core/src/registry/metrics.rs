@@ -1,12 +1,13 @@
 //! The registry's series: per-worker breaker state, transitions, outcomes and
-//! failure reasons, health, draining, in-flight, selections and first-byte
-//! latency, read at scrape time from the workers' own atomics so the request
+//! failure reasons, health, draining, in-flight, selections, first-byte
+//! latency and the load the workers report (queue, cache, scrapes, sheds), read at scrape time from the workers' own atomics so the request
 //! path pays nothing for them and a scrape never disagrees with the state
 //! machine. Counter series are published at zero from the moment a worker
 //! exists, because dashboards take `increase()` over them. Reads only.
 
 use crate::breaker::{FailureReason, Snapshot, State};
 use crate::health::Health;
+use crate::load::ReportedLoad;
 use crate::metrics::{MetricsSource, Writer};
 
 use super::Registry;
@@ -199,5 +200,83 @@ impl MetricsSource for Registry {
                 wk.selected_total() as f64,
             );
         }
+        render_load(registry, w);
+    }
+}
+
+/// The load the workers report (`--load-monitor-interval-ms`): gauges only
+/// for a fresh report, so a stale value never reads as current; the scrape
+/// and shed counters from the moment a worker exists.
+fn render_load(registry: &Registry, w: &mut Writer<'_>) {
+    let fleet = registry.fleet();
+    let now = registry.clock().now();
+    let reports: Vec<_> = fleet
+        .workers
+        .iter()
+        .map(|wk| (wk, wk.reported_load(now)))
+        .collect();
+    w.family(
+        "worker_load_reported",
+        "gauge",
+        "1 while the worker's own load report is fresh and used, 0 while its load is the gateway's in-flight count.",
+    );
+    for (wk, report) in &reports {
+        w.sample(
+            "worker_load_reported",
+            &[("worker", &wk.url)],
+            f64::from(u8::from(report.is_some())),
+        );
+    }
+    type Gauge = (&'static str, &'static str, fn(&ReportedLoad) -> Option<f64>);
+    let gauges: [Gauge; 3] = [
+        (
+            "worker_reported_requests_waiting",
+            "Requests waiting in the worker's queue, as it reports them.",
+            |l| Some(f64::from(l.waiting)),
+        ),
+        (
+            "worker_reported_requests_running",
+            "Requests running on the worker, as it reports them.",
+            |l| Some(f64::from(l.running)),
+        ),
+        (
+            "worker_reported_kv_cache_usage",
+            "The worker's KV-cache occupancy from 0 to 1, as it reports it.",
+            |l| l.cache_usage,
+        ),
+    ];
+    for (name, help, value) in gauges {
+        w.family(name, "gauge", help);
+        for (wk, report) in &reports {
+            if let Some(v) = report.as_ref().and_then(value) {
+                w.sample(name, &[("worker", &wk.url)], v);
+            }
+        }
+    }
+    w.family(
+        "worker_load_scrapes_total",
+        "counter",
+        "Scrapes of the worker's /metrics for its load, by outcome; none of them touches its breaker.",
+    );
+    for (wk, _) in &reports {
+        for (outcome, count) in wk.load_cell().scrapes() {
+            w.sample(
+                "worker_load_scrapes_total",
+                &[("worker", &wk.url), ("outcome", outcome)],
+                count as f64,
+            );
+        }
+    }
+    w.family(
+        "worker_overload_sheds_total",
+        "counter",
+        "Requests sent to another worker because this one reported more waiting requests than --worker-overload-waiting-requests.",
+    );
+    for (wk, _) in &reports {
+        w.sample(
+            "worker_overload_sheds_total",
+            &[("worker", &wk.url)],
+            wk.load_cell().sheds() as f64,
+        );
     }
 }

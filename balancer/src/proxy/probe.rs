@@ -18,7 +18,8 @@ use balancer_core::spec::WorkerAddress;
 
 use crate::tls::{WorkerConnector, WorkerTls, WorkerTlsConfig};
 
-type ProbeClient = Client<WorkerConnector, Empty<Bytes>>;
+/// The client of the background reads: health probes, models, load scrapes.
+pub(super) type ProbeClient = Client<WorkerConnector, Empty<Bytes>>;
 
 /// How each worker's background task probes it.
 #[derive(Clone)]
@@ -64,6 +65,11 @@ impl Prober {
             client: Client::builder(TokioExecutor::new()).build(connector),
             config,
         }
+    }
+
+    /// Its client (a handle on the same pool), for the load scrapes.
+    pub(super) fn client(&self) -> ProbeClient {
+        self.client.clone()
     }
 
     /// Starts probing `worker` until it is removed.
@@ -139,7 +145,7 @@ async fn fetch_models(
 
 /// `GET path` on the worker at `address`, with the worker URL's credentials
 /// if it has any.
-fn get(address: &WorkerAddress, path: &str) -> Option<http::Request<Empty<Bytes>>> {
+pub(super) fn get(address: &WorkerAddress, path: &str) -> Option<http::Request<Empty<Bytes>>> {
     let mut request = http::Request::get(format!("{}{path}", address.base));
     if let Some(auth) = &address.basic_auth {
         request = request.header(http::header::AUTHORIZATION, auth.expose());

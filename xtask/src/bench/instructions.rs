@@ -76,7 +76,7 @@ pub fn instructions(args: &Instructions) -> Result<()> {
         addr: free_addr()?,
         out: lab.dir.join("balancer.callgrind"),
     };
-    let launch = launch(&balancer, gateway.addr, &urls)?;
+    let launch = launch(&balancer, gateway.addr, &urls, "round_robin")?;
     let mut command = callgrind(&valgrind, &gateway.out, args.cache_sim);
     command.arg(launch.get_program()).args(launch.get_args());
     lab.start(gateway.name, &mut command)?;
