@@ -1231,7 +1231,11 @@ fn fleet_open_holds_past_the_timeout_and_releases_to_half_open() {
         vec![
             (State::Closed, State::Open, TransitionReason::Fleet),
             (State::Open, State::HalfOpen, TransitionReason::FleetCleared),
-            (State::HalfOpen, State::Closed, TransitionReason::TrialSucceeded),
+            (
+                State::HalfOpen,
+                State::Closed,
+                TransitionReason::TrialSucceeded
+            ),
         ]
     );
     assert_eq!(
