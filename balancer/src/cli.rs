@@ -27,6 +27,7 @@ use http::HeaderName;
 
 use crate::config::{ConnectionConfig, GatewayConfig};
 use crate::discovery::etcd::{EtcdConfig, Registration};
+use crate::fleet::FleetConfig;
 use crate::proxy::{HealthCheckConfig, ProxyConfig, RetryPolicy, Routes};
 use crate::tls::{ServingTlsConfig, WorkerTlsConfig};
 
@@ -109,6 +110,22 @@ pub struct LaunchArgs {
     /// The etcd key prefix; workers are `<PREFIX>workers/<id>`.
     #[arg(long, default_value = "/balancer/")]
     pub etcd_prefix: String,
+    /// Share breaker verdicts with the other balancer replicas through etcd
+    /// (needs --etcd-endpoints): a worker that --fleet-quorum live replicas
+    /// hold open is isolated on every replica.
+    #[arg(long)]
+    pub fleet_verdicts: bool,
+    /// This replica's id in etcd (A-Z a-z 0-9 . _ ~ -); default
+    /// `<hostname>-<port>`. A start with an id a live replica holds fails.
+    #[arg(long, value_name = "ID")]
+    pub replica_id: Option<String>,
+    /// Distinct live replicas whose open verdicts isolate a worker.
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub fleet_quorum: u32,
+    /// The lease of this replica's keys in etcd; out of touch longer than
+    /// this, its fleet isolations end.
+    #[arg(long, value_name = "S", default_value_t = 10, value_parser = clap::value_parser!(u64).range(2..=3600))]
+    pub fleet_lease_secs: u64,
     /// Start N built-in demo workers on loopback and route to them
     /// (what `cargo xtask run` does).
     #[arg(long, default_value_t = 0, value_name = "N")]
@@ -572,6 +589,7 @@ impl LaunchArgs {
                 endpoints: self.etcd_endpoints.clone(),
                 prefix: self.etcd_prefix.clone(),
             }),
+            fleet: self.fleet_config()?,
             policy: self.policy,
             proxy: ProxyConfig {
                 retry: RetryPolicy {
@@ -645,6 +663,27 @@ impl LaunchArgs {
         };
         config.validate()?;
         Ok(config)
+    }
+
+    /// `--fleet-verdicts` and its settings; the default replica id is
+    /// `<hostname>-<port>`.
+    fn fleet_config(&self) -> anyhow::Result<Option<FleetConfig>> {
+        if !self.fleet_verdicts {
+            return Ok(None);
+        }
+        let replica_id = match &self.replica_id {
+            Some(id) => id.clone(),
+            None => {
+                let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .context("reading the hostname for the default --replica-id")?;
+                format!("{}-{}", host.trim(), self.port)
+            }
+        };
+        Ok(Some(FleetConfig {
+            replica_id,
+            quorum: self.fleet_quorum as usize,
+            lease: Duration::from_secs(self.fleet_lease_secs),
+        }))
     }
 
     /// `--admin-token`, or the first line of `--admin-token-file`.

@@ -30,6 +30,7 @@ use crate::admin::Admin;
 use crate::config::GatewayConfig;
 use crate::discovery::etcd::EtcdDiscovery;
 use crate::discovery::{Discovery, FleetUpdates, OnAdded, StaticList};
+use crate::fleet::FleetVerdicts;
 use crate::metrics::Exposition;
 use crate::proxy::{GatewayStats, Lane, Prober, Proxy, ResponseBody};
 use crate::server::{ConnectionLimits, Listener, Member, members, serve};
@@ -49,6 +50,8 @@ pub struct Gateway {
     steering: Option<Steering>,
     /// The discovery sources' follow tasks.
     discovery: Vec<tokio::task::AbortHandle>,
+    /// `--fleet-verdicts`: the replica's fleet side and its task.
+    fleet: Option<(Arc<FleetVerdicts>, tokio::task::AbortHandle)>,
     /// HTTPS on the public port (`--tls-cert-path`).
     serves_tls: bool,
     shutdown: watch::Sender<bool>,
@@ -217,6 +220,15 @@ impl Gateway {
             discovery.push(tokio::spawn(source.follow(fleet)).abort_handle());
         }
 
+        let fleet = match (&config.fleet, &config.etcd) {
+            (Some(fleet), Some(etcd)) => Some(
+                FleetVerdicts::start(etcd.clone(), fleet.clone(), registry.clone())
+                    .await
+                    .context("cannot start fleet verdicts (--fleet-verdicts)")?,
+            ),
+            _ => None,
+        };
+
         let steering = match &config.l4 {
             Some(l4) => Some(
                 Steering::start(l4, registry.clone())
@@ -238,6 +250,9 @@ impl Gateway {
             sources.push(s.metrics());
         }
         sources.extend(discovery_series);
+        if let Some((f, _)) = &fleet {
+            sources.push(f.clone());
+        }
         let exposition = Arc::new(Exposition::new(&config.metrics_prefix, sources));
 
         let proxy = Arc::new(Proxy::new(
@@ -325,6 +340,7 @@ impl Gateway {
             token: config.admin_token.clone(),
             on_added: Box::new(move |w| prober.spawn(w)),
             drain_timeout: grace,
+            fleet: fleet.as_ref().map(|(f, _)| f.clone()),
         });
         listeners.spawn(serve(
             admin,
@@ -348,6 +364,7 @@ impl Gateway {
             proxy,
             steering,
             discovery,
+            fleet,
             serves_tls: config.tls.is_some(),
             shutdown,
             listeners,
@@ -366,6 +383,10 @@ impl Gateway {
         let _ = self.shutdown.send(true);
         for task in &self.discovery {
             task.abort();
+        }
+        if let Some((fleet, task)) = self.fleet.take() {
+            task.abort();
+            fleet.revoke().await;
         }
         while self.listeners.join_next().await.is_some() {}
         let serving = std::mem::take(&mut self.serving);
