@@ -260,7 +260,7 @@ async fn a_replica_id_held_by_a_live_replica_is_refused() {
     let a = worker().await;
     let url = a.url();
     let first = replica(&etcd, &url, "same", 1).await;
-    let mut config = GatewayConfig::with_worker_urls(&[url.clone()]);
+    let mut config = GatewayConfig::with_worker_urls(std::slice::from_ref(&url));
     config.listen = ([127, 0, 0, 1], 0).into();
     config.metrics_listen = config.listen;
     config.admin_listen = config.listen;
