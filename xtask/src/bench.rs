@@ -57,6 +57,10 @@ pub enum Which {
     /// User-space instructions per proxied request of this gateway and of
     /// nginx, counted by callgrind: steady where CPU time is noisy.
     Instructions(instructions::Instructions),
+    /// Fleet verdicts through a real etcd: failed requests served before
+    /// every replica stopped sending to a failing worker, without and with
+    /// `--fleet-verdicts` (debug profile, in-process replicas).
+    Fleet,
 }
 
 #[derive(Args)]
@@ -77,6 +81,9 @@ pub fn bench(which: Which) -> Result<()> {
         Which::L7(args) => l7(&args),
         Which::L4(args) => l4::l4(&args),
         Which::Instructions(args) => instructions::instructions(&args),
+        Which::Fleet => run(Command::new("cargo")
+            .args(["run", "--package", "balancer-tests", "--example", "fleet"])
+            .current_dir(workspace_root())),
         Which::Breaker => run(Command::new("cargo")
             .args([
                 "bench",
