@@ -1126,6 +1126,67 @@ resilience = { cb_min_completion_tokens = 0 }
             Duration::from_millis(1000)
         );
     }
+
+    #[test]
+    fn fleet_verdicts_need_etcd_and_come_from_flags_or_the_file() {
+        let err = format!("{:#}", parse(&["--fleet-verdicts"]).unwrap_err());
+        assert!(
+            err.contains("--fleet-verdicts") && err.contains("--etcd-endpoints"),
+            "{err}"
+        );
+        let etcd = ["--etcd-endpoints", "http://127.0.0.1:2379"];
+        let off = parse(&etcd).unwrap().to_config().unwrap();
+        assert_eq!(off.fleet, None, "off by default");
+
+        let on = parse(&[etcd[0], etcd[1], "--fleet-verdicts", "--port", "8080"])
+            .unwrap()
+            .to_config()
+            .unwrap()
+            .fleet
+            .expect("on");
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+        assert_eq!(on.replica_id, format!("{}-8080", host.trim()));
+        assert_eq!((on.quorum, on.lease), (2, Duration::from_secs(10)));
+
+        let path = std::env::temp_dir().join(format!("balancer-fleet-{}.toml", std::process::id()));
+        std::fs::write(
+            &path,
+            r#"
+etcd_endpoints = ["http://127.0.0.1:2379"]
+fleet_verdicts = true
+replica_id = "lb-1"
+fleet_quorum = 3
+fleet_lease_secs = 4
+"#,
+        )
+        .unwrap();
+        let from_file = parse(&["--config", path.to_str().unwrap()]);
+        std::fs::remove_file(&path).unwrap();
+        let fleet = from_file.unwrap().to_config().unwrap().fleet.unwrap();
+        assert_eq!(
+            fleet,
+            FleetConfig {
+                replica_id: "lb-1".into(),
+                quorum: 3,
+                lease: Duration::from_secs(4),
+            }
+        );
+
+        for (flag, value) in [
+            ("--replica-id", "a/b"),
+            ("--fleet-quorum", "0"),
+            ("--fleet-lease-secs", "1"),
+        ] {
+            let err = parse(&[etcd[0], etcd[1], "--fleet-verdicts", flag, value])
+                .and_then(|a| a.to_config())
+                .unwrap_err();
+            let msg = format!("{err:#}");
+            assert!(
+                msg.contains(flag) && msg.contains(value),
+                "{flag} {value}: {msg}"
+            );
+        }
+    }
 }
 
 /// `balancer register`: keep one worker registered in etcd under a lease

@@ -278,3 +278,22 @@ async fn a_replica_id_held_by_a_live_replica_is_refused() {
     first.stop().await;
     a.shutdown().await;
 }
+
+#[tokio::test]
+async fn without_fleet_verdicts_nothing_is_written_nor_published() {
+    let Some(etcd) = Etcd::start() else { return };
+    let a = worker().await;
+    let url = a.url();
+    let h = harness_with_urls(std::slice::from_ref(&url), |c| {
+        fleet_config(c, &etcd, "unused", 1);
+        c.fleet = None;
+    })
+    .await;
+    a.set_fault(always(500));
+    trip(&h, &url).await;
+    let keys = etcd.ctl(etcd.client_port, &["get", "--prefix", "--keys-only", "/"]);
+    assert!(keys.trim().is_empty(), "{keys}");
+    assert!(!h.metrics().await.contains("fleet_"));
+    h.stop().await;
+    a.shutdown().await;
+}
