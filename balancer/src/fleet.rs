@@ -42,6 +42,9 @@ const TICK: Duration = Duration::from_millis(250);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// The longest replica id: it is part of every key this replica writes.
 pub const MAX_REPLICA_ID: usize = 128;
+/// The longest worker part of a verdict key read from etcd (a URL of up to
+/// a third of it, percent-encoded); longer keys are not a worker's.
+const MAX_WORKER_KEY: usize = 3 * 2048;
 
 /// `--fleet-verdicts`, `--replica-id`, `--fleet-quorum`, `--fleet-lease-secs`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -93,14 +96,18 @@ impl Keys {
         format!("{}{worker}/{replica}", self.verdicts)
     }
 
-    /// A key of the watched prefix, as what it says.
+    /// A key of the watched prefix, as what it says. Keys no replica
+    /// writes (an id or a worker part out of bounds) are ignored, so a
+    /// stray writer cannot grow this replica's view without bound.
     fn parse<'k>(&self, key: &'k str) -> Option<Key<'k>> {
+        let valid = |id: &str| FleetConfig::check_replica_id(id).is_ok();
         if let Some(replica) = key.strip_prefix(self.replicas.as_str()) {
-            return Some(Key::Replica(replica));
+            return valid(replica).then_some(Key::Replica(replica));
         }
         let rest = key.strip_prefix(self.verdicts.as_str())?;
         let (worker, replica) = rest.split_once('/')?;
-        Some(Key::Verdict { worker, replica })
+        (valid(replica) && !worker.is_empty() && worker.len() <= MAX_WORKER_KEY)
+            .then_some(Key::Verdict { worker, replica })
     }
 }
 
@@ -291,6 +298,9 @@ impl FleetVerdicts {
             backoff = (backoff * 2).min(MAX_BACKOFF);
             match self.register(lease).await {
                 Ok(s) => session = Some(s),
+                Err(error) if error.is::<IdTaken>() => {
+                    tracing::error!(error = %format!("{error:#}"), "fleet verdicts: this replica cannot register");
+                }
                 Err(error) => {
                     tracing::debug!(error = %format!("{error:#}"), "fleet verdicts: etcd not back yet")
                 }
@@ -349,7 +359,12 @@ impl FleetVerdicts {
                         _ => bail!("the lease expired"),
                     }
                 }
-                _ = tick.tick() => self.tick(),
+                _ = tick.tick() => {
+                    self.tick();
+                    if !self.view.lock().unwrap().in_touch() {
+                        bail!("no answer from etcd within the lease");
+                    }
+                }
             }
         }
     }
@@ -676,5 +691,13 @@ mod tests {
         ));
         assert!(keys.parse("/b/workers/w1").is_none());
         assert!(keys.parse("/b/verdicts/no-replica").is_none());
+        assert!(
+            keys.parse("/b/verdicts/w/a/b").is_none(),
+            "not a replica id"
+        );
+        assert!(keys.parse("/b/verdicts//r1").is_none());
+        let long = format!("/b/verdicts/{}/r1", "w".repeat(MAX_WORKER_KEY + 1));
+        assert!(keys.parse(&long).is_none());
+        assert!(keys.parse("/b/replicas/").is_none());
     }
 }
