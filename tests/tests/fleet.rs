@@ -103,6 +103,14 @@ async fn reaches(h: &Harness, series: &str, value: f64, limit: Duration) {
     }
 }
 
+/// Every key under the default prefix, one per line.
+fn keys(etcd: &Etcd) -> String {
+    etcd.ctl(
+        etcd.client_port,
+        &["get", "--prefix", "--keys-only", "/balancer/"],
+    )
+}
+
 /// A replica that exists only as keys: its replica key and an open verdict
 /// on `url`, both under a lease of `ttl` seconds nobody renews.
 fn key_only_replica(etcd: &Etcd, id: &str, url: &str, ttl: u32) {
@@ -294,6 +302,48 @@ async fn without_fleet_verdicts_nothing_is_written_nor_published() {
     let keys = etcd.ctl(etcd.client_port, &["get", "--prefix", "--keys-only", "/"]);
     assert!(keys.trim().is_empty(), "{keys}");
     assert!(!h.metrics().await.contains("fleet_"));
+    h.stop().await;
+    a.shutdown().await;
+}
+
+#[tokio::test]
+async fn back_in_touch_a_replica_rewrites_its_verdicts() {
+    let Some(mut etcd) = Etcd::start() else {
+        return;
+    };
+    let a = worker().await;
+    let url = a.url();
+    let h = replica(&etcd, &url, "r1", 1).await;
+    a.set_fault(always(500));
+    trip(&h, &url).await;
+    let verdict = format!("/balancer/verdicts/{}/r1", worker_key(&url));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+    while !keys(&etcd).contains(&verdict) {
+        assert!(tokio::time::Instant::now() < deadline, "verdict written");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The store comes back empty (rebuilt): the replica registers again
+    // and puts its verdict back, its breaker still open.
+    etcd.stop();
+    std::fs::remove_dir_all(&etcd.dir).unwrap();
+    etcd.run(etcd.client_port);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(8);
+    loop {
+        let now = keys(&etcd);
+        if now.contains(&verdict) && now.contains("/balancer/replicas/r1") {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not rewritten: {now}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let value = etcd.ctl(etcd.client_port, &["get", "--print-value-only", &verdict]);
+    let value: serde_json::Value = serde_json::from_str(value.trim()).unwrap();
+    assert_eq!(value["state"], "open");
+    assert_eq!(value["reason"], "failure_threshold");
+    assert!(value["since"].as_u64().unwrap() > 0);
     h.stop().await;
     a.shutdown().await;
 }
