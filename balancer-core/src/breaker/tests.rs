@@ -1289,3 +1289,18 @@ fn fleet_release_of_a_not_ready_worker_waits_for_the_promotion() {
     b.promote(&clock);
     assert_eq!(b.state(), State::HalfOpen);
 }
+
+#[test]
+fn fleet_open_is_bounded_by_the_open_gate_like_any_opening() {
+    struct Deny;
+    impl OpenGate for Deny {
+        fn may_open(&self) -> bool {
+            false
+        }
+    }
+    let clock = ManualClock::new();
+    let b = Breaker::new("http://w", settings(10, 1, 5), None);
+    b.set_open_gate(Arc::new(Deny));
+    assert!(!b.fleet_open(&clock));
+    assert_eq!(b.state(), State::Closed);
+}
