@@ -82,11 +82,6 @@ impl FleetView {
         }
     }
 
-    /// This replica's id.
-    pub fn me(&self) -> &str {
-        &self.me
-    }
-
     /// Live replicas seen (`fleet_replicas`).
     pub fn live_replicas(&self) -> usize {
         self.replicas.len()
@@ -230,11 +225,6 @@ impl FleetView {
             }
             _ => Vec::new(),
         }
-    }
-
-    /// When [`FleetView::tick`] should next look, if in touch.
-    pub fn lease_deadline(&self) -> Option<Nanos> {
-        self.contact.map(|at| at.saturating_add(self.lease))
     }
 
     /// Compares the quorum now with the one held, and says what changed.
