@@ -164,7 +164,7 @@ impl FleetVerdicts {
         etcd: EtcdConfig,
         config: FleetConfig,
         registry: Arc<Registry>,
-    ) -> anyhow::Result<(Arc<Self>, tokio::task::AbortHandle)> {
+    ) -> anyhow::Result<(Arc<Self>, FleetTask)> {
         let events = registry.subscribe();
         let keys = Keys::new(&etcd, &config.replica_id);
         let view = FleetView::new(config.replica_id.clone(), config.quorum, config.lease);
@@ -192,7 +192,7 @@ impl FleetVerdicts {
             }
         };
         let task = tokio::spawn(fleet.clone().run(first, events)).abort_handle();
-        Ok((fleet, task))
+        Ok((fleet, FleetTask(task)))
     }
 
     /// Deletes this replica's keys now (a clean stop) rather than when its
@@ -609,6 +609,17 @@ impl FleetVerdicts {
                 }
             }
         }
+    }
+}
+
+/// The fleet task, stopped when this is dropped: a gateway that fails to
+/// start after registering leaves no task renewing its lease.
+#[derive(Debug)]
+pub struct FleetTask(tokio::task::AbortHandle);
+
+impl Drop for FleetTask {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

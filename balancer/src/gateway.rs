@@ -30,7 +30,7 @@ use crate::admin::Admin;
 use crate::config::GatewayConfig;
 use crate::discovery::etcd::EtcdDiscovery;
 use crate::discovery::{Discovery, FleetUpdates, OnAdded, StaticList};
-use crate::fleet::FleetVerdicts;
+use crate::fleet::{FleetTask, FleetVerdicts};
 use crate::metrics::Exposition;
 use crate::proxy::{GatewayStats, Lane, Prober, Proxy, ResponseBody};
 use crate::server::{ConnectionLimits, Listener, Member, members, serve};
@@ -51,7 +51,7 @@ pub struct Gateway {
     /// The discovery sources' follow tasks.
     discovery: Vec<tokio::task::AbortHandle>,
     /// `--fleet-verdicts`: the replica's fleet side and its task.
-    fleet: Option<(Arc<FleetVerdicts>, tokio::task::AbortHandle)>,
+    fleet: Option<(Arc<FleetVerdicts>, FleetTask)>,
     /// HTTPS on the public port (`--tls-cert-path`).
     serves_tls: bool,
     shutdown: watch::Sender<bool>,
@@ -385,7 +385,7 @@ impl Gateway {
             task.abort();
         }
         if let Some((fleet, task)) = self.fleet.take() {
-            task.abort();
+            drop(task);
             fleet.revoke().await;
         }
         while self.listeners.join_next().await.is_some() {}
