@@ -296,7 +296,17 @@ impl FleetVerdicts {
                 }
             }
             backoff = (backoff * 2).min(MAX_BACKOFF);
-            match self.register(lease).await {
+            // A silent etcd takes a few call timeouts to give up on: the
+            // lease clock keeps running meanwhile.
+            let register = self.register(lease);
+            tokio::pin!(register);
+            let registered = loop {
+                tokio::select! {
+                    result = &mut register => break result,
+                    _ = tick.tick() => self.tick(),
+                }
+            };
+            match registered {
                 Ok(s) => session = Some(s),
                 Err(error) if error.is::<IdTaken>() => {
                     tracing::error!(error = %format!("{error:#}"), "fleet verdicts: this replica cannot register");
