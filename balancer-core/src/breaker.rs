@@ -102,6 +102,12 @@ pub enum TransitionReason {
     DegradedElapsed,
     /// Degraded → open: a request failed while degraded.
     DegradedFailure,
+    /// Closed → open: a quorum of balancer replicas holds open verdicts on
+    /// the worker (`--fleet-verdicts`); see [`Breaker::fleet_open`].
+    Fleet,
+    /// Open → half-open: the quorum that opened the circuit cleared, or this
+    /// replica lost touch with it for longer than its lease.
+    FleetCleared,
 }
 
 impl TransitionReason {
@@ -115,6 +121,8 @@ impl TransitionReason {
             TransitionReason::TrialFailed => "trial_failed",
             TransitionReason::DegradedElapsed => "degraded_elapsed",
             TransitionReason::DegradedFailure => "degraded_failure",
+            TransitionReason::Fleet => "fleet",
+            TransitionReason::FleetCleared => "fleet_cleared",
         }
     }
 }
@@ -253,6 +261,9 @@ pub struct Snapshot {
     /// Whether the degraded state is configured (its transitions are then
     /// published).
     pub degraded_enabled: bool,
+    /// Whether the current open period was started by the fleet's quorum
+    /// ([`Breaker::fleet_open`]): it ends with the quorum, not on a timeout.
+    pub fleet_opened: bool,
 }
 
 impl Snapshot {
@@ -315,6 +326,10 @@ pub struct Breaker {
     /// The worker is NotReady: an open circuit waits for the promotion
     /// instead of its timeout, so the promotion is the one move to half-open.
     held_open: AtomicBool,
+    /// The current open period was started by the fleet's quorum: no timeout
+    /// ends it, [`Breaker::fleet_release`] does. Written only under the
+    /// transition lock, so it always describes the current open period.
+    fleet_held: AtomicBool,
 
     /// Serialises transitions (and the optional window), never taken by a
     /// closed-state admission or a plain success.
@@ -362,6 +377,7 @@ impl Breaker {
             transitions: Default::default(),
             readmissions: AtomicU64::new(0),
             held_open: AtomicBool::new(false),
+            fleet_held: AtomicBool::new(false),
             transition_lock: Mutex::new(None),
             observer,
             gate: std::sync::OnceLock::new(),
@@ -587,8 +603,9 @@ impl Breaker {
     pub fn poll(&self, clock: &dyn Clock) -> Option<Nanos> {
         let word = self.word.load(Ordering::Acquire);
         match State::from_bits(word) {
-            // Held open: the promotion ends it, no timer needs to run.
-            State::Open if self.held_open.load(Ordering::Acquire) => None,
+            // Held open: the promotion (or the fleet's release) ends it, no
+            // timer needs to run.
+            State::Open if self.held_open.load(Ordering::Acquire) || self.is_fleet_held() => None,
             State::Open if !self.try_leave_open(word, clock) => Some(self.open_until()),
             State::Degraded if !self.try_leave_degraded(word, clock) => Some(self.degraded_until()),
             _ => None,
@@ -602,6 +619,9 @@ impl Breaker {
     pub fn promote(&self, clock: &dyn Clock) {
         let word = self.word.load(Ordering::Acquire);
         match State::from_bits(word) {
+            // The fleet's quorum still holds the worker open: the release,
+            // not the promotion, ends it.
+            State::Open if self.is_fleet_held() => {}
             State::Open => {
                 self.transition(
                     word,
@@ -638,7 +658,50 @@ impl Breaker {
             half_open_inflight: inflight_of(word),
             open_until: (state == State::Open).then(|| self.open_until()),
             degraded_enabled: self.degraded_pct.load(Ordering::Relaxed) != 0,
+            fleet_opened: state == State::Open && self.is_fleet_held(),
         }
+    }
+
+    /// Opens a closed circuit because a quorum of balancer replicas holds the
+    /// worker open (`--fleet-verdicts`), with reason [`TransitionReason::Fleet`].
+    /// Such an open period has no timeout: it lasts until
+    /// [`Breaker::fleet_release`]. A circuit in any other state is this
+    /// replica's own evidence and is left alone; `--cb-max-open-percent`
+    /// bounds fleet isolations as it bounds any other. Returns whether it
+    /// opened.
+    pub fn fleet_open(&self, clock: &dyn Clock) -> bool {
+        let word = self.word.load(Ordering::Acquire);
+        State::from_bits(word) == State::Closed
+            && self.may_open()
+            && self.transition(word, State::Open, TransitionReason::Fleet, clock.now())
+    }
+
+    /// The quorum that opened the circuit cleared: a fleet-opened circuit
+    /// goes on trial ([`TransitionReason::FleetCleared`]) and closes by the
+    /// usual success threshold. While the worker is NotReady it waits for the
+    /// promotion instead, as any open circuit does. Returns whether it moved.
+    pub fn fleet_release(&self, clock: &dyn Clock) -> bool {
+        let word = self.word.load(Ordering::Acquire);
+        if State::from_bits(word) != State::Open || !self.is_fleet_held() {
+            return false;
+        }
+        if self.held_open.load(Ordering::Acquire) {
+            let _guard = self.lock();
+            if self.word.load(Ordering::Acquire) == word {
+                self.fleet_held.store(false, Ordering::Release);
+            }
+            return false;
+        }
+        self.transition(
+            word,
+            State::HalfOpen,
+            TransitionReason::FleetCleared,
+            clock.now(),
+        )
+    }
+
+    fn is_fleet_held(&self) -> bool {
+        self.fleet_held.load(Ordering::Acquire)
     }
 
     /// A process-unique id, for per-request bookkeeping ([`RequestCharges`]).
@@ -698,7 +761,8 @@ impl Breaker {
     /// concurrent one), false while it must stay open.
     fn try_leave_open(&self, word: u64, clock: &dyn Clock) -> bool {
         let now = clock.now();
-        if now < self.open_until() || self.held_open.load(Ordering::Acquire) {
+        if now < self.open_until() || self.held_open.load(Ordering::Acquire) || self.is_fleet_held()
+        {
             return false;
         }
         self.transition(word, State::HalfOpen, TransitionReason::OpenTimeout, now);
@@ -828,6 +892,11 @@ impl Breaker {
                 self.opened_at.store(now, Ordering::Release);
             }
         }
+        // Only the fleet's own opening is held by the fleet: any other move
+        // (a trial that failed after the quorum cleared, a timeout) is this
+        // replica's evidence again.
+        self.fleet_held
+            .store(reason == TransitionReason::Fleet, Ordering::Release);
         let next = (u64::from(epoch_of(current).wrapping_add(1)) << EPOCH_SHIFT) | to as u64;
         self.word.store(next, Ordering::Release);
         self.transitions[from as usize][to as usize].fetch_add(1, Ordering::Relaxed);

@@ -5,8 +5,9 @@
 //! ([`spec`]) and the live fleet ([`registry`]), picking a worker
 //! ([`selection`] over the hash [`ring`]), admission control ([`admission`]),
 //! token accounting ([`tokens`]), the quality rule of completions
-//! ([`quality`]), the load workers report ([`load`]) and the metric primitives every layer
-//! publishes its series through ([`metrics`]).
+//! ([`quality`]), the load workers report ([`load`]), the quorum of
+//! balancer replicas' breaker verdicts ([`fleet`]) and the metric primitives
+//! every layer publishes its series through ([`metrics`]).
 //!
 //! It must not depend on hyper, aya, or sockets: the agent (`balancer`) does
 //! HTTP, the dataplane (`balancer-dataplane`) talks to the kernel, and both
@@ -18,6 +19,7 @@
 pub mod admission;
 pub mod breaker;
 pub mod clock;
+pub mod fleet;
 pub mod health;
 pub mod load;
 pub mod metrics;

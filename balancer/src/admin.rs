@@ -23,6 +23,7 @@ use balancer_core::registry::{Registry, RegistryError, Worker};
 use balancer_core::spec::{Resilience, WorkerSpec};
 
 use crate::bodies::Inbound;
+use crate::fleet::FleetVerdicts;
 use crate::proxy::{ErrorCode, ResponseBody, error_response};
 
 /// Called for each worker the API adds.
@@ -40,6 +41,8 @@ pub struct Admin {
     /// NotReady until its first passing probe. Unprobed, it starts Ready,
     /// as nothing would ever promote it.
     pub probed: bool,
+    /// With `--fleet-verdicts`: the replicas holding open verdicts.
+    pub fleet: Option<Arc<FleetVerdicts>>,
 }
 
 const MAX_BODY: usize = 1 << 20;
@@ -160,7 +163,7 @@ impl Admin {
             .iter()
             .map(|r| (r.as_str().to_owned(), json!(s.failures[*r as usize])))
             .collect();
-        json!({
+        let mut view = json!({
             "id": w.id,
             "url": &*w.url,
             "models": *w.models(),
@@ -192,7 +195,11 @@ impl Admin {
                 "cb_min_completion_tokens": classifier.min_completion_tokens(),
                 "cb_l4_signals": classifier.l4_signals(),
             },
-        })
+        });
+        if let Some(fleet) = &self.fleet {
+            view["fleet_verdicts"] = json!(fleet.holders(w));
+        }
+        view
     }
 }
 

@@ -28,6 +28,7 @@ use http::HeaderName;
 
 use crate::config::{ConnectionConfig, GatewayConfig};
 use crate::discovery::etcd::{EtcdConfig, Registration};
+use crate::fleet::FleetConfig;
 use crate::proxy::{
     DEFAULT_LOAD_MONITOR_INTERVAL, HealthCheckConfig, LoadMonitorConfig, ProxyConfig, RetryPolicy,
     Routes,
@@ -153,6 +154,22 @@ pub struct LaunchArgs {
     /// The etcd key prefix; workers are `<PREFIX>workers/<id>`.
     #[arg(long, default_value = "/balancer/")]
     pub etcd_prefix: String,
+    /// Share breaker verdicts with the other balancer replicas through etcd
+    /// (needs --etcd-endpoints): a worker that --fleet-quorum live replicas
+    /// hold open is isolated on every replica.
+    #[arg(long)]
+    pub fleet_verdicts: bool,
+    /// This replica's id in etcd (A-Z a-z 0-9 . _ ~ -); default
+    /// `<hostname>-<port>`. A start with an id a live replica holds fails.
+    #[arg(long, value_name = "ID")]
+    pub replica_id: Option<String>,
+    /// Distinct live replicas whose open verdicts isolate a worker.
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub fleet_quorum: u32,
+    /// The lease of this replica's keys in etcd; out of touch longer than
+    /// this, its fleet isolations end.
+    #[arg(long, value_name = "S", default_value_t = 10, value_parser = clap::value_parser!(u64).range(2..=3600))]
+    pub fleet_lease_secs: u64,
     /// Start N built-in demo workers on loopback and route to them
     /// (what `cargo xtask run` does).
     #[arg(long, default_value_t = 0, value_name = "N")]
@@ -687,6 +704,7 @@ impl LaunchArgs {
                 endpoints: self.etcd_endpoints.clone(),
                 prefix: self.etcd_prefix.clone(),
             }),
+            fleet: self.fleet_config()?,
             policy: self.policy,
             cache_aware: self.cache_aware.config(),
             proxy: ProxyConfig {
@@ -764,6 +782,27 @@ impl LaunchArgs {
         };
         config.validate()?;
         Ok(config)
+    }
+
+    /// `--fleet-verdicts` and its settings; the default replica id is
+    /// `<hostname>-<port>`.
+    fn fleet_config(&self) -> anyhow::Result<Option<FleetConfig>> {
+        if !self.fleet_verdicts {
+            return Ok(None);
+        }
+        let replica_id = match &self.replica_id {
+            Some(id) => id.clone(),
+            None => {
+                let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .context("reading the hostname for the default --replica-id")?;
+                format!("{}-{}", host.trim(), self.port)
+            }
+        };
+        Ok(Some(FleetConfig {
+            replica_id,
+            quorum: self.fleet_quorum as usize,
+            lease: Duration::from_secs(self.fleet_lease_secs),
+        }))
     }
 
     /// `--admin-token`, or the first line of `--admin-token-file`.
@@ -1363,6 +1402,67 @@ resilience = { cb_min_completion_tokens = 0 }
             ["--worker-overload-waiting-requests", "-1"],
         ] {
             assert!(parse(&bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn fleet_verdicts_need_etcd_and_come_from_flags_or_the_file() {
+        let err = format!("{:#}", parse(&["--fleet-verdicts"]).unwrap_err());
+        assert!(
+            err.contains("--fleet-verdicts") && err.contains("--etcd-endpoints"),
+            "{err}"
+        );
+        let etcd = ["--etcd-endpoints", "http://127.0.0.1:2379"];
+        let off = parse(&etcd).unwrap().to_config().unwrap();
+        assert_eq!(off.fleet, None, "off by default");
+
+        let on = parse(&[etcd[0], etcd[1], "--fleet-verdicts", "--port", "8080"])
+            .unwrap()
+            .to_config()
+            .unwrap()
+            .fleet
+            .expect("on");
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+        assert_eq!(on.replica_id, format!("{}-8080", host.trim()));
+        assert_eq!((on.quorum, on.lease), (2, Duration::from_secs(10)));
+
+        let path = std::env::temp_dir().join(format!("balancer-fleet-{}.toml", std::process::id()));
+        std::fs::write(
+            &path,
+            r#"
+etcd_endpoints = ["http://127.0.0.1:2379"]
+fleet_verdicts = true
+replica_id = "lb-1"
+fleet_quorum = 3
+fleet_lease_secs = 4
+"#,
+        )
+        .unwrap();
+        let from_file = parse(&["--config", path.to_str().unwrap()]);
+        std::fs::remove_file(&path).unwrap();
+        let fleet = from_file.unwrap().to_config().unwrap().fleet.unwrap();
+        assert_eq!(
+            fleet,
+            FleetConfig {
+                replica_id: "lb-1".into(),
+                quorum: 3,
+                lease: Duration::from_secs(4),
+            }
+        );
+
+        for (flag, value) in [
+            ("--replica-id", "a/b"),
+            ("--fleet-quorum", "0"),
+            ("--fleet-lease-secs", "1"),
+        ] {
+            let err = parse(&[etcd[0], etcd[1], "--fleet-verdicts", flag, value])
+                .and_then(|a| a.to_config())
+                .unwrap_err();
+            let msg = format!("{err:#}");
+            assert!(
+                msg.contains(flag) && msg.contains(value),
+                "{flag} {value}: {msg}"
+            );
         }
     }
 }

@@ -23,6 +23,7 @@ use balancer_dataplane::maglev::is_prime;
 use balancer_dataplane::steering::L4Config;
 
 use crate::discovery::etcd::EtcdConfig;
+use crate::fleet::FleetConfig;
 use crate::proxy::{HealthCheckConfig, LoadMonitorConfig, ProxyConfig, RetryPolicy, Routes};
 use crate::tls::{ServingTlsConfig, WorkerTlsConfig};
 
@@ -44,6 +45,9 @@ pub struct GatewayConfig {
     /// `--etcd-endpoints`, `--etcd-prefix`: workers discovered through etcd,
     /// beside `workers`.
     pub etcd: Option<EtcdConfig>,
+    /// `--fleet-verdicts` and its settings: share breaker verdicts with the
+    /// other replicas through `etcd`; `None`: no etcd traffic of its own.
+    pub fleet: Option<FleetConfig>,
     /// `--policy`.
     pub policy: Policy,
     /// `--cache-threshold`, `--balance-*-threshold`, `--eviction-interval-secs`,
@@ -125,6 +129,7 @@ impl Default for GatewayConfig {
             metrics_prefix: "balancer".to_owned(),
             workers: Vec::new(),
             etcd: None,
+            fleet: None,
             policy: Policy::PowerOfTwo,
             cache_aware: CacheAwareConfig::default(),
             proxy: ProxyConfig::default(),
@@ -249,6 +254,25 @@ impl GatewayConfig {
                 return Err(invalid(
                     "--etcd-prefix",
                     format!("{:?}: starts and ends with '/'", etcd.prefix),
+                ));
+            }
+        }
+        if let Some(fleet) = &self.fleet {
+            if self.etcd.is_none() {
+                return Err(invalid(
+                    "--fleet-verdicts",
+                    "needs --etcd-endpoints: the verdicts are shared through etcd",
+                ));
+            }
+            FleetConfig::check_replica_id(&fleet.replica_id)
+                .map_err(|m| invalid("--replica-id", m))?;
+            if fleet.quorum == 0 {
+                return Err(invalid("--fleet-quorum", "must be at least 1"));
+            }
+            if fleet.lease < Duration::from_secs(2) {
+                return Err(invalid(
+                    "--fleet-lease-secs",
+                    "must be at least 2 (etcd's shortest lease)",
                 ));
             }
         }

@@ -30,6 +30,7 @@ use crate::admin::Admin;
 use crate::config::GatewayConfig;
 use crate::discovery::etcd::EtcdDiscovery;
 use crate::discovery::{Discovery, FleetUpdates, OnAdded, StaticList};
+use crate::fleet::{FleetTask, FleetVerdicts};
 use crate::metrics::Exposition;
 use crate::proxy::{GatewayStats, Lane, LoadMonitor, Prober, Proxy, ResponseBody};
 use crate::server::{ConnectionLimits, Listener, Member, members, serve};
@@ -49,6 +50,8 @@ pub struct Gateway {
     steering: Option<Steering>,
     /// The discovery sources' follow tasks, and `cache_aware`'s upkeep.
     discovery: Vec<tokio::task::AbortHandle>,
+    /// `--fleet-verdicts`: the replica's fleet side and its task.
+    fleet: Option<(Arc<FleetVerdicts>, FleetTask)>,
     /// HTTPS on the public port (`--tls-cert-path`).
     serves_tls: bool,
     /// How long a shutdown lets in-flight requests finish.
@@ -254,6 +257,15 @@ impl Gateway {
             discovery.push(tokio::spawn(source.follow(fleet)).abort_handle());
         }
 
+        let fleet = match (&config.fleet, &config.etcd) {
+            (Some(fleet), Some(etcd)) => Some(
+                FleetVerdicts::start(etcd.clone(), fleet.clone(), registry.clone())
+                    .await
+                    .context("cannot start fleet verdicts (--fleet-verdicts)")?,
+            ),
+            _ => None,
+        };
+
         let steering = match &config.l4 {
             Some(l4) => Some(
                 Steering::start(l4, registry.clone())
@@ -279,6 +291,9 @@ impl Gateway {
         if let Some(cache) = selector.cache_aware() {
             sources.push(cache.clone());
             discovery.extend(cache_upkeep(cache.clone(), &registry));
+        }
+        if let Some((f, _)) = &fleet {
+            sources.push(f.clone());
         }
         let exposition = Arc::new(Exposition::new(&config.metrics_prefix, sources));
 
@@ -371,6 +386,7 @@ impl Gateway {
             }),
             drain_timeout: grace,
             probed: config.health_check.enabled,
+            fleet: fleet.as_ref().map(|(f, _)| f.clone()),
         });
         listeners.spawn(serve(
             admin,
@@ -394,6 +410,7 @@ impl Gateway {
             proxy,
             steering,
             discovery,
+            fleet,
             serves_tls: config.tls.is_some(),
             grace,
             shutdown,
@@ -413,6 +430,10 @@ impl Gateway {
         let _ = self.shutdown.send(true);
         for task in &self.discovery {
             task.abort();
+        }
+        if let Some((fleet, task)) = self.fleet.take() {
+            drop(task);
+            fleet.revoke().await;
         }
         while self.listeners.join_next().await.is_some() {}
         let serving = std::mem::take(&mut self.serving);

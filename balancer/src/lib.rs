@@ -8,7 +8,7 @@
 //!
 //! Layers, bottom up: [`bodies`] names the body types; [`config`] is the typed description of an agent and
 //! [`cli`] maps flags and TOML onto it; [`discovery`] says where workers come
-//! from; [`tls`] holds the certificates of both edges; [`h1`] is the
+//! from; [`fleet`] shares breaker verdicts between replicas through etcd; [`tls`] holds the certificates of both edges; [`h1`] is the
 //! HTTP/1.1 client of the fast path to plain-HTTP workers; [`proxy`] is the
 //! request path, phase by phase; [`server`] accepts connections (the HTTP/1.1 wire format both edges share is `wire`'s); [`admin`] and [`metrics`] face the operator; [`gateway`]
 //! wires them together. It must not contain `unsafe` (the dataplane crate
@@ -25,6 +25,7 @@ pub mod config;
 #[doc(hidden)]
 pub mod differential;
 pub mod discovery;
+pub mod fleet;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod gateway;

@@ -65,6 +65,10 @@ pub enum Which {
     /// cache_aware and the reference gateway's cache_aware; steady, then
     /// with one worker slowed and another failing.
     Cache(cache::Cache),
+    /// Fleet verdicts through a real etcd: failed requests served before
+    /// every replica stopped sending to a failing worker, without and with
+    /// `--fleet-verdicts` (debug profile, in-process replicas).
+    Fleet,
 }
 
 #[derive(Args)]
@@ -86,6 +90,9 @@ pub fn bench(which: Which) -> Result<()> {
         Which::L4(args) => l4::l4(&args),
         Which::Instructions(args) => instructions::instructions(&args),
         Which::Cache(args) => cache::cache(&args),
+        Which::Fleet => run(cargo()
+            .args(["run", "--package", "balancer-tests", "--example", "fleet"])
+            .current_dir(workspace_root())),
         Which::Breaker => run(cargo()
             .args([
                 "bench",

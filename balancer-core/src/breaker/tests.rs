@@ -1200,3 +1200,107 @@ fn observed_handshakes_move_the_breaker_like_requests() {
     b.observe(Outcome::Failure(FailureReason::L4Refused), &clock);
     assert_eq!(b.state(), State::Open);
 }
+
+#[test]
+fn fleet_open_holds_past_the_timeout_and_releases_to_half_open() {
+    let clock = ManualClock::new();
+    let seen = Arc::new(Recorder::default());
+    let b = Breaker::new("http://w", settings(10, 2, 5), Some(seen.clone()));
+    assert!(b.fleet_open(&clock));
+    assert_eq!(b.state(), State::Open);
+    assert!(b.snapshot().fleet_opened);
+    // Its own timeout does not end a fleet isolation, and no timer runs.
+    clock.advance(60 * SECOND);
+    assert!(!b.is_available(&clock));
+    assert!(b.admit(&clock).is_none());
+    assert_eq!(b.poll(&clock), None);
+    assert_eq!(b.state(), State::Open);
+    // Nor does a promotion back to Ready.
+    b.promote(&clock);
+    assert_eq!(b.state(), State::Open);
+
+    assert!(b.fleet_release(&clock));
+    assert_eq!(b.state(), State::HalfOpen);
+    assert!(!b.snapshot().fleet_opened);
+    assert!(!b.fleet_release(&clock), "released once");
+    succeed(&b, &clock);
+    succeed(&b, &clock);
+    assert_eq!(b.state(), State::Closed, "the usual success threshold");
+    assert_eq!(
+        seen.moves(),
+        vec![
+            (State::Closed, State::Open, TransitionReason::Fleet),
+            (State::Open, State::HalfOpen, TransitionReason::FleetCleared),
+            (
+                State::HalfOpen,
+                State::Closed,
+                TransitionReason::TrialSucceeded
+            ),
+        ]
+    );
+    assert_eq!(
+        b.snapshot().transitions[State::Closed as usize][State::Open as usize],
+        1
+    );
+}
+
+#[test]
+fn fleet_never_overrides_the_replicas_own_verdict() {
+    // Open by its own failures: the fleet neither reopens nor releases it,
+    // and its own timeout still runs.
+    let (b, clock) = open_breaker(1, 1, 5);
+    assert!(!b.fleet_open(&clock));
+    assert!(!b.snapshot().fleet_opened);
+    assert!(!b.fleet_release(&clock));
+    assert_eq!(b.state(), State::Open);
+    clock.advance(5 * SECOND);
+    assert!(b.is_available(&clock));
+    assert_eq!(b.state(), State::HalfOpen);
+    // Half-open on its own trial: left alone too.
+    assert!(!b.fleet_open(&clock));
+    assert_eq!(b.state(), State::HalfOpen);
+}
+
+#[test]
+fn a_failed_trial_after_the_fleet_release_is_own_evidence() {
+    let clock = ManualClock::new();
+    let b = Breaker::new("http://w", settings(10, 2, 5), None);
+    assert!(b.fleet_open(&clock));
+    assert!(b.fleet_release(&clock));
+    fail(&b, &clock);
+    assert_eq!(b.state(), State::Open);
+    assert!(!b.snapshot().fleet_opened, "reopened by its own trial");
+    // Its own open period ends on its own timeout.
+    clock.advance(5 * SECOND);
+    assert!(b.is_available(&clock));
+    assert_eq!(b.state(), State::HalfOpen);
+}
+
+#[test]
+fn fleet_release_of_a_not_ready_worker_waits_for_the_promotion() {
+    let clock = ManualClock::new();
+    let b = Breaker::new("http://w", settings(10, 1, 5), None);
+    assert!(b.fleet_open(&clock));
+    b.hold_open(true);
+    assert!(!b.fleet_release(&clock));
+    assert_eq!(b.state(), State::Open);
+    assert!(!b.snapshot().fleet_opened, "no longer the fleet's");
+    b.hold_open(false);
+    b.promote(&clock);
+    assert_eq!(b.state(), State::HalfOpen);
+}
+
+#[test]
+fn fleet_open_is_bounded_by_the_open_gate_like_any_opening() {
+    struct Deny;
+    impl OpenGate for Deny {
+        fn may_open(&self) -> bool {
+            false
+        }
+    }
+    let clock = ManualClock::new();
+    let b = Breaker::new("http://w", settings(10, 1, 5), None);
+    b.set_open_gate(Arc::new(Deny));
+    assert!(!b.fleet_open(&clock));
+    assert_eq!(b.state(), State::Closed);
+}

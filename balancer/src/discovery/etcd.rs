@@ -218,7 +218,9 @@ impl MetricsSource for EtcdDiscovery {
     }
 }
 
-async fn connect(endpoints: &[String]) -> anyhow::Result<Client> {
+/// A client of `endpoints` with this module's timeouts and keep-alive; the
+/// fleet verdicts (`crate::fleet`) connect the same way.
+pub(crate) async fn connect(endpoints: &[String]) -> anyhow::Result<Client> {
     let options = ConnectOptions::new()
         .with_connect_timeout(CONNECT_TIMEOUT)
         .with_keep_alive(KEEP_ALIVE_INTERVAL, KEEP_ALIVE_TIMEOUT)
