@@ -34,8 +34,18 @@ pub fn fuzz(root: &Path, seconds: u64, only: Option<&str>) -> Result<()> {
     }
     for target in TARGETS.into_iter().filter(|t| only.is_none_or(|o| o == *t)) {
         eprintln!("==> fuzz {target} for {seconds}s");
-        run(cargo()
-            .args(["+nightly", "fuzz", "run", target, "--"])
+        // New inputs go to the (ignored) corpus folder; the committed seeds,
+        // where a target has them, start it from well-formed exchanges.
+        let mut fuzz = cargo();
+        fuzz.args(["+nightly", "fuzz", "run", target]);
+        let seeds = root.join("fuzz/seeds").join(target);
+        if seeds.is_dir() {
+            let corpus = root.join("fuzz/corpus").join(target);
+            std::fs::create_dir_all(&corpus).context("creating the fuzz corpus folder")?;
+            fuzz.arg(corpus).arg(seeds);
+        }
+        run(fuzz
+            .arg("--")
             .arg(format!("-max_total_time={seconds}"))
             .current_dir(root))
         .with_context(|| format!("fuzz target {target} failed (see fuzz/artifacts/{target})"))?;
