@@ -286,6 +286,9 @@ impl Selector {
                     && let Some(shed) = ws.iter().find(|w| w.breaker.id() == id)
                 {
                     shed.load_cell().note_shed();
+                    if let Some(lookup) = lookup {
+                        lookup.shed();
+                    }
                 }
                 Some(i)
             }

@@ -315,6 +315,38 @@ mod selection {
     }
 
     #[test]
+    fn cache_aware_passes_over_an_overloaded_holder_and_says_so() {
+        use crate::selection::{CacheAwareConfig, Prompt, Reason};
+        let (registry, clock, workers) = fleet(2);
+        let selector = Selector::with_cache_aware(Policy::CacheAware, CacheAwareConfig::default());
+        let prompt = Prompt {
+            model: "",
+            text: b"system: a long shared prompt that one worker comes to hold",
+        };
+        let fleet = registry.fleet();
+        let first = selector
+            .attempt_prompt(&fleet.workers, None, None, Some(prompt), &[], &*clock)
+            .unwrap();
+        let holder = first.worker().clone();
+        drop(first);
+        // The holder now reports a queue past the threshold.
+        holder
+            .load_cell()
+            .record(&holder.url, ScrapeOutcome::Ok(load(5)), clock.now());
+        let other = workers.iter().find(|w| !Arc::ptr_eq(w, &holder)).unwrap();
+        let next = selector
+            .attempt_prompt(&fleet.workers, None, None, Some(prompt), &[], &*clock)
+            .unwrap();
+        assert!(
+            Arc::ptr_eq(next.worker(), other),
+            "the overloaded holder kept it"
+        );
+        let cache = selector.cache_aware().unwrap();
+        assert_eq!(cache.decisions(Reason::Overload), 1);
+        assert_eq!(holder.load_cell().sheds(), 1);
+    }
+
+    #[test]
     fn a_retry_prefers_an_untried_overloaded_worker_to_the_one_it_tried() {
         let (registry, clock, workers) = fleet(2);
         workers[0]

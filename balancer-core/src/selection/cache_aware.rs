@@ -103,14 +103,18 @@ pub enum Reason {
     LeastCached,
     /// A match holder predicted slower than another candidate.
     Slow,
+    /// The worker the rule chose reported an overload
+    /// (`--worker-overload-waiting-requests`): another took the request.
+    Overload,
 }
 
 impl Reason {
-    const ALL: [Reason; 4] = [
+    const ALL: [Reason; 5] = [
         Reason::CacheMatch,
         Reason::Balance,
         Reason::LeastCached,
         Reason::Slow,
+        Reason::Overload,
     ];
 
     /// The label value.
@@ -120,6 +124,7 @@ impl Reason {
             Reason::Balance => "balance",
             Reason::LeastCached => "least_cached",
             Reason::Slow => "slow",
+            Reason::Overload => "overload",
         }
     }
 }
@@ -468,6 +473,11 @@ impl CacheAware {
 }
 
 impl Lookup<'_> {
+    /// The choice passed over an overloaded worker: counted as `overload`.
+    pub(super) fn shed(&self) {
+        self.reason.set(Reason::Overload);
+    }
+
     fn matched(&self, id: WorkerId) -> usize {
         self.matches.iter().find(|m| m.0 == id).map_or(0, |m| m.1)
     }
@@ -507,7 +517,7 @@ impl MetricsSource for CacheAware {
         w.family(
             "routing_decisions_total",
             "counter",
-            "cache_aware choices by reason: cache_match, balance, least_cached, slow.",
+            "cache_aware choices by reason: cache_match, balance, least_cached, slow, overload.",
         );
         for r in Reason::ALL {
             w.sample(
