@@ -297,6 +297,9 @@ pub struct Fleet {
     /// Every worker, draining ones included, in the order they were added.
     pub workers: Vec<Arc<Worker>>,
     by_model: HashMap<String, Vec<Arc<Worker>>>,
+    /// Every worker names its models (none has yet to be learned, or
+    /// declares none): only then can a model no worker names be refused.
+    all_declare: bool,
     with_rings: bool,
     /// Built by the first request that needs them, so a burst of fleet
     /// changes (start-up, models being learned) sorts no ring it discards.
@@ -343,6 +346,14 @@ impl Fleet {
         self.by_model.contains_key(model)
     }
 
+    /// Whether no worker could serve `model`: every worker names its models
+    /// and none names this one. A worker whose models are not known (not
+    /// learned yet, or it lists none) may serve any, as before models were
+    /// declared.
+    pub fn none_serves(&self, model: &str) -> bool {
+        self.all_declare && !self.declares(model)
+    }
+
     fn build(workers: Vec<Arc<Worker>>, with_rings: bool) -> Self {
         let mut by_model: HashMap<String, Vec<Arc<Worker>>> = HashMap::default();
         for w in &workers {
@@ -350,9 +361,11 @@ impl Fleet {
                 by_model.entry(m.clone()).or_default().push(w.clone());
             }
         }
+        let all_declare = !workers.is_empty() && workers.iter().all(|w| !w.models().is_empty());
         Self {
             workers,
             by_model,
+            all_declare,
             with_rings,
             rings: std::sync::OnceLock::new(),
         }

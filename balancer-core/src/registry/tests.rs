@@ -327,3 +327,23 @@ fn an_empty_model_is_refused_naming_the_field() {
         "no model: learned from the worker"
     );
 }
+
+#[test]
+fn a_model_is_refusable_only_once_every_worker_names_its_models() {
+    let clock = Arc::new(ManualClock::new());
+    let (registry, first) = registry(Settings::default(), clock);
+    let second = registry
+        .add(&WorkerSpec::from_url("http://127.0.0.1:10"))
+        .unwrap();
+    // Nothing learned yet: any worker may serve any model.
+    assert!(!registry.fleet().none_serves("m"));
+    registry.learn_models(&first, vec!["m".to_owned()]);
+    assert!(
+        !registry.fleet().none_serves("other"),
+        "the second worker's models are not known"
+    );
+    registry.learn_models(&second, vec!["n".to_owned()]);
+    let fleet = registry.fleet();
+    assert!(fleet.none_serves("other"));
+    assert!(!fleet.none_serves("m") && !fleet.none_serves("n"));
+}

@@ -42,11 +42,12 @@ impl Proxy {
         )
     }
 
-    /// Whether a request naming `model` is refused: no worker declares it
-    /// (in its spec or its `/v1/models`) and `--route-undeclared-models` is
-    /// off. Any worker would otherwise answer it as its own model.
+    /// Whether a request naming `model` is refused: every worker names its
+    /// models (in its spec or its `/v1/models`), none names this one, and
+    /// `--route-undeclared-models` is off. Any worker would otherwise answer
+    /// it as its own model.
     pub(crate) fn refuses_model(&self, model: &str) -> bool {
-        !self.config.route_undeclared_models && !self.registry.fleet().declares(model)
+        !self.config.route_undeclared_models && self.registry.fleet().none_serves(model)
     }
 
     /// 404 `model_not_found`, in the OpenAI error shape.

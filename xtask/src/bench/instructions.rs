@@ -44,6 +44,10 @@ pub struct Instructions {
     /// the same instruction count, misses are what separates CPU times.
     #[arg(long)]
     cache_sim: bool,
+    /// Copy callgrind's dumps of the measured stretch into this folder, to
+    /// read with `callgrind_annotate` (the lab's own folder goes at the end).
+    #[arg(long, value_name = "DIR")]
+    keep: Option<std::path::PathBuf>,
 }
 
 /// The simulated events printed with `--cache-sim`, and what they count.
@@ -110,6 +114,9 @@ pub fn instructions(args: &Instructions) -> Result<()> {
         toggle(&control, &["--instr=off", &pid])?;
         toggle(&control, &["--dump=measured", &pid])?;
         let totals = dumped_totals(&server.out)?;
+        if let Some(keep) = &args.keep {
+            keep_dumps(&server.out, keep)?;
+        }
         let per_request = |event: &str| {
             let total = totals.iter().find(|(name, _)| name == event).map(|t| t.1);
             total.map(|n| n as f64 / args.requests as f64)
@@ -321,6 +328,25 @@ fn read_response(stream: &mut impl BufRead) -> Result<()> {
     };
     let mut body = vec![0; length];
     stream.read_exact(&mut body)?;
+    Ok(())
+}
+
+/// Copies the dumps callgrind wrote beside `out` (`out.N` and the like)
+/// into `keep`.
+fn keep_dumps(out: &std::path::Path, keep: &std::path::Path) -> Result<()> {
+    fs::create_dir_all(keep).with_context(|| format!("creating {}", keep.display()))?;
+    let (dir, stem) = (
+        out.parent().context("a dump's folder")?,
+        out.file_name().context("a dump's name")?,
+    );
+    for entry in fs::read_dir(dir)? {
+        let path = entry?.path();
+        let name = path.file_name().unwrap_or_default();
+        if name.to_string_lossy().starts_with(&*stem.to_string_lossy()) {
+            fs::copy(&path, keep.join(name))
+                .with_context(|| format!("copying {}", path.display()))?;
+        }
+    }
     Ok(())
 }
 
