@@ -579,7 +579,8 @@ impl LaunchArgs {
         let mut parsed = match LaunchArgs::try_parse_from(merged) {
             Ok(p) => p,
             Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelp => e.exit(),
-            Err(e) => bail!("{e}"),
+            // The binary shows it as clap does (usage, exit 2).
+            Err(e) => return Err(e.into()),
         };
         parsed.worker_specs = specs;
         parsed.to_config()?;
