@@ -167,7 +167,7 @@ impl Discovery for EtcdDiscovery {
             match tokio::time::timeout(INITIAL_LOAD, load).await {
                 Ok(Ok(loaded)) => loaded.specs,
                 Ok(Err(error)) => {
-                    tracing::warn!(error = %format!("{error:#}"), "etcd not reachable at start; serving without its workers until it is");
+                    tracing::warn!(error = %reason(&error), "etcd not reachable at start; serving without its workers until it is");
                     Vec::new()
                 }
                 Err(_) => {
@@ -190,7 +190,7 @@ impl Discovery for EtcdDiscovery {
             loop {
                 let started = tokio::time::Instant::now();
                 if let Err(error) = self.session(&fleet).await {
-                    tracing::debug!(error = %format!("{error:#}"), "etcd session ended");
+                    tracing::debug!(error = %reason(&error), "etcd session ended");
                 }
                 self.set_up(false);
                 if started.elapsed() > MAX_BACKOFF * 5 {

@@ -76,9 +76,9 @@ impl ServingTls {
     pub fn load(files: ServingTlsConfig, stats: Arc<TlsStats>) -> Result<Arc<Self>, TlsError> {
         let sessions: Arc<dyn StoresServerSessions> = ServerSessionMemoryCache::new(SESSIONS);
         let tickets =
-            rustls::crypto::ring::Ticketer::new().map_err(|source| TlsError::Rejected {
+            rustls::crypto::ring::Ticketer::new().map_err(|cause| TlsError::Rejected {
                 context: "session tickets".to_owned(),
-                source,
+                cause,
             })?;
         let config = build(&files, &sessions, &tickets)?;
         stats.certificate_loaded(true);
@@ -182,18 +182,18 @@ fn build(
     let (chain, key) = key_pair(&files.cert_path, &files.key_path)?;
     let builder = ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
-        .map_err(|source| TlsError::Rejected {
+        .map_err(|cause| TlsError::Rejected {
             context: "protocol versions".to_owned(),
-            source,
+            cause,
         })?;
     let builder = match &files.client_ca_path {
         Some(path) => {
             let verifier =
                 WebPkiClientVerifier::builder_with_provider(Arc::new(roots(path)?), provider())
                     .build()
-                    .map_err(|source| TlsError::ClientCa {
+                    .map_err(|cause| TlsError::ClientCa {
                         path: path.clone(),
-                        source,
+                        cause,
                     })?;
             builder.with_client_cert_verifier(verifier)
         }
