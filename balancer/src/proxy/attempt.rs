@@ -163,6 +163,12 @@ impl Proxy {
                     Ok(response) => {
                         let status = response.status().as_u16();
                         let outcome = classifier.classify(status);
+                        if status >= 500 {
+                            worker.server_error(status);
+                        }
+                        if outcome == Outcome::Failure(FailureReason::Status) {
+                            worker.breaker.note_failed_status(status);
+                        }
                         let retryable = RETRY_STATUSES.contains(&status);
                         if retryable && !last {
                             let retry_after = retry_after(&response);

@@ -296,8 +296,18 @@ impl RelayBody {
         let outcome = self.completion.as_ref().map_or(Outcome::Ignored, |c| {
             c.rules.classify_cut(Outcome::Success, reason)
         });
+        // Taken before `complete` gives the attempt back.
+        let worker = self
+            .completion
+            .as_ref()
+            .map(|c| c.attempt.worker().url.clone());
         self.complete(outcome);
-        tracing::warn!(code, message, "upstream stream cut");
+        tracing::warn!(
+            worker = worker.as_deref().unwrap_or("-"),
+            code,
+            message,
+            "upstream stream cut"
+        );
         self.done = true;
         if self.sse {
             Poll::Ready(Some(Ok(Frame::data(sse_error_event(code, message)))))
