@@ -27,7 +27,7 @@ const CARGO_DEB_VERSION: &str = "3.8.0";
 const BUILD_PACKAGES: [&str; 2] = ["protobuf-compiler", "libprotobuf-dev"];
 
 /// Debian packages the tests and benchmarks call, besides the build's.
-const TEST_PACKAGES: [&str; 9] = [
+const TEST_PACKAGES: [&str; 10] = [
     "iproute2",
     "ethtool",
     "bpftool",
@@ -40,6 +40,9 @@ const TEST_PACKAGES: [&str; 9] = [
     // systemd-analyze, for the units (tests/tests/deploy.rs and the
     // package check).
     "systemd",
+    // promtool, for the alert rules (tests/tests/dashboards.rs); nothing
+    // starts the server itself.
+    "prometheus",
 ];
 
 #[derive(Clone, Copy, PartialEq, Eq)]

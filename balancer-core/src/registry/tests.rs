@@ -361,3 +361,25 @@ fn a_workers_5xx_answers_are_counted_by_status() {
         ]
     );
 }
+
+#[test]
+fn each_model_of_a_worker_has_its_join_series() {
+    let (registry, worker) = registry(Settings::default(), Arc::new(ManualClock::new()));
+    registry.learn_models(&worker, vec!["m1".to_owned(), "m2".to_owned()]);
+    let mut out = String::new();
+    crate::metrics::MetricsSource::render(
+        &*registry,
+        &mut crate::metrics::Writer::new(&mut out, "b"),
+    );
+    let series: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("b_worker_models{"))
+        .collect();
+    assert_eq!(
+        series,
+        [
+            r#"b_worker_models{worker="http://127.0.0.1:9",model="m1"} 1"#,
+            r#"b_worker_models{worker="http://127.0.0.1:9",model="m2"} 1"#,
+        ]
+    );
+}
