@@ -161,6 +161,11 @@ pub struct LaunchArgs {
     /// Header whose value is the routing key of `consistent_hash`.
     #[arg(long, default_value = "x-session-id")]
     pub routing_key_header: String,
+    /// Headers that carry a request id, tried in order: the first present
+    /// is kept; without any the gateway makes one and sends it as the first
+    /// of these. The worker gets it and the client gets it back.
+    #[arg(long, num_args = 1.., value_name = "HEADER", default_value = "x-request-id")]
+    pub request_id_headers: Vec<String>,
 
     /// Address of the Prometheus metrics listener.
     #[arg(long, default_value = "127.0.0.1", value_parser = host)]
@@ -422,8 +427,6 @@ pub struct CompatArgs {
     #[arg(long, hide = true)]
     pub log_dir: Option<String>,
     #[arg(long, hide = true, num_args = 1..)]
-    pub request_id_headers: Vec<String>,
-    #[arg(long, hide = true, num_args = 1..)]
     pub cors_allowed_origins: Vec<String>,
 }
 
@@ -446,10 +449,7 @@ impl CompatArgs {
             ("--max-tree-size", &self.max_tree_size),
             ("--log-dir", &self.log_dir),
         ];
-        let lists = [
-            ("--request-id-headers", &self.request_id_headers),
-            ("--cors-allowed-origins", &self.cors_allowed_origins),
-        ];
+        let lists = [("--cors-allowed-origins", &self.cors_allowed_origins)];
         single
             .into_iter()
             .filter(|(_, v)| v.is_some())
@@ -600,6 +600,15 @@ impl LaunchArgs {
                 );
             }
         }
+        let request_id_headers = self
+            .request_id_headers
+            .iter()
+            .map(|name| {
+                HeaderName::try_from(name.as_str()).with_context(|| {
+                    format!("invalid value '{name}' for '--request-id-headers': not a header name")
+                })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
         let routing_key_header = HeaderName::try_from(self.routing_key_header.as_str())
             .with_context(|| {
                 format!(
@@ -649,6 +658,7 @@ impl LaunchArgs {
                 trusted_proxy_hops: self.trusted_proxy_hops,
                 route_undeclared_models: self.route_undeclared_models,
                 routing_key_header,
+                request_id_headers,
                 fallbacks,
             },
             breaker: self.breaker.defaults(),

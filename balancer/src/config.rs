@@ -379,6 +379,7 @@ impl Default for ProxyConfig {
             stream_idle_timeout: Duration::from_secs(300),
             max_replay_body: 8 << 20,
             routing_key_header: default_routing_key_header(),
+            request_id_headers: vec![HeaderName::from_static("x-request-id")],
             fallbacks: HashMap::new(),
             routes: Routes::default(),
             // The reference gateway's `--max-payload-size`.
