@@ -294,6 +294,11 @@ pub struct LaunchArgs {
     /// Log as JSON lines.
     #[arg(long)]
     pub log_json: bool,
+    /// Log one line per request (target `access`): method, path, model,
+    /// status, worker, attempts, time to the response head, duration,
+    /// request id. Off: the request path does nothing for it.
+    #[arg(long)]
+    pub access_log: bool,
 
     /// Retries per request after the first attempt (0: none).
     #[arg(long, default_value_t = 5)]
@@ -659,6 +664,7 @@ impl LaunchArgs {
                 route_undeclared_models: self.route_undeclared_models,
                 routing_key_header,
                 request_id_headers,
+                access_log: self.access_log,
                 fallbacks,
             },
             breaker: self.breaker.defaults(),

@@ -380,6 +380,7 @@ impl Default for ProxyConfig {
             max_replay_body: 8 << 20,
             routing_key_header: default_routing_key_header(),
             request_id_headers: vec![HeaderName::from_static("x-request-id")],
+            access_log: false,
             fallbacks: HashMap::new(),
             routes: Routes::default(),
             // The reference gateway's `--max-payload-size`.

@@ -12,6 +12,7 @@
 //! health and model probes in [`probe`], the path's own series in [`stats`]. It may read the registry and record
 //! on breakers; it never changes the fleet.
 
+mod access;
 mod answer;
 mod attempt;
 mod body;
@@ -95,6 +96,8 @@ pub struct ProxyConfig {
     pub routing_key_header: HeaderName,
     /// `--request-id-headers`: never empty; the first names a made id.
     pub request_id_headers: Vec<HeaderName>,
+    /// `--access-log`: one `access` event per request.
+    pub access_log: bool,
     /// `--fallback-model MODEL=OTHER`, validated free of cycles.
     pub fallbacks: HashMap<String, String>,
     /// The routes forwarded: the defaults plus `--allow-path`.
@@ -329,6 +332,13 @@ impl Lane {
                 raw: req.body_mut().take_fields(),
             };
             let id = request_id(&headers, &proxy.config.request_id_headers);
+            // Only with the flag: the default path builds nothing for it.
+            let access = proxy.config.access_log.then(|| access::Record {
+                method: req.method().clone(),
+                path: req.uri().path().to_owned(),
+                request_id: id.value.clone(),
+                started,
+            });
             let mut response = async {
                 // RFC 9112 3.2: an HTTP/1.1 request names exactly one host (as
                 // nginx holds it); HTTP/2 names it in `:authority`.
@@ -478,7 +488,10 @@ impl Lane {
             // Every answer from here on carries the id, the gateway's own
             // too, so a client can quote it.
             response.headers_mut().insert(id.name, id.value);
-            response
+            match access {
+                Some(record) => record.attach(response),
+                None => response,
+            }
         }))
     }
 }

@@ -1,8 +1,8 @@
-//! End-to-end tests of what `balancer launch` logs when a worker fails, read
-//! from the process's own output as an operator reads the journal: a
-//! breaker opening says why and when the trial comes, a health demotion says
-//! what the probe found, in plain text without colour or as JSON with
-//! `--log-json`. Every process is killed when its test ends, and every wait
+//! End-to-end tests of what `balancer launch` logs, read from the process's
+//! own output as an operator reads the journal: a breaker opening says why
+//! and when the trial comes, a health demotion says what the probe found,
+//! `--access-log` writes a line per request, in plain text without colour or
+//! as JSON with `--log-json`. Every process is killed when its test ends, and every wait
 //! is bounded.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -103,9 +103,14 @@ impl Agent {
     }
 
     fn chat(&self) -> Option<String> {
+        self.chat_with("")
+    }
+
+    /// A chat request with `extra` header lines.
+    fn chat_with(&self, extra: &str) -> Option<String> {
         let body = r#"{"model":"demo-model","messages":[{"role":"user","content":"hi"}]}"#;
         self.exchange(&format!(
-            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n{extra}\
              content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
             body.len()
         ))
@@ -215,5 +220,74 @@ async fn a_health_demotion_says_what_the_probe_found() -> Result<()> {
     );
     drop(agent);
     failing.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_access_log_has_a_line_per_request_with_its_fields() -> Result<()> {
+    let worker = worker().await?;
+    let url = worker.url();
+    let agent = Agent::start(&["--worker-urls", &url, "--access-log"])?;
+    agent.wait_for_model()?;
+    let answer = agent
+        .chat_with("x-request-id: rid-42\r\n")
+        .context("no answer")?;
+    ensure!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let line = agent.line_with(&["request_id=rid-42"])?;
+    for part in [
+        "access:",
+        "method=POST",
+        "path=/v1/chat/completions",
+        "model=demo-model",
+        "status=200",
+        &format!("worker={url}") as &str,
+        "attempts=1",
+        "ttfb_ms=",
+        "duration_ms=",
+        "complete=true",
+    ] {
+        ensure!(line.contains(part), "no {part:?} in {line}");
+    }
+    drop(agent);
+    worker.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_log_json_the_access_line_is_json_and_without_the_flag_there_is_none() -> Result<()> {
+    let worker = worker().await?;
+    let url = worker.url();
+    let agent = Agent::start(&["--worker-urls", &url, "--access-log", "--log-json"])?;
+    agent.wait_for_model()?;
+    agent
+        .chat_with("x-request-id: rid-7\r\n")
+        .context("no answer")?;
+    let line = agent.line_with(&["rid-7"])?;
+    let event: serde_json::Value = serde_json::from_str(&line).context(line.clone())?;
+    ensure!(event["target"] == "access", "{line}");
+    let fields = &event["fields"];
+    ensure!(
+        fields["status"] == 200 && fields["worker"] == url.as_str(),
+        "{line}"
+    );
+    ensure!(
+        fields["model"] == "demo-model" && fields["attempts"] == 1,
+        "{line}"
+    );
+    drop(agent);
+
+    // Off by default: the /v1/models polls and the chat log nothing.
+    let mut agent = Agent::start(&["--worker-urls", &url])?;
+    agent.wait_for_model()?;
+    agent
+        .chat_with("x-request-id: rid-8\r\n")
+        .context("no answer")?;
+    // Its output ends with it: every line it wrote, then the end.
+    agent.child.kill()?;
+    agent.child.wait()?;
+    let logged: Vec<String> = agent.lines.iter().collect();
+    ensure!(!logged.is_empty(), "the agent logged its start");
+    ensure!(!logged.iter().any(|l| l.contains("access")), "{logged:?}");
+    worker.shutdown().await;
     Ok(())
 }
