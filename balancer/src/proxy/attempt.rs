@@ -218,6 +218,8 @@ impl Proxy {
                             tokens: req.model.as_deref().map(|m| self.model_tokens(m)),
                             stats: self.stats.clone(),
                             clock: self.clock.clone(),
+                            inference: is_generative(&req.path),
+                            status,
                         };
                         let fallback = req
                             .fallback_from

@@ -62,6 +62,10 @@ pub struct Completion {
     pub tokens: Option<Arc<ModelTokens>>,
     pub stats: Arc<GatewayStats>,
     pub clock: Arc<dyn Clock>,
+    /// For `http_request_duration_seconds`: a generative route, and the
+    /// status the client got.
+    pub inference: bool,
+    pub status: u16,
 }
 
 impl Completion {
@@ -85,7 +89,8 @@ impl Completion {
         };
         self.attempt
             .record(&mut self.charges, outcome, &*self.clock);
-        self.stats.request_duration.observe(self.started.elapsed());
+        self.stats
+            .request_done(self.inference, self.status, self.started.elapsed());
         // `attempt` and `permit` drop here: in-flight count and admission slot
         // are released after the last byte.
     }
