@@ -291,3 +291,27 @@ async fn with_log_json_the_access_line_is_json_and_without_the_flag_there_is_non
     worker.shutdown().await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_cut_names_its_worker() -> Result<()> {
+    let worker = worker().await?;
+    let url = worker.url();
+    let agent = Agent::start(&["--worker-urls", &url])?;
+    agent.wait_for_model()?;
+    worker.set_fault(Fault {
+        truncate_after_chunks: Some(2),
+        ..Fault::default()
+    });
+    let body =
+        r#"{"model":"demo-model","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+    agent.exchange(&format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    ));
+    let line = agent.line_with(&["upstream stream cut"])?;
+    ensure!(line.contains(&format!("worker={url}")), "{line}");
+    drop(agent);
+    worker.shutdown().await;
+    Ok(())
+}

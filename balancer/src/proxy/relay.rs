@@ -308,7 +308,7 @@ impl RelayBody {
             .map(|c| c.attempt.worker().url.clone());
         self.complete(outcome);
         tracing::warn!(
-            worker = worker.as_deref().unwrap_or("-"),
+            worker = %worker.as_deref().unwrap_or("-"),
             code,
             message,
             "upstream stream cut"
