@@ -323,6 +323,10 @@ pub struct Breaker {
     failures: [AtomicU64; FailureReason::ALL.len()],
     transitions: [[AtomicU64; State::COUNT]; State::COUNT],
     readmissions: AtomicU64,
+    /// The last failure recorded, for the log line of an opening: the
+    /// reason's index, and for `Status` the worker's status in bits 8..24
+    /// (see [`Breaker::note_failed_status`]).
+    last_failure: AtomicU32,
     /// The worker is NotReady: an open circuit waits for the promotion
     /// instead of its timeout, so the promotion is the one move to half-open.
     held_open: AtomicBool,
@@ -376,6 +380,7 @@ impl Breaker {
             failures: Default::default(),
             transitions: Default::default(),
             readmissions: AtomicU64::new(0),
+            last_failure: AtomicU32::new(0),
             held_open: AtomicBool::new(false),
             fleet_held: AtomicBool::new(false),
             transition_lock: Mutex::new(None),
@@ -566,6 +571,30 @@ impl Breaker {
             Outcome::Success => self.on_success(epoch, clock),
             Outcome::Failure(reason) => self.on_failure(reason, epoch, clock),
             Outcome::Ignored => {}
+        }
+    }
+
+    /// The status of the failed answer about to be recorded, so that an
+    /// opening can say which status tripped it. Called on failures only:
+    /// successes do not pay for it.
+    pub fn note_failed_status(&self, status: u16) {
+        self.last_failure.store(
+            (u32::from(status) << 8) | FailureReason::Status as u32,
+            Ordering::Relaxed,
+        );
+    }
+
+    /// The last failure, as an opening logs it: `status 503`, `connect`,
+    /// `timeout`, ...
+    fn last_failure(&self) -> String {
+        let word = self.last_failure.load(Ordering::Relaxed);
+        let reason = FailureReason::ALL
+            .get((word & 0xff) as usize)
+            .copied()
+            .unwrap_or(FailureReason::Status);
+        match (reason, word >> 8) {
+            (FailureReason::Status, status) if status != 0 => format!("status {status}"),
+            (reason, _) => reason.as_str().to_owned(),
         }
     }
 
@@ -814,6 +843,9 @@ impl Breaker {
 
     fn on_failure(&self, reason: FailureReason, epoch: u32, clock: &dyn Clock) {
         self.failures[reason as usize].fetch_add(1, Ordering::Relaxed);
+        if reason != FailureReason::Status {
+            self.last_failure.store(reason as u32, Ordering::Relaxed);
+        }
         let word = self.word.load(Ordering::Acquire);
         if epoch_of(word) != epoch {
             return;
@@ -903,13 +935,35 @@ impl Breaker {
         if reason == TransitionReason::Promotion {
             self.readmissions.fetch_add(1, Ordering::Relaxed);
         }
-        tracing::info!(
-            worker = %self.name,
-            from = from.as_str(),
-            to = to.as_str(),
-            reason = reason.as_str(),
-            "circuit breaker transition"
-        );
+        if to == State::Open {
+            // What an operator asks first: why, and until when.
+            let trial = if self.held_open.load(Ordering::Acquire) {
+                "when the worker passes its health checks again".to_owned()
+            } else {
+                format!(
+                    "in {} s",
+                    Duration::from_nanos(self.open_timeout.load(Ordering::Relaxed)).as_secs()
+                )
+            };
+            tracing::warn!(
+                worker = %self.name,
+                from = from.as_str(),
+                to = to.as_str(),
+                reason = reason.as_str(),
+                failures = self.consecutive_failures.load(Ordering::Acquire),
+                last_failure = %self.last_failure(),
+                trial = %trial,
+                "circuit breaker opened"
+            );
+        } else {
+            tracing::info!(
+                worker = %self.name,
+                from = from.as_str(),
+                to = to.as_str(),
+                reason = reason.as_str(),
+                "circuit breaker transition"
+            );
+        }
         if let Some(observer) = &self.observer {
             observer.on_transition(&Transition {
                 from,

@@ -79,6 +79,9 @@ pub struct Worker {
     removed: AtomicBool,
     inflight: AtomicU32,
     selected: AtomicU64,
+    /// Its 5xx answers, by status (500..=599): which error a failing
+    /// worker gives (`worker_server_errors_total`).
+    server_errors: Box<[AtomicU64; 100]>,
     /// Time to first byte of the attempts that went through.
     pub ttfb: Histogram,
     recent: recent::Recent,
@@ -217,6 +220,23 @@ impl Worker {
     /// Requests started on it since it was added (`worker_selected_total`).
     pub fn selected_total(&self) -> u64 {
         self.selected.load(Ordering::Relaxed)
+    }
+
+    /// Counts a 5xx answer of this worker; other statuses are not counted
+    /// here (the breaker's outcomes count them).
+    #[inline]
+    pub fn server_error(&self, status: u16) {
+        if let Some(count) = status
+            .checked_sub(500)
+            .and_then(|i| self.server_errors.get(usize::from(i)))
+        {
+            count.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The 5xx answers counted so far, by status.
+    pub fn server_errors(&self) -> impl Iterator<Item = (u16, u64)> + '_ {
+        (500u16..).zip(self.server_errors.iter().map(|c| c.load(Ordering::Relaxed)))
     }
 
     /// Admits one attempt through the breaker, or says no (open, a full
@@ -566,6 +586,7 @@ impl Registry {
                 removed: AtomicBool::new(false),
                 inflight: AtomicU32::new(0),
                 selected: AtomicU64::new(0),
+                server_errors: Box::new(std::array::from_fn(|_| AtomicU64::new(0))),
                 ttfb: Histogram::default(),
                 recent: recent::Recent::default(),
                 load: LoadCell::default(),
@@ -697,9 +718,16 @@ impl Registry {
 
     /// Feeds a probe result to the worker's health tracker; a promotion puts
     /// its open breaker on trial.
-    pub fn observe_health(&self, worker: &Arc<Worker>, passed: bool) -> Option<HealthChange> {
+    /// `probe` says what the probe found (`status 503`, `connection
+    /// refused`, ...) in the transition's log line.
+    pub fn observe_health(
+        &self,
+        worker: &Arc<Worker>,
+        passed: bool,
+        probe: &dyn std::fmt::Display,
+    ) -> Option<HealthChange> {
         let change = worker.health.lock().unwrap().observe(passed);
-        self.apply_health(worker, change);
+        self.apply_health(worker, change, probe);
         change
     }
 
@@ -707,22 +735,27 @@ impl Registry {
     /// or health checks being disabled).
     pub fn force_ready(&self, worker: &Arc<Worker>) -> Option<HealthChange> {
         let change = worker.health.lock().unwrap().force_ready();
-        self.apply_health(worker, change);
+        self.apply_health(worker, change, &"forced");
         change
     }
 
-    fn apply_health(&self, worker: &Arc<Worker>, change: Option<HealthChange>) {
+    fn apply_health(
+        &self,
+        worker: &Arc<Worker>,
+        change: Option<HealthChange>,
+        probe: &dyn std::fmt::Display,
+    ) {
         let Some(change) = change else { return };
         match change {
             HealthChange::Demoted => {
                 worker.ready.store(false, Ordering::Release);
                 // While NotReady, an open circuit waits for the promotion.
                 worker.breaker.hold_open(true);
-                tracing::warn!(worker = %worker.url, "worker demoted to not_ready");
+                tracing::warn!(worker = %worker.url, probe = %probe, "worker demoted to not_ready");
             }
             HealthChange::Promoted => {
                 worker.ready.store(true, Ordering::Release);
-                tracing::info!(worker = %worker.url, "worker promoted to ready");
+                tracing::info!(worker = %worker.url, probe = %probe, "worker promoted to ready");
                 worker.breaker.hold_open(false);
                 worker.breaker.promote(&*self.clock);
             }

@@ -372,6 +372,14 @@ impl WorkerAddress {
             _ => return Err(bad("a worker URL starts with http:// or https://")),
         };
         let full = uri.authority().cloned().ok_or_else(|| bad("no host"))?;
+        if uri.path().trim_end_matches('/').ends_with("/v1") && uri.query().is_none() {
+            // The usual slip: the OpenAI clients' base URL.
+            return Err(bad(&format!(
+                "a worker URL is scheme://host:port, without a path: drop the {} \
+                 (requests keep theirs, /v1/chat/completions goes to the worker as it came)",
+                uri.path()
+            )));
+        }
         if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
             return Err(bad("a worker URL is scheme://host:port, without a path"));
         }

@@ -240,15 +240,19 @@ impl std::fmt::Debug for VerdictCounts {
 /// Finds the eBPF object to load.
 ///
 /// An explicit path wins, then [`OBJECT_ENV`]; either must exist, since
-/// silently loading some other build would hide a mistake. Without them the
-/// workspace's release build and then the installed copy are tried.
+/// silently loading some other build would hide a mistake. Without them a
+/// binary run from this source tree tries the workspace's release build and
+/// then the installed copy; any other (the package's /usr/bin/balancer)
+/// the installed copy first, the one its package shipped with it.
 pub fn locate_object(explicit: Option<&Path>) -> Result<PathBuf, DataplaneError> {
     let chosen = explicit
         .map(Path::to_path_buf)
         .or_else(|| std::env::var_os(OBJECT_ENV).map(PathBuf::from));
     let candidates = match chosen {
         Some(path) => vec![path],
-        None => vec![workspace_object(), PathBuf::from(INSTALLED_OBJECT)],
+        None => default_candidates(
+            std::env::current_exe().is_ok_and(|exe| exe.starts_with(workspace_dir())),
+        ),
     };
     candidates
         .iter()
@@ -259,12 +263,26 @@ pub fn locate_object(explicit: Option<&Path>) -> Result<PathBuf, DataplaneError>
         })
 }
 
-/// Where `cargo xtask build-ebpf` writes the object in this source tree.
-pub fn workspace_object() -> PathBuf {
+/// Where to look without an explicit path, in order.
+fn default_candidates(run_from_source_tree: bool) -> Vec<PathBuf> {
+    let installed = PathBuf::from(INSTALLED_OBJECT);
+    if run_from_source_tree {
+        vec![workspace_object(), installed]
+    } else {
+        vec![installed, workspace_object()]
+    }
+}
+
+/// The source tree this crate was built in.
+fn workspace_dir() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("the balancer crate lives inside the workspace")
-        .join("target/bpfel-unknown-none/release/balancer-ebpf")
+}
+
+/// Where `cargo xtask build-ebpf` writes the object in this source tree.
+pub fn workspace_object() -> PathBuf {
+    workspace_dir().join("target/bpfel-unknown-none/release/balancer-ebpf")
 }
 
 /// Sizes of the maps that depend on the agent's flags, set at load time.
@@ -782,4 +800,21 @@ fn attach_in(program: &mut Xdp, iface: &str, mode: XdpMode) -> Result<XdpLinkId,
             mode,
             source,
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_binary_outside_the_source_tree_prefers_the_installed_object() {
+        assert_eq!(
+            default_candidates(false),
+            [PathBuf::from(INSTALLED_OBJECT), workspace_object()]
+        );
+        assert_eq!(
+            default_candidates(true),
+            [workspace_object(), PathBuf::from(INSTALLED_OBJECT)]
+        );
+    }
 }

@@ -22,6 +22,7 @@ use crate::server::MockWorker;
 
 /// `balancer mock-worker`: run one demo worker in the foreground.
 #[derive(Debug, Clone, clap::Args)]
+#[command(after_help = FAULT_CONTROLS)]
 pub struct MockWorkerArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:8000")]
@@ -51,6 +52,34 @@ pub struct MockWorkerArgs {
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub slots: usize,
 }
+
+/// The control API, as `--help` shows it (the README's walkthrough uses it).
+const FAULT_CONTROLS: &str = "\
+Fault controls (HTTP, on the worker's own address; never counted themselves):
+  POST   /_mock/fault   set a fault (JSON; answers it back, 400 naming the problem)
+  GET    /_mock/fault   the fault in force (null when none)
+  DELETE /_mock/fault   clear it
+  GET    /_mock/stats   counters: requests, inference_requests, health_checks,
+                        faults_applied, open_connections
+  POST   /_mock/reset   clear the fault and zero the counters
+
+Fault fields (all optional; they apply to /v1/* requests unless noted):
+  status                  answer with this status and an OpenAI error body
+  latency_ms              wait this long before the headers
+  drop                    close the connection without answering (true)
+  stall_after_chunks      stream K chunks, then stall with the connection open
+  truncate_after_chunks   stream K chunks, then close mid-body
+  token_delay_ms          per-token delay for matching requests
+  completion_tokens       answer exactly N completion tokens (0: empty)
+  without_usage           leave `usage` out of completions (true)
+  retry_after             Retry-After seconds on `status` / `health_status`
+  count                   apply to the next N matching requests only
+  every                   apply to every Nth request only
+  health_status           what GET /health answers (ignores count and every)
+
+Example: make the worker fail until told otherwise, then recover it:
+  curl -s localhost:8000/_mock/fault -d '{\"status\":503,\"health_status\":503}'
+  curl -s -X DELETE localhost:8000/_mock/fault";
 
 /// Serves until ctrl-c or SIGTERM.
 pub async fn run(args: MockWorkerArgs) -> anyhow::Result<()> {
@@ -83,4 +112,46 @@ pub async fn run(args: MockWorkerArgs) -> anyhow::Result<()> {
     tracing::info!(name = worker.name(), "mock worker shutting down");
     worker.shutdown().await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Args;
+
+    use super::*;
+    use crate::config::Fault;
+
+    #[test]
+    fn the_help_documents_every_control_path_and_every_fault_field() {
+        let help = MockWorkerArgs::augment_args(clap::Command::new("mock-worker"))
+            .render_long_help()
+            .to_string();
+        for path in ["/_mock/fault", "/_mock/stats", "/_mock/reset"] {
+            assert!(help.contains(path), "{path} undocumented");
+        }
+        // Every field set (no `..Default`): a new field fails to compile
+        // here until it is documented too.
+        let every = Fault {
+            status: Some(503),
+            count: Some(1),
+            every: Some(1),
+            latency_ms: Some(1),
+            drop: true,
+            stall_after_chunks: Some(1),
+            truncate_after_chunks: Some(1),
+            retry_after: Some(1),
+            health_status: Some(503),
+            token_delay_ms: Some(1),
+            completion_tokens: Some(1),
+            without_usage: true,
+        };
+        let fields = serde_json::to_value(every).unwrap();
+        for field in fields.as_object().unwrap().keys() {
+            assert!(
+                help.lines()
+                    .any(|l| l.trim_start().starts_with(field.as_str())),
+                "fault field {field} undocumented"
+            );
+        }
+    }
 }

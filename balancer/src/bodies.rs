@@ -46,6 +46,19 @@ impl ResponseBody {
         }
     }
 
+    /// The same body wrapped by `f` (the access log's), the fields kept.
+    pub(crate) fn wrap(
+        self,
+        f: impl FnOnce(
+            Pin<Box<dyn Body<Data = Bytes, Error = BoxError> + Send>>,
+        ) -> Pin<Box<dyn Body<Data = Bytes, Error = BoxError> + Send>>,
+    ) -> Self {
+        Self {
+            inner: f(self.inner),
+            fields: self.fields,
+        }
+    }
+
     /// The worker's fields relayed as they came (none for the gateway's own
     /// answers).
     pub(crate) fn fields(&self) -> &RawFields {

@@ -181,6 +181,11 @@ pub struct LaunchArgs {
     /// Header whose value is the routing key of `consistent_hash`.
     #[arg(long, default_value = "x-session-id")]
     pub routing_key_header: String,
+    /// Headers that carry a request id, tried in order: the first present
+    /// is kept; without any the gateway makes one and sends it as the first
+    /// of these. The worker gets it and the client gets it back.
+    #[arg(long, num_args = 1.., value_name = "HEADER", default_value = "x-request-id")]
+    pub request_id_headers: Vec<String>,
 
     /// Address of the Prometheus metrics listener.
     #[arg(long, default_value = "127.0.0.1", value_parser = host)]
@@ -309,6 +314,11 @@ pub struct LaunchArgs {
     /// Log as JSON lines.
     #[arg(long)]
     pub log_json: bool,
+    /// Log one line per request (target `access`): method, path, model,
+    /// status, worker, attempts, time to the response head, duration,
+    /// request id. Off: the request path does nothing for it.
+    #[arg(long)]
+    pub access_log: bool,
 
     /// Retries per request after the first attempt (0: none).
     #[arg(long, default_value_t = 5)]
@@ -438,8 +448,6 @@ pub struct CompatArgs {
     #[arg(long, hide = true)]
     pub log_dir: Option<String>,
     #[arg(long, hide = true, num_args = 1..)]
-    pub request_id_headers: Vec<String>,
-    #[arg(long, hide = true, num_args = 1..)]
     pub cors_allowed_origins: Vec<String>,
 }
 
@@ -457,10 +465,7 @@ impl CompatArgs {
             ),
             ("--log-dir", &self.log_dir),
         ];
-        let lists = [
-            ("--request-id-headers", &self.request_id_headers),
-            ("--cors-allowed-origins", &self.cors_allowed_origins),
-        ];
+        let lists = [("--cors-allowed-origins", &self.cors_allowed_origins)];
         single
             .into_iter()
             .filter(|(_, v)| v.is_some())
@@ -660,7 +665,8 @@ impl LaunchArgs {
         let mut parsed = match LaunchArgs::try_parse_from(merged) {
             Ok(p) => p,
             Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelp => e.exit(),
-            Err(e) => bail!("{e}"),
+            // The binary shows it as clap does (usage, exit 2).
+            Err(e) => return Err(e.into()),
         };
         parsed.worker_specs = specs;
         parsed.to_config()?;
@@ -680,6 +686,15 @@ impl LaunchArgs {
                 );
             }
         }
+        let request_id_headers = self
+            .request_id_headers
+            .iter()
+            .map(|name| {
+                HeaderName::try_from(name.as_str()).with_context(|| {
+                    format!("invalid value '{name}' for '--request-id-headers': not a header name")
+                })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
         let routing_key_header = HeaderName::try_from(self.routing_key_header.as_str())
             .with_context(|| {
                 format!(
@@ -731,6 +746,8 @@ impl LaunchArgs {
                 trusted_proxy_hops: self.trusted_proxy_hops,
                 route_undeclared_models: self.route_undeclared_models,
                 routing_key_header,
+                request_id_headers,
+                access_log: self.access_log,
                 fallbacks,
             },
             breaker: self.breaker.defaults(),

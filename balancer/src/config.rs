@@ -18,7 +18,7 @@ use balancer_core::breaker::MAX_HALF_OPEN_INFLIGHT;
 use balancer_core::health::HealthThresholds;
 use balancer_core::registry::DEFAULT_REMOVED_GRACE;
 use balancer_core::selection::{CacheAwareConfig, Policy};
-use balancer_core::spec::{BreakerDefaults, WorkerAddress, WorkerSpec, redacted_url};
+use balancer_core::spec::{BreakerDefaults, WorkerAddress, WorkerSpec};
 use balancer_dataplane::maglev::is_prime;
 use balancer_dataplane::steering::L4Config;
 
@@ -337,7 +337,7 @@ impl GatewayConfig {
     pub fn check_worker_url(url: &str) -> Result<(), ConfigError> {
         WorkerAddress::parse(url)
             .map(drop)
-            .map_err(|e| invalid("--worker-urls", format!("'{}': {e}", redacted_url(url))))
+            .map_err(|e| invalid("--worker-urls", e.to_string()))
     }
 }
 
@@ -410,6 +410,8 @@ impl Default for ProxyConfig {
             stream_idle_timeout: Duration::from_secs(300),
             max_replay_body: 8 << 20,
             routing_key_header: default_routing_key_header(),
+            request_id_headers: vec![HeaderName::from_static("x-request-id")],
+            access_log: false,
             fallbacks: HashMap::new(),
             routes: Routes::default(),
             // The reference gateway's `--max-payload-size`.

@@ -220,13 +220,12 @@ impl Gateway {
         let tls_stats = Arc::new(TlsStats::default());
         let worker_tls = Arc::new(
             WorkerTls::load(&config.worker_tls, tls_stats.clone())
-                .context("cannot set up TLS to workers")?,
+                .context("cannot set up TLS to workers (--worker-ca-path, --client-cert-path, --client-key-path)")?,
         );
         let serving_tls = match &config.tls {
-            Some(files) => Some(
-                ServingTls::load(files.clone(), tls_stats.clone())
-                    .context("cannot serve HTTPS (--tls-cert-path)")?,
-            ),
+            Some(files) => Some(ServingTls::load(files.clone(), tls_stats.clone()).context(
+                "cannot serve HTTPS (--tls-cert-path, --tls-key-path, --tls-client-ca-path)",
+            )?),
             None => None,
         };
         let prober = Prober::new(

@@ -1,12 +1,17 @@
 //! The `balancer` binary: `balancer launch` runs the agent, `balancer l4
 //! status|detach` shows or removes the pinned XDP datapath, `balancer
-//! mock-worker` runs the demo inference worker. The binary, not the agent
-//! library, starts the demo workers of `--demo-workers`.
+//! mock-worker` runs the demo inference worker, `balancer completions` and
+//! `balancer man` write what the Debian package installs. The binary, not
+//! the agent library, starts the demo workers of `--demo-workers`, and only
+//! the binary decides how an error is shown and which exit code it gets.
 
 use std::ffi::OsString;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
 use balancer::cli::LaunchArgs;
@@ -49,6 +54,20 @@ enum Command {
     /// Run the demo OpenAI-compatible worker that misbehaves on command.
     #[cfg(feature = "demo-workers")]
     MockWorker(balancer_mock_worker::MockWorkerArgs),
+    /// Print the shell completion script for SHELL (the package installs
+    /// bash, zsh and fish ones), e.g.
+    /// `balancer completions bash > /etc/bash_completion.d/balancer`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Write the manual pages (balancer.1 and one per subcommand, e.g.
+    /// balancer-launch.1) into DIR.
+    #[command(hide = true)]
+    Man {
+        #[arg(value_name = "DIR")]
+        out_dir: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -66,13 +85,49 @@ enum L4Command {
         #[arg(long, value_name = "DIR", default_value = balancer_dataplane::pin::DEFAULT_BPFFS_DIR)]
         bpffs_dir: std::path::PathBuf,
     },
+    /// Print the path of the XDP program (eBPF object) `launch` would load
+    /// ($BALANCER_EBPF_OBJECT, else the one beside an installed binary,
+    /// /usr/lib/balancer/balancer-ebpf); fails when there is none.
+    Object,
+}
+
+/// The whole command line as the manual pages and completions describe
+/// it: `launch` takes its arguments raw (to merge them with the
+/// configuration file), so its own flags are grafted in here.
+fn documented_command() -> clap::Command {
+    Cli::command().mut_subcommand("launch", |launch| {
+        let about = launch.get_about().cloned();
+        let mut full = LaunchArgs::command()
+            .name("launch")
+            .bin_name("balancer launch");
+        if let Some(about) = about {
+            full = full.about(about);
+        }
+        full
+    })
+}
+
+/// `balancer man DIR`: balancer.1 and balancer-<subcommand>.1.
+fn write_man_pages(dir: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    // `help` subcommands would get a page each, saying what the others say.
+    let mut command = documented_command()
+        .disable_help_subcommand(true)
+        .mut_subcommand("l4", |l4| l4.disable_help_subcommand(true));
+    command.build();
+    clap_mangen::generate_to(command, dir)
+        .with_context(|| format!("writing manual pages into {}", dir.display()))
 }
 
 fn init_logging(level: &str, json: bool) -> anyhow::Result<()> {
     let filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(level))
         .with_context(|| format!("invalid value '{level}' for '--log-level'"))?;
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    // Colour only for a person at a terminal: journald and log files get
+    // plain text.
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stdout().is_terminal());
     if json {
         builder.json().init();
     } else {
@@ -153,8 +208,25 @@ async fn signal() -> std::io::Result<()> {
     }
 }
 
-fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+/// Errors an operator caused (a flag, a file, a port) are shown as one
+/// line with their causes and exit 1, without a backtrace even under
+/// RUST_BACKTRACE (that is for bugs, which panic and keep theirs); a flag
+/// the parser refused is shown by clap itself and exits 2, as for every
+/// subcommand.
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            if let Some(usage) = error.downcast_ref::<clap::Error>() {
+                usage.exit();
+            }
+            eprintln!("balancer: error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -189,8 +261,22 @@ fn main() -> anyhow::Result<()> {
                     }
                     Ok(())
                 }
+                L4Command::Object => {
+                    println!("{}", balancer_dataplane::locate_object(None)?.display());
+                    Ok(())
+                }
             }
         }
+        Command::Completions { shell } => {
+            clap_complete::generate(
+                shell,
+                &mut documented_command(),
+                "balancer",
+                &mut std::io::stdout(),
+            );
+            Ok(())
+        }
+        Command::Man { out_dir } => write_man_pages(&out_dir),
         #[cfg(feature = "demo-workers")]
         Command::MockWorker(args) => {
             init_logging("info", false)?;

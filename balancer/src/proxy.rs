@@ -13,6 +13,7 @@
 //! [`load_monitor`], the path's own series in [`stats`]. It may read the registry and record
 //! on breakers; it never changes the fleet.
 
+mod access;
 mod answer;
 mod attempt;
 mod body;
@@ -63,7 +64,7 @@ use crate::tls::{WorkerConnector, WorkerTls};
 use crate::wire::Headers;
 use answer::json_response;
 use body::{BodyError, BodyLimits, RequestBody, read_body};
-use edge::Route;
+use edge::{Route, request_id};
 use route::{
     MAX_MODEL_LEN, Outgoing, inference_model, model_in_prefix, request_model, with_usage_requested,
 };
@@ -97,6 +98,10 @@ pub struct ProxyConfig {
     pub stream_idle_timeout: Duration,
     pub max_replay_body: usize,
     pub routing_key_header: HeaderName,
+    /// `--request-id-headers`: never empty; the first names a made id.
+    pub request_id_headers: Vec<HeaderName>,
+    /// `--access-log`: one `access` event per request.
+    pub access_log: bool,
     /// `--fallback-model MODEL=OTHER`, validated free of cycles.
     pub fallbacks: HashMap<String, String>,
     /// The routes forwarded: the defaults plus `--allow-path`.
@@ -330,155 +335,176 @@ impl Lane {
                 map: std::mem::take(req.headers_mut()),
                 raw: req.body_mut().take_fields(),
             };
-            // RFC 9112 3.2: an HTTP/1.1 request names exactly one host (as
-            // nginx holds it); HTTP/2 names it in `:authority`.
-            if req.version() == http::Version::HTTP_11
-                && headers.get_all(&http::header::HOST).take(2).count() != 1
-            {
-                return proxy.gateway_error(
-                    ErrorCode::InvalidRequest,
-                    "an HTTP/1.1 request must carry exactly one Host header",
-                    None,
-                );
-            }
-            // Read before admission, under the stall deadline: a client that
-            // sends half a body never holds a permit.
-            let mut body = match read_body(&headers.map, req.body_mut(), &proxy.body_limits).await {
-                Ok(b) => b,
-                Err(e) => return proxy.body_error(&e),
-            };
-            let model = match &mut body {
-                RequestBody::Replayable(bytes, _) if inference => inference_model(bytes),
-                RequestBody::Replayable(bytes, _) => request_model(&headers, bytes),
-                // Past the buffered limit only the prefix is here: an inference
-                // body must name its model there to be routed by it.
-                RequestBody::Streaming(prefix, rest) if inference => {
-                    if let Err(e) = rest.check_json(prefix) {
-                        return proxy.body_error(&BodyError::Invalid(e));
-                    }
-                    match model_in_prefix(&prefix.concat()) {
-                        Some(m) if m.len() > MAX_MODEL_LEN => Err(format!(
-                            "the model name is longer than {MAX_MODEL_LEN} bytes"
-                        )),
-                        Some(m) => Ok(Some(m)),
-                        None => {
-                            return proxy.gateway_error(
-                            ErrorCode::PayloadTooLarge,
-                            "an inference body larger than --max-buffered-request-bytes must name its model within that many bytes",
-                            None,
-                        );
-                        }
-                    }
-                }
-                RequestBody::Streaming(..) => Ok(None),
-            };
-            let model = match model {
-                // A model card goes to a worker serving that model.
-                Ok(m) => card.or(m),
-                Err(msg) => return proxy.gateway_error(ErrorCode::InvalidRequest, &msg, None),
-            };
-            // Refused before admission: only a model with a fallback goes
-            // on, to take it below.
-            if let Some(m) = model.as_deref()
-                && proxy.refuses_model(m)
-                && !proxy.config.fallbacks.contains_key(m)
-            {
-                return proxy.model_not_found(m);
-            }
-            let permit = match &proxy.admission {
-                None => None,
-                Some(a) => match a.admit().await {
-                    Ok(p) => Some(p),
-                    Err(shed) => {
-                        let (code, msg) = match shed {
-                            Shed::QueueFull => {
-                                (ErrorCode::AdmissionQueueFull, "the admission queue is full")
-                            }
-                            Shed::QueueTimeout => (
-                                ErrorCode::AdmissionQueueTimeout,
-                                "the request waited too long for admission",
-                            ),
-                        };
-                        return proxy.gateway_error(code, msg, Some(a.retry_after_secs()));
-                    }
-                },
-            };
-            // Only consistent hashing routes by key: other policies are spared
-            // the lookup of a custom header name (hashed byte by byte).
-            let key = (proxy.selector.policy() == Policy::ConsistentHash)
-                .then(|| headers.get(&proxy.config.routing_key_header))
-                .flatten()
-                .map(hash_key);
-            let prompt = match &body {
-                RequestBody::Replayable(bytes, _)
-                    if inference && proxy.selector.policy() == Policy::CacheAware =>
-                {
-                    prompt::prompt_text(bytes)
-                }
-                _ => None,
-            };
-            let headers = Forwarded::new(
-                headers,
-                peer.addr.ip(),
-                proto,
-                proxy.config.trusted_proxy_hops,
-            );
-            let path = match req.uri().query() {
-                Some(query) => Cow::Owned(format!("{path}?{query}")),
-                None => path,
-            };
-            let mut request = Outgoing {
+            let id = request_id(&headers, &proxy.config.request_id_headers);
+            // Only with the flag: the default path builds nothing for it.
+            let access = proxy.config.access_log.then(|| access::Record {
                 method: req.method().clone(),
-                path,
-                headers,
-                model,
-                key,
-                fallback_from: None,
-                prompt,
-            };
-            let mut body = Some(body);
-            // An undeclared model with a fallback takes it now: any worker
-            // would answer the undeclared one as its own.
-            while let Some(model) = request.model.as_deref()
-                && proxy.refuses_model(model)
-            {
-                if !proxy.take_fallback(&mut request, body.as_mut()) {
-                    let model = request.model.clone().unwrap_or_default();
-                    return proxy.model_not_found(&model);
+                path: req.uri().path().to_owned(),
+                request_id: id.value.clone(),
+                started,
+            });
+            let mut response = async {
+                // RFC 9112 3.2: an HTTP/1.1 request names exactly one host (as
+                // nginx holds it); HTTP/2 names it in `:authority`.
+                if req.version() == http::Version::HTTP_11
+                    && headers.get_all(&http::header::HOST).take(2).count() != 1
+                {
+                    return proxy.gateway_error(
+                        ErrorCode::InvalidRequest,
+                        "an HTTP/1.1 request must carry exactly one Host header",
+                        None,
+                    );
                 }
-            }
-            let mut budgeted = false;
-            while let Some(model) = request.model.as_deref() {
-                match proxy.tokens.allowance(model, || proxy.clock.now()) {
-                    Allowance::Unbudgeted => break,
-                    Allowance::Within => {
-                        budgeted = true;
-                        break;
-                    }
-                    Allowance::Spent(wait) => {
-                        if !proxy.take_fallback(&mut request, body.as_mut()) {
-                            let model = request.model.as_deref().unwrap_or_default();
-                            return proxy.gateway_error(
-                                ErrorCode::TokenBudgetExceeded,
-                                &format!(
-                                    "the token budget of model {model:?} is spent for this minute"
-                                ),
-                                Some(wait),
+                // Read before admission, under the stall deadline: a client that
+                // sends half a body never holds a permit.
+                let mut body = match read_body(&headers.map, req.body_mut(), &proxy.body_limits).await {
+                    Ok(b) => b,
+                    Err(e) => return proxy.body_error(&e),
+                };
+                let model = match &mut body {
+                    RequestBody::Replayable(bytes, _) if inference => inference_model(bytes),
+                    RequestBody::Replayable(bytes, _) => request_model(&headers, bytes),
+                    // Past the buffered limit only the prefix is here: an inference
+                    // body must name its model there to be routed by it.
+                    RequestBody::Streaming(prefix, rest) if inference => {
+                        if let Err(e) = rest.check_json(prefix) {
+                            return proxy.body_error(&BodyError::Invalid(e));
+                        }
+                        match model_in_prefix(&prefix.concat()) {
+                            Some(m) if m.len() > MAX_MODEL_LEN => Err(format!(
+                                "the model name is longer than {MAX_MODEL_LEN} bytes"
+                            )),
+                            Some(m) => Ok(Some(m)),
+                            None => {
+                                return proxy.gateway_error(
+                                ErrorCode::PayloadTooLarge,
+                                "an inference body larger than --max-buffered-request-bytes must name its model within that many bytes",
+                                None,
                             );
+                            }
+                        }
+                    }
+                    RequestBody::Streaming(..) => Ok(None),
+                };
+                let model = match model {
+                    // A model card goes to a worker serving that model.
+                    Ok(m) => card.or(m),
+                    Err(msg) => return proxy.gateway_error(ErrorCode::InvalidRequest, &msg, None),
+                };
+                // Refused before admission: only a model with a fallback goes
+                // on, to take it below.
+                if let Some(m) = model.as_deref()
+                    && proxy.refuses_model(m)
+                    && !proxy.config.fallbacks.contains_key(m)
+                {
+                    return proxy.model_not_found(m);
+                }
+                let permit = match &proxy.admission {
+                    None => None,
+                    Some(a) => match a.admit().await {
+                        Ok(p) => Some(p),
+                        Err(shed) => {
+                            let (code, msg) = match shed {
+                                Shed::QueueFull => {
+                                    (ErrorCode::AdmissionQueueFull, "the admission queue is full")
+                                }
+                                Shed::QueueTimeout => (
+                                    ErrorCode::AdmissionQueueTimeout,
+                                    "the request waited too long for admission",
+                                ),
+                            };
+                            return proxy.gateway_error(code, msg, Some(a.retry_after_secs()));
+                        }
+                    },
+                };
+                // Only consistent hashing routes by key: other policies are spared
+                // the lookup of a custom header name (hashed byte by byte).
+                let key = (proxy.selector.policy() == Policy::ConsistentHash)
+                    .then(|| headers.get(&proxy.config.routing_key_header))
+                    .flatten()
+                    .map(hash_key);
+                let prompt = match &body {
+                    RequestBody::Replayable(bytes, _)
+                        if inference && proxy.selector.policy() == Policy::CacheAware =>
+                    {
+                        prompt::prompt_text(bytes)
+                    }
+                    _ => None,
+                };
+                let mut headers = Forwarded::new(
+                    headers,
+                    peer.addr.ip(),
+                    proto,
+                    proxy.config.trusted_proxy_hops,
+                );
+                if id.made {
+                    headers = headers.with_request_id(id.name.clone(), id.value.clone());
+                }
+                let path = match req.uri().query() {
+                    Some(query) => Cow::Owned(format!("{path}?{query}")),
+                    None => path,
+                };
+                let mut request = Outgoing {
+                    method: req.method().clone(),
+                    path,
+                    headers,
+                    model,
+                    key,
+                    fallback_from: None,
+                    prompt,
+                };
+                let mut body = Some(body);
+                // An undeclared model with a fallback takes it now: any worker
+                // would answer the undeclared one as its own.
+                while let Some(model) = request.model.as_deref()
+                    && proxy.refuses_model(model)
+                {
+                    if !proxy.take_fallback(&mut request, body.as_mut()) {
+                        let model = request.model.clone().unwrap_or_default();
+                        return proxy.model_not_found(&model);
+                    }
+                }
+                let mut budgeted = false;
+                while let Some(model) = request.model.as_deref() {
+                    match proxy.tokens.allowance(model, || proxy.clock.now()) {
+                        Allowance::Unbudgeted => break,
+                        Allowance::Within => {
+                            budgeted = true;
+                            break;
+                        }
+                        Allowance::Spent(wait) => {
+                            if !proxy.take_fallback(&mut request, body.as_mut()) {
+                                let model = request.model.as_deref().unwrap_or_default();
+                                return proxy.gateway_error(
+                                    ErrorCode::TokenBudgetExceeded,
+                                    &format!(
+                                        "the token budget of model {model:?} is spent for this minute"
+                                    ),
+                                    Some(wait),
+                                );
+                            }
                         }
                     }
                 }
+                // A budget counts streamed tokens only if the worker reports them.
+                if budgeted
+                    && let Some(RequestBody::Replayable(bytes, _)) = &mut body
+                    && let Some(asking) = with_usage_requested(bytes)
+                {
+                    *bytes = asking;
+                }
+                proxy
+                    .attempts(&self.client, &mut request, &mut body, permit, started)
+                    .await
             }
-            // A budget counts streamed tokens only if the worker reports them.
-            if budgeted
-                && let Some(RequestBody::Replayable(bytes, _)) = &mut body
-                && let Some(asking) = with_usage_requested(bytes)
-            {
-                *bytes = asking;
+            .await;
+            // Every answer from here on carries the id, the gateway's own
+            // too, so a client can quote it.
+            response.headers_mut().insert(id.name, id.value);
+            match access {
+                Some(record) => record.attach(response),
+                None => response,
             }
-            proxy
-                .attempts(&self.client, &mut request, &mut body, permit, started)
-                .await
         }))
     }
 }

@@ -35,8 +35,10 @@ const MAX_PEM_BYTES: u64 = 1 << 20;
 /// Why a certificate, a key or a CA bundle cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
-    #[error("cannot read {}: {source}", path.display())]
-    Read { path: PathBuf, source: io::Error },
+    // The causes are part of each message and not `source`s, so that a
+    // chain printed whole (`{:#}`) does not say them twice.
+    #[error("cannot read {}: {cause}", path.display())]
+    Read { path: PathBuf, cause: io::Error },
     #[error("{}: larger than {MAX_PEM_BYTES} bytes, not a PEM file", path.display())]
     TooLarge { path: PathBuf },
     #[error("{}: not a PEM {what}: {detail}", path.display())]
@@ -47,15 +49,15 @@ pub enum TlsError {
     },
     #[error("{}: no PEM {what} in the file", path.display())]
     Missing { path: PathBuf, what: &'static str },
-    #[error("{context}: {source}")]
+    #[error("{context}: {cause}")]
     Rejected {
         context: String,
-        source: rustls::Error,
+        cause: rustls::Error,
     },
-    #[error("{}: {source}", path.display())]
+    #[error("{}: {cause}", path.display())]
     ClientCa {
         path: PathBuf,
-        source: rustls::server::VerifierBuilderError,
+        cause: rustls::server::VerifierBuilderError,
     },
 }
 
@@ -67,9 +69,9 @@ fn provider() -> Arc<CryptoProvider> {
 
 /// The bytes of a PEM file, at most [`MAX_PEM_BYTES`].
 fn read_pem(path: &Path) -> Result<Vec<u8>, TlsError> {
-    let read = |source| TlsError::Read {
+    let read = |cause| TlsError::Read {
         path: path.to_owned(),
-        source,
+        cause,
     };
     let mut bytes = Vec::new();
     File::open(path)
@@ -122,9 +124,9 @@ fn private_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
 fn roots(path: &Path) -> Result<RootCertStore, TlsError> {
     let mut store = RootCertStore::empty();
     for cert in certificates(path)? {
-        store.add(cert).map_err(|source| TlsError::Rejected {
+        store.add(cert).map_err(|cause| TlsError::Rejected {
             context: format!("{}: a CA certificate", path.display()),
-            source,
+            cause,
         })?;
     }
     Ok(store)
@@ -139,14 +141,14 @@ fn key_pair(
 }
 
 /// The context of a rustls refusal of a certificate and key.
-fn pair_rejected(cert_path: &Path, key_path: &Path, source: rustls::Error) -> TlsError {
+fn pair_rejected(cert_path: &Path, key_path: &Path, cause: rustls::Error) -> TlsError {
     TlsError::Rejected {
         context: format!(
             "certificate {} with key {}",
             cert_path.display(),
             key_path.display()
         ),
-        source,
+        cause,
     }
 }
 

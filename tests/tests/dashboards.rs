@@ -91,19 +91,22 @@ async fn dashboard_and_alerts_query_only_exported_metrics() {
         .filter_map(|l| l.split_whitespace().next())
         .map(str::to_owned)
         .collect();
-    // The XDP dataplane's families exist only with L4 steering, which this
-    // L7 harness does not start: they must be among the families the
-    // dataplane's exposition writes.
-    let dataplane = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../balancer-dataplane/src/steering.rs"),
-    )
-    .unwrap();
+    // The XDP dataplane's families exist only with L4 steering, and etcd
+    // discovery's only with etcd, which this L7 harness starts neither of:
+    // they must be among the families those write.
+    let source = |path: &str| {
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(path)).unwrap()
+    };
+    let dataplane = source("../balancer-dataplane/src/steering.rs");
+    let discovery = source("../balancer/src/discovery/etcd.rs");
     let missing: Vec<_> = wanted
         .difference(&exported)
         .filter(|name| {
             let family = name.trim_start_matches("balancer_");
-            !(family.starts_with("l4_") || family.starts_with("dataplane_"))
-                || !dataplane.contains(&format!("\"{family}\""))
+            let quoted = format!("\"{family}\"");
+            !(((family.starts_with("l4_") || family.starts_with("dataplane_"))
+                && dataplane.contains(&quoted))
+                || (family.starts_with("discovery_") && discovery.contains(&quoted)))
         })
         .collect();
     assert!(
@@ -111,4 +114,23 @@ async fn dashboard_and_alerts_query_only_exported_metrics() {
         "queried but not exported: {missing:?}\nexported: {exported:?}"
     );
     h.stop().await;
+}
+
+#[test]
+fn the_alert_rules_pass_promtool() {
+    let rules = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/prometheus/alerts.yml");
+    let Ok(out) = std::process::Command::new("promtool")
+        .args(["check", "rules"])
+        .arg(&rules)
+        .output()
+    else {
+        eprintln!("\n*** SKIPPED: promtool is not installed (Debian package prometheus) ***\n");
+        return;
+    };
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -236,3 +236,139 @@ async fn retry_max_retries_counts_the_attempts_after_the_first() -> Result<()> {
     worker.shutdown().await;
     Ok(())
 }
+
+/// `balancer launch ARGS` run to its exit (bounded), with RUST_BACKTRACE
+/// set as a debugging operator might have it: exit code and stderr.
+fn refused(args: &[&str]) -> Result<(Option<i32>, String)> {
+    let binary = balancer_binary("--route-undeclared-models")?;
+    let child = Command::new(binary)
+        .arg("launch")
+        .args(["--port", "0", "--prometheus-port", "0", "--admin-port", "0"])
+        .args(args)
+        .env("RUST_BACKTRACE", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let (status, stderr) = Agent(child).exit()?;
+    Ok((status.code(), stderr))
+}
+
+/// An operator's error: one line, the binary's prefix, no backtrace.
+fn one_line(stderr: &str) -> Result<()> {
+    ensure!(
+        stderr.starts_with("balancer: error: ") && stderr.trim_end().lines().count() == 1,
+        "not one line: {stderr}"
+    );
+    ensure!(!stderr.contains("acktrace"), "{stderr}");
+    Ok(())
+}
+
+#[test]
+fn a_launch_flag_error_is_clap_s_own_and_exits_2() -> Result<()> {
+    let (code, stderr) = refused(&["--no-such-flag"])?;
+    ensure!(code == Some(2), "exit {code:?}: {stderr}");
+    ensure!(
+        stderr.starts_with("error: unexpected argument '--no-such-flag' found")
+            && stderr.contains("Usage: balancer launch")
+            && !stderr.contains("Error:"),
+        "{stderr}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_worker_url_ending_in_v1_is_refused_with_the_fix_and_no_backtrace() -> Result<()> {
+    let (code, stderr) = refused(&["--worker-urls", "http://127.0.0.1:8000/v1"])?;
+    ensure!(code == Some(1), "exit {code:?}: {stderr}");
+    one_line(&stderr)?;
+    ensure!(
+        stderr.contains("--worker-urls") && stderr.contains("drop the /v1"),
+        "{stderr}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_missing_tls_file_is_named_with_its_flags_once() -> Result<()> {
+    let dir = std::env::temp_dir().join(format!("balancer-absent-{}", std::process::id()));
+    let path = |name: &str| dir.join(name).display().to_string();
+    let (code, stderr) = refused(&[
+        "--worker-urls",
+        "http://127.0.0.1:8000",
+        "--tls-cert-path",
+        &path("cert.pem"),
+        "--tls-key-path",
+        &path("key.pem"),
+    ])?;
+    ensure!(code == Some(1), "exit {code:?}: {stderr}");
+    one_line(&stderr)?;
+    ensure!(
+        stderr.contains("--tls-cert-path") && stderr.contains(&path("cert.pem")),
+        "{stderr}"
+    );
+    ensure!(
+        stderr.matches("No such file or directory").count() == 1,
+        "the cause said twice: {stderr}"
+    );
+
+    let (code, stderr) = refused(&[
+        "--worker-urls",
+        "https://127.0.0.1:8000",
+        "--worker-ca-path",
+        &path("ca.pem"),
+    ])?;
+    ensure!(code == Some(1), "exit {code:?}: {stderr}");
+    one_line(&stderr)?;
+    ensure!(
+        stderr.contains("--worker-ca-path") && stderr.contains(&path("ca.pem")),
+        "{stderr}"
+    );
+    Ok(())
+}
+
+#[test]
+fn an_unreachable_etcd_is_logged_without_debug_structures() -> Result<()> {
+    use std::io::BufRead;
+    let binary = balancer_binary("--route-undeclared-models")?;
+    let port = free_port()?;
+    let child = Command::new(binary)
+        .arg("launch")
+        .args(["--port", &port.to_string()])
+        .args(["--prometheus-port", &free_port()?.to_string()])
+        .args(["--admin-port", &free_port()?.to_string()])
+        // Nothing listens on a port just freed: connection refused.
+        .args([
+            "--etcd-endpoints",
+            &format!("http://127.0.0.1:{}", free_port()?),
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let mut agent = Agent(child);
+    let stdout = agent.0.stdout.take().context("stdout")?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if line.contains("etcd not reachable") && tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let line = rx
+        .recv_timeout(BOUND)
+        .context("no 'etcd not reachable' line")?;
+    drop(agent);
+    ensure!(
+        line.contains("Connection refused")
+            && !line.contains("tonic::")
+            && !line.contains("Os {")
+            && !line.contains('\x1b'),
+        "{line}"
+    );
+    Ok(())
+}

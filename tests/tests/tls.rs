@@ -64,6 +64,14 @@ async fn https_speaks_http1_and_http2_by_alpn_and_refuses_what_is_not_tls() -> R
         h2.certificate, leaf.der,
         "the configured certificate is served"
     );
+    // rcgen's certificates are valid until 4096-01-01T00:00:00Z.
+    let metrics = h.metrics().await;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "balancer_tls_certificate_expiry_timestamp_seconds 67090118400"),
+        "{metrics}"
+    );
     let h1 = post(
         addr,
         client_config(&ca, &[b"http/1.1"], None)?,

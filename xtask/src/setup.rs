@@ -15,6 +15,10 @@ use crate::shell::{capture, display, stdout_of, with_cargo_bin};
 /// The bpf-linker release that builds against the nightly's LLVM here.
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
+/// The cargo-deb release `cargo xtask dist` packages with (installs with
+/// `--locked` on the workspace's rust-version).
+const CARGO_DEB_VERSION: &str = "3.8.0";
+
 /// Debian packages that building the agent needs: etcd-client compiles
 /// etcd's protos with `protoc` at build time, and they import Google's
 /// well-known types, which come with libprotobuf-dev (only a recommendation
@@ -23,7 +27,7 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 const BUILD_PACKAGES: [&str; 2] = ["protobuf-compiler", "libprotobuf-dev"];
 
 /// Debian packages the tests and benchmarks call, besides the build's.
-const TEST_PACKAGES: [&str; 8] = [
+const TEST_PACKAGES: [&str; 10] = [
     "iproute2",
     "ethtool",
     "bpftool",
@@ -33,6 +37,12 @@ const TEST_PACKAGES: [&str; 8] = [
     // The discovery tests start their own etcd (the packaged service is not used).
     "etcd-server",
     "etcd-client",
+    // systemd-analyze, for the units (tests/tests/deploy.rs and the
+    // package check).
+    "systemd",
+    // promtool, for the alert rules (tests/tests/dashboards.rs); nothing
+    // starts the server itself.
+    "prometheus",
 ];
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -53,6 +63,11 @@ pub fn run(scope: Scope) -> Result<()> {
         Scope::Everything => [&BUILD_PACKAGES[..], &TEST_PACKAGES[..]].concat(),
     };
     if let Err(error) = install_packages(&packages) {
+        failed.push(format!("{error:#}"));
+    }
+    if scope == Scope::Everything
+        && let Err(error) = packaging_tool()
+    {
         failed.push(format!("{error:#}"));
     }
     if !failed.is_empty() {
@@ -227,6 +242,32 @@ fn bpf_linker(llvm: &Llvm) -> Result<Done<()>> {
              rerun `cargo xtask setup`)",
         )),
     }
+}
+
+/// What `cargo xtask dist` needs beyond a build: cargo-deb.
+pub fn packaging_tool() -> Result<()> {
+    step(&format!("cargo-deb {CARGO_DEB_VERSION}"), cargo_deb)
+}
+
+fn cargo_deb() -> Result<Done<()>> {
+    let expected = format!("cargo-deb {CARGO_DEB_VERSION}");
+    let installed = stdout_of(with_cargo_bin("cargo-deb").arg("--version"));
+    if installed.is_ok_and(|version| version == expected) {
+        return Ok(Done::AlreadyThere(()));
+    }
+    let mut install = with_cargo_bin("cargo");
+    install.args([
+        "install",
+        "cargo-deb",
+        "--locked",
+        "--version",
+        CARGO_DEB_VERSION,
+        "--force",
+    ]);
+    scrub_outer_cargo_env(&mut install);
+    installing(&expected, &install);
+    crate::shell::run(&mut install)?;
+    Ok(Done::Installed(()))
 }
 
 fn bpf_linker_version() -> Result<String> {

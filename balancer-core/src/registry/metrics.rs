@@ -189,6 +189,36 @@ impl MetricsSource for Registry {
                 .render(w, "worker_ttfb_seconds", &[("worker", &wk.url)]);
         }
         w.family(
+            "worker_models",
+            "gauge",
+            "1 for each model a worker serves: join it on `worker` to group any worker series by model (e.g. every worker of a model open).",
+        );
+        for wk in &fleet.workers {
+            for model in wk.models().iter() {
+                w.sample(
+                    "worker_models",
+                    &[("worker", &wk.url), ("model", model)],
+                    1.0,
+                );
+            }
+        }
+        w.family(
+            "worker_server_errors_total",
+            "counter",
+            "The worker's 5xx answers, by status (500, 502, 503 and 504 published from zero; others once seen).",
+        );
+        for wk in &fleet.workers {
+            for (status, count) in wk.server_errors() {
+                if count > 0 || matches!(status, 500 | 502 | 503 | 504) {
+                    w.sample(
+                        "worker_server_errors_total",
+                        &[("worker", &wk.url), ("status", &status.to_string())],
+                        count as f64,
+                    );
+                }
+            }
+        }
+        w.family(
             "worker_selected_total",
             "counter",
             "Attempts sent to the worker.",

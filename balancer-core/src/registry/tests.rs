@@ -133,14 +133,14 @@ fn not_ready_worker_reaches_half_open_only_through_its_promotion() {
     let (registry, w) = registry(settings, clock.clone());
     fail(&w, &*clock);
     assert_eq!(
-        registry.observe_health(&w, false),
+        registry.observe_health(&w, false, &"status 503"),
         Some(HealthChange::Demoted)
     );
     clock.advance(10 * SECOND);
     assert_eq!(w.breaker.poll(&*clock), None);
     assert_eq!(w.breaker.state(), State::Open, "the timer waits for health");
     assert_eq!(
-        registry.observe_health(&w, true),
+        registry.observe_health(&w, true, &"passed"),
         Some(HealthChange::Promoted)
     );
     let snap = w.breaker.snapshot();
@@ -346,4 +346,60 @@ fn a_model_is_refusable_only_once_every_worker_names_its_models() {
     let fleet = registry.fleet();
     assert!(fleet.none_serves("other"));
     assert!(!fleet.none_serves("m") && !fleet.none_serves("n"));
+}
+
+#[test]
+fn a_workers_5xx_answers_are_counted_by_status() {
+    let (registry, worker) = registry(Settings::default(), Arc::new(ManualClock::new()));
+    worker.server_error(503);
+    worker.server_error(503);
+    worker.server_error(599);
+    worker.server_error(429);
+    worker.server_error(200);
+    let mut out = String::new();
+    crate::metrics::MetricsSource::render(
+        &*registry,
+        &mut crate::metrics::Writer::new(&mut out, "b"),
+    );
+    let series: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("b_worker_server_errors_total{"))
+        .collect();
+    let line = |status: u16, n: u64| {
+        format!(
+            r#"b_worker_server_errors_total{{worker="http://127.0.0.1:9",status="{status}"}} {n}"#
+        )
+    };
+    assert_eq!(
+        series,
+        [
+            line(500, 0),
+            line(502, 0),
+            line(503, 2),
+            line(504, 0),
+            line(599, 1)
+        ]
+    );
+}
+
+#[test]
+fn each_model_of_a_worker_has_its_join_series() {
+    let (registry, worker) = registry(Settings::default(), Arc::new(ManualClock::new()));
+    registry.learn_models(&worker, vec!["m1".to_owned(), "m2".to_owned()]);
+    let mut out = String::new();
+    crate::metrics::MetricsSource::render(
+        &*registry,
+        &mut crate::metrics::Writer::new(&mut out, "b"),
+    );
+    let series: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("b_worker_models{"))
+        .collect();
+    assert_eq!(
+        series,
+        [
+            r#"b_worker_models{worker="http://127.0.0.1:9",model="m1"} 1"#,
+            r#"b_worker_models{worker="http://127.0.0.1:9",model="m2"} 1"#,
+        ]
+    );
 }

@@ -22,6 +22,7 @@ use balancer_core::error_chain;
 use balancer_core::quality::requested_tokens;
 use balancer_core::registry::{Attempt, Worker};
 
+use super::access::Served;
 use super::answer::ErrorCode;
 use super::body::{BodyError, ClientFault, RequestBody, boxed, chain};
 use super::edge::is_generative;
@@ -124,7 +125,8 @@ impl Proxy {
                         attempt -= 1;
                         continue;
                     }
-                    return self.no_available_workers(req.model.as_deref());
+                    let answer = self.no_available_workers(req.model.as_deref());
+                    return self.served(answer, None, attempt - 1, req);
                 };
                 let worker = admitted.worker().clone();
                 let attempt_started = Instant::now();
@@ -163,6 +165,12 @@ impl Proxy {
                     Ok(response) => {
                         let status = response.status().as_u16();
                         let outcome = classifier.classify(status);
+                        if status >= 500 {
+                            worker.server_error(status);
+                        }
+                        if outcome == Outcome::Failure(FailureReason::Status) {
+                            worker.breaker.note_failed_status(status);
+                        }
                         let retryable = RETRY_STATUSES.contains(&status);
                         if retryable && !last {
                             let retry_after = retry_after(&response);
@@ -210,13 +218,16 @@ impl Proxy {
                             tokens: req.model.as_deref().map(|m| self.model_tokens(m)),
                             stats: self.stats.clone(),
                             clock: self.clock.clone(),
+                            inference: is_generative(&req.path),
+                            status,
                         };
                         let fallback = req
                             .fallback_from
                             .as_ref()
                             .zip(req.model.as_ref())
                             .map(|(from, to)| format!("{from}->{to}"));
-                        return self.relay(response, completion, fallback);
+                        let relayed = self.relay(response, completion, fallback);
+                        return self.served(relayed, Some(&worker), attempt, req);
                     }
                     Err(e) => e,
                 };
@@ -248,7 +259,7 @@ impl Proxy {
                     continue;
                 }
                 self.stats.retries_exhausted();
-                return match failure {
+                let answer = match failure {
                     AttemptError::Timeout => self.gateway_error(
                         ErrorCode::UpstreamTimeout,
                         "the worker did not answer within the request timeout",
@@ -260,8 +271,27 @@ impl Proxy {
                         None,
                     ),
                 };
+                return self.served(answer, Some(&worker), attempt, req);
             }
         }
+    }
+
+    /// `response`, with what the access log says of it when that is on.
+    fn served(
+        &self,
+        mut response: Response<ResponseBody>,
+        worker: Option<&Worker>,
+        attempts: u32,
+        req: &Outgoing,
+    ) -> Response<ResponseBody> {
+        if self.config.access_log {
+            response.extensions_mut().insert(Served {
+                worker: worker.map(|w| w.url.clone()),
+                attempts,
+                model: req.model.clone(),
+            });
+        }
+        response
     }
 
     /// `send` under the slow time-to-first-byte budget: past it, slowness

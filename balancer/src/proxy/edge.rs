@@ -5,8 +5,9 @@
 //! methods, and which of the client's headers reach a worker (the
 //! hop-by-hop ones and those the client names in `Connection` or
 //! `Proxy-Connection` do not; `X-Forwarded-For` and `-Proto` are the
-//! gateway's, as Envoy sets them with no trusted hops). Pure functions over
-//! the request head: no I/O, no worker, no breaker.
+//! gateway's, as Envoy sets them with no trusted hops), and the request id
+//! (the client's, or one made here). Pure functions over the request head:
+//! no I/O, no worker, no breaker.
 
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -266,6 +267,8 @@ pub(crate) struct Forwarded {
     forwarded_for: HeaderValue,
     /// `None` when a trusted proxy's `X-Forwarded-Proto` is kept.
     forwarded_proto: Option<HeaderValue>,
+    /// A request id the gateway made (a client's own is among `headers`).
+    request_id: Option<(HeaderName, HeaderValue)>,
 }
 
 impl Forwarded {
@@ -301,7 +304,14 @@ impl Forwarded {
             named,
             forwarded_for,
             forwarded_proto,
+            request_id: None,
         }
+    }
+
+    /// Sends the request id the gateway made for a request without one.
+    pub(crate) fn with_request_id(mut self, name: HeaderName, value: HeaderValue) -> Self {
+        self.request_id = Some((name, value));
+        self
     }
 
     /// The client's headers, whether or not they are forwarded.
@@ -338,6 +348,9 @@ impl Forwarded {
         if let Some(proto) = &self.forwarded_proto {
             f(b"x-forwarded-proto", proto.as_bytes());
         }
+        if let Some((name, value)) = &self.request_id {
+            f(name.as_str().as_bytes(), value.as_bytes());
+        }
     }
 
     /// The forwarded headers as a map, for hyper's client.
@@ -358,8 +371,62 @@ impl Forwarded {
         if let Some(proto) = &self.forwarded_proto {
             map.append(X_FORWARDED_PROTO, proto.clone());
         }
+        if let Some((name, value)) = &self.request_id {
+            map.append(name.clone(), value.clone());
+        }
         map
     }
+}
+
+/// The request's id: the value of the first of `names` the client sent
+/// (a visible-ASCII value, else it is not an id), or a new one under the
+/// first name; `made` says which. A made id is this thread's random prefix
+/// and its count of ids, written without allocating but for the value.
+pub(crate) fn request_id(headers: &Headers, names: &[HeaderName]) -> RequestId {
+    for name in names {
+        if let Some(value) = headers.get(name).filter(|v| visible_ascii(v).is_some())
+            && let Ok(value) = HeaderValue::from_bytes(value)
+        {
+            return RequestId {
+                name: name.clone(),
+                value,
+                made: false,
+            };
+        }
+    }
+    thread_local! {
+        static IDS: (u32, std::cell::Cell<u64>) =
+            (rand::random(), std::cell::Cell::new(0));
+    }
+    let (prefix, count) = IDS.with(|(prefix, next)| {
+        let count = next.get().wrapping_add(1);
+        next.set(count);
+        (*prefix, count)
+    });
+    let mut buf = [0u8; 32];
+    let len = {
+        use std::io::Write;
+        let mut out = std::io::Cursor::new(&mut buf[..]);
+        // 8 + 1 + at most 16 hex digits: always fits.
+        let _ = write!(out, "{prefix:08x}-{count:x}");
+        out.position() as usize
+    };
+    RequestId {
+        name: names
+            .first()
+            .cloned()
+            .unwrap_or(HeaderName::from_static("x-request-id")),
+        value: HeaderValue::from_bytes(&buf[..len]).expect("hex digits and a dash"),
+        made: true,
+    }
+}
+
+/// See [`request_id`].
+pub(crate) struct RequestId {
+    pub(crate) name: HeaderName,
+    pub(crate) value: HeaderValue,
+    /// The gateway made it: the worker needs it added.
+    pub(crate) made: bool,
 }
 
 /// Whether a header describes one hop rather than the message: the
@@ -472,6 +539,36 @@ fn ip_value(ip: IpAddr) -> HeaderValue {
 mod tests {
     use super::*;
     use crate::wire::RawFields;
+
+    #[test]
+    fn a_request_id_is_the_first_named_header_present_or_a_new_one() {
+        let names = [
+            HeaderName::from_static("x-request-id"),
+            HeaderName::from_static("x-trace-id"),
+        ];
+        let mut map = HeaderMap::new();
+        map.insert("x-trace-id", HeaderValue::from_static("t-1"));
+        let id = request_id(&map.into(), &names);
+        assert_eq!(
+            (id.name.as_str(), id.value.as_bytes(), id.made),
+            ("x-trace-id", &b"t-1"[..], false)
+        );
+
+        let empty: Headers = HeaderMap::new().into();
+        let (a, b) = (request_id(&empty, &names), request_id(&empty, &names));
+        assert!(
+            a.made && a.name == "x-request-id",
+            "made under the first name"
+        );
+        assert_ne!(a.value, b.value, "each made id is new");
+        let text = a.value.to_str().unwrap();
+        let (prefix, count) = text.split_once('-').unwrap();
+        assert!(
+            prefix.len() == 8 && u32::from_str_radix(prefix, 16).is_ok(),
+            "{text}"
+        );
+        assert!(u64::from_str_radix(count, 16).is_ok(), "{text}");
+    }
 
     #[test]
     fn only_completion_routes_are_generative() {

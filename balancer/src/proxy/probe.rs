@@ -86,11 +86,12 @@ impl Prober {
                 }
                 if this.config.enabled {
                     let path = this.config.endpoint.clone();
-                    let passed = match get(&worker.address, &path) {
+                    let result = match get(&worker.address, &path) {
                         Some(request) => probe(&this.client, request, this.config.timeout).await,
-                        None => false,
+                        None => ProbeResult::BadUri,
                     };
-                    this.registry.observe_health(&worker, passed);
+                    this.registry
+                        .observe_health(&worker, result == ProbeResult::Passed, &result);
                 } else if !worker.models().is_empty() {
                     return;
                 }
@@ -158,12 +159,76 @@ async fn probe(
     client: &ProbeClient,
     request: http::Request<Empty<Bytes>>,
     timeout: Duration,
-) -> bool {
+) -> ProbeResult {
     let attempt = async {
-        let response = client.request(request).await.ok()?;
-        let ok = response.status().is_success();
-        response.into_body().collect().await.ok()?;
-        Some(ok)
+        let response = match client.request(request).await {
+            Ok(response) => response,
+            Err(error) => return ProbeResult::from_error(&error),
+        };
+        let status = response.status();
+        if let Err(error) = response.into_body().collect().await {
+            return ProbeResult::Failed(innermost(&error));
+        }
+        if status.is_success() {
+            ProbeResult::Passed
+        } else {
+            ProbeResult::Status(status.as_u16())
+        }
     };
-    matches!(tokio::time::timeout(timeout, attempt).await, Ok(Some(true)))
+    tokio::time::timeout(timeout, attempt)
+        .await
+        .unwrap_or(ProbeResult::Timeout(timeout))
+}
+
+/// What one probe found, as the health transition it causes logs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum ProbeResult {
+    Passed,
+    /// The worker answered a status outside 2xx.
+    Status(u16),
+    /// Nothing listens at the worker's address.
+    Refused,
+    /// No whole answer within the probe timeout.
+    Timeout(Duration),
+    /// Any other transport failure: its innermost cause.
+    Failed(String),
+    /// The endpoint does not make a request URI with the worker's address.
+    BadUri,
+}
+
+impl ProbeResult {
+    fn from_error(error: &hyper_util::client::legacy::Error) -> Self {
+        let mut source: Option<&dyn std::error::Error> = Some(error);
+        while let Some(cause) = source {
+            if let Some(io) = cause.downcast_ref::<std::io::Error>()
+                && io.kind() == std::io::ErrorKind::ConnectionRefused
+            {
+                return ProbeResult::Refused;
+            }
+            source = cause.source();
+        }
+        ProbeResult::Failed(innermost(error))
+    }
+}
+
+impl std::fmt::Display for ProbeResult {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ProbeResult::Passed => f.write_str("passed"),
+            ProbeResult::Status(status) => write!(f, "status {status}"),
+            ProbeResult::Refused => f.write_str("connection refused"),
+            ProbeResult::Timeout(after) => write!(f, "timeout after {} ms", after.as_millis()),
+            ProbeResult::Failed(cause) => f.write_str(cause),
+            ProbeResult::BadUri => f.write_str("the endpoint makes no valid URI"),
+        }
+    }
+}
+
+/// The deepest cause of `error`: the one that says what happened.
+fn innermost(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut deepest = error;
+    while let Some(cause) = deepest.source() {
+        deepest = cause;
+    }
+    deepest.to_string()
 }

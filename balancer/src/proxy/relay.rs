@@ -62,6 +62,10 @@ pub struct Completion {
     pub tokens: Option<Arc<ModelTokens>>,
     pub stats: Arc<GatewayStats>,
     pub clock: Arc<dyn Clock>,
+    /// For `http_request_duration_seconds`: a generative route, and the
+    /// status the client got.
+    pub inference: bool,
+    pub status: u16,
 }
 
 impl Completion {
@@ -85,7 +89,8 @@ impl Completion {
         };
         self.attempt
             .record(&mut self.charges, outcome, &*self.clock);
-        self.stats.request_duration.observe(self.started.elapsed());
+        self.stats
+            .request_done(self.inference, self.status, self.started.elapsed());
         // `attempt` and `permit` drop here: in-flight count and admission slot
         // are released after the last byte.
     }
@@ -296,8 +301,18 @@ impl RelayBody {
         let outcome = self.completion.as_ref().map_or(Outcome::Ignored, |c| {
             c.rules.classify_cut(Outcome::Success, reason)
         });
+        // Taken before `complete` gives the attempt back.
+        let worker = self
+            .completion
+            .as_ref()
+            .map(|c| c.attempt.worker().url.clone());
         self.complete(outcome);
-        tracing::warn!(code, message, "upstream stream cut");
+        tracing::warn!(
+            worker = %worker.as_deref().unwrap_or("-"),
+            code,
+            message,
+            "upstream stream cut"
+        );
         self.done = true;
         if self.sse {
             Poll::Ready(Some(Ok(Frame::data(sse_error_event(code, message)))))

@@ -19,9 +19,16 @@ pub struct GatewayStats {
     retries_exhausted: AtomicU64,
     /// `--fallback-model` pairs and how often each was taken.
     fallbacks: Vec<(String, String, AtomicU64)>,
-    pub request_duration: Histogram,
+    /// By route (inference, other) and status class (1xx to 5xx): a
+    /// fixed ten histograms, whatever the traffic.
+    request_duration: [[Histogram; STATUS_CLASSES.len()]; ROUTES.len()],
     pub ttfb: Histogram,
 }
+
+/// The `route` label of `http_request_duration_seconds`: the generative
+/// routes (chat, completions, generate) and all others.
+const ROUTES: [&str; 2] = ["inference", "other"];
+const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
 
 impl GatewayStats {
     pub fn new(fallbacks: &[(String, String)]) -> Self {
@@ -34,9 +41,17 @@ impl GatewayStats {
                 .iter()
                 .map(|(f, t)| (f.clone(), t.clone(), AtomicU64::new(0)))
                 .collect(),
-            request_duration: Histogram::default(),
+            request_duration: Default::default(),
             ttfb: Histogram::default(),
         }
+    }
+
+    /// A relayed response ended, `elapsed` after the request arrived.
+    #[inline]
+    pub fn request_done(&self, inference: bool, status: u16, elapsed: std::time::Duration) {
+        let route = usize::from(!inference);
+        let class = usize::from(status / 100).clamp(1, STATUS_CLASSES.len()) - 1;
+        self.request_duration[route][class].observe(elapsed);
     }
 
     /// A worker's response reached the client.
@@ -136,20 +151,49 @@ impl MetricsSource for GatewayStats {
     fn render(&self, w: &mut Writer<'_>) {
         self.render_gateway(w);
         self.render_fallbacks(w);
-        for (name, help, h) in [
-            (
-                "http_request_duration_seconds",
-                "Time from request arrival to the last byte of the response.",
-                &self.request_duration,
-            ),
-            (
-                "http_ttfb_seconds",
-                "Time from request arrival to the response headers.",
-                &self.ttfb,
-            ),
-        ] {
-            w.family(name, "histogram", help);
-            h.render(w, name, &[]);
+        let name = "http_request_duration_seconds";
+        w.family(
+            name,
+            "histogram",
+            "Time from request arrival to the last byte of a worker's response, by route (inference or other) and status class.",
+        );
+        for (route, classes) in ROUTES.iter().zip(&self.request_duration) {
+            for (class, h) in STATUS_CLASSES.iter().zip(classes) {
+                h.render(w, name, &[("route", route), ("status_class", class)]);
+            }
         }
+        w.family(
+            "http_ttfb_seconds",
+            "histogram",
+            "Time from request arrival to the response headers.",
+        );
+        self.ttfb.render(w, "http_ttfb_seconds", &[]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_durations_are_split_by_route_and_status_class() {
+        let stats = GatewayStats::new(&[]);
+        stats.request_done(true, 503, std::time::Duration::from_millis(3));
+        stats.request_done(false, 200, std::time::Duration::from_millis(1));
+        stats.request_done(false, 204, std::time::Duration::from_millis(1));
+        let mut out = String::new();
+        stats.render(&mut Writer::new(&mut out, "b"));
+        let count = |route: &str, class: &str| {
+            let wanted = format!(
+                "b_http_request_duration_seconds_count{{route=\"{route}\",status_class=\"{class}\"}} "
+            );
+            out.lines()
+                .find_map(|l| l.strip_prefix(&wanted))
+                .unwrap_or_else(|| panic!("no {wanted} in {out}"))
+                .to_owned()
+        };
+        assert_eq!(count("inference", "5xx"), "1");
+        assert_eq!(count("other", "2xx"), "2");
+        assert_eq!(count("inference", "2xx"), "0", "every pair from zero");
     }
 }

@@ -76,12 +76,13 @@ impl ServingTls {
     pub fn load(files: ServingTlsConfig, stats: Arc<TlsStats>) -> Result<Arc<Self>, TlsError> {
         let sessions: Arc<dyn StoresServerSessions> = ServerSessionMemoryCache::new(SESSIONS);
         let tickets =
-            rustls::crypto::ring::Ticketer::new().map_err(|source| TlsError::Rejected {
+            rustls::crypto::ring::Ticketer::new().map_err(|cause| TlsError::Rejected {
                 context: "session tickets".to_owned(),
-                source,
+                cause,
             })?;
-        let config = build(&files, &sessions, &tickets)?;
+        let (config, expires) = build(&files, &sessions, &tickets)?;
         stats.certificate_loaded(true);
+        stats.certificate_expires(expires);
         Ok(Arc::new(Self {
             files,
             current: ArcSwap::from_pointee(config),
@@ -95,9 +96,10 @@ impl ServingTls {
     /// and the error is logged. Returns whether the new one is in use.
     pub fn reload(&self) -> bool {
         match build(&self.files, &self.sessions, &self.tickets) {
-            Ok(config) => {
+            Ok((config, expires)) => {
                 self.current.store(Arc::new(config));
                 self.stats.certificate_loaded(true);
+                self.stats.certificate_expires(expires);
                 tracing::info!(cert = %self.files.cert_path.display(), "TLS certificate reloaded");
                 true
             }
@@ -173,27 +175,33 @@ impl ServingTls {
 
 /// A server configuration from the files: ALPN `h2` and `http/1.1`, the
 /// shared session cache and ticketer, and the client verifier when
-/// `--tls-client-ca-path` is set.
+/// `--tls-client-ca-path` is set; with the served certificate's notAfter
+/// (Unix seconds, 0 when it cannot be read: rustls judged it usable).
 fn build(
     files: &ServingTlsConfig,
     sessions: &Arc<dyn StoresServerSessions>,
     tickets: &Arc<dyn ProducesTickets>,
-) -> Result<ServerConfig, TlsError> {
+) -> Result<(ServerConfig, u64), TlsError> {
     let (chain, key) = key_pair(&files.cert_path, &files.key_path)?;
+    let expires = chain
+        .first()
+        .and_then(|leaf| x509_parser::parse_x509_certificate(leaf).ok())
+        .and_then(|(_, cert)| u64::try_from(cert.validity().not_after.timestamp()).ok())
+        .unwrap_or(0);
     let builder = ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
-        .map_err(|source| TlsError::Rejected {
+        .map_err(|cause| TlsError::Rejected {
             context: "protocol versions".to_owned(),
-            source,
+            cause,
         })?;
     let builder = match &files.client_ca_path {
         Some(path) => {
             let verifier =
                 WebPkiClientVerifier::builder_with_provider(Arc::new(roots(path)?), provider())
                     .build()
-                    .map_err(|source| TlsError::ClientCa {
+                    .map_err(|cause| TlsError::ClientCa {
                         path: path.clone(),
-                        source,
+                        cause,
                     })?;
             builder.with_client_cert_verifier(verifier)
         }
@@ -205,5 +213,5 @@ fn build(
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     config.session_storage = sessions.clone();
     config.ticketer = tickets.clone();
-    Ok(config)
+    Ok((config, expires))
 }

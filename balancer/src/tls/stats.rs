@@ -164,6 +164,9 @@ pub struct TlsStats {
     /// Unix seconds when the served certificate was last loaded; 0 without
     /// `--tls-cert-path`.
     loaded_at: AtomicU64,
+    /// The served certificate's notAfter, Unix seconds (0: none, or not
+    /// readable).
+    expires_at: AtomicU64,
 }
 
 impl Default for TlsStats {
@@ -177,6 +180,7 @@ impl Default for TlsStats {
             ],
             reloads: Default::default(),
             loaded_at: AtomicU64::new(0),
+            expires_at: AtomicU64::new(0),
         }
     }
 }
@@ -204,6 +208,11 @@ impl TlsStats {
                 .unwrap_or_default();
             self.loaded_at.store(now.as_secs(), Ordering::Relaxed);
         }
+    }
+
+    /// The notAfter (Unix seconds) of the certificate now served.
+    pub fn certificate_expires(&self, unix_secs: u64) {
+        self.expires_at.store(unix_secs, Ordering::Relaxed);
     }
 
     /// Failed handshakes so far on `side` for `why`.
@@ -270,6 +279,16 @@ impl MetricsSource for TlsStats {
             "tls_certificate_loaded_timestamp_seconds",
             &[],
             self.loaded_at.load(Ordering::Relaxed) as f64,
+        );
+        w.family(
+            "tls_certificate_expiry_timestamp_seconds",
+            "gauge",
+            "Unix time the served certificate expires (its notAfter); 0 without TLS.",
+        );
+        w.sample(
+            "tls_certificate_expiry_timestamp_seconds",
+            &[],
+            self.expires_at.load(Ordering::Relaxed) as f64,
         );
     }
 }

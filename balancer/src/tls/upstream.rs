@@ -74,9 +74,9 @@ impl WorkerTls {
         };
         let builder = ClientConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
-            .map_err(|source| TlsError::Rejected {
+            .map_err(|cause| TlsError::Rejected {
                 context: "protocol versions".to_owned(),
-                source,
+                cause,
             })?
             .with_root_certificates(roots);
         let mut config = match (&files.client_cert_path, &files.client_key_path) {
