@@ -7,6 +7,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
+use http::{HeaderName, HeaderValue};
 use http_body_util::BodyExt;
 use http_body_util::combinators::UnsyncBoxBody;
 use hyper::body::{Body, Frame, SizeHint};
@@ -23,6 +24,10 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub struct ResponseBody {
     inner: Pin<Box<dyn Body<Data = Bytes, Error = BoxError> + Send>>,
     fields: RawFields,
+    /// The request id to send with the head, whichever writer writes it:
+    /// boxed, so a response without one stays small, and kept out of the
+    /// head's map, which the fast path would otherwise have to allocate.
+    request_id: Option<Box<(HeaderName, HeaderValue)>>,
 }
 
 impl ResponseBody {
@@ -43,6 +48,7 @@ impl ResponseBody {
         Self {
             inner: body,
             fields,
+            request_id: None,
         }
     }
 
@@ -56,7 +62,23 @@ impl ResponseBody {
         Self {
             inner: f(self.inner),
             fields: self.fields,
+            request_id: self.request_id,
         }
+    }
+
+    /// Sends `name: value` with the head (the request id).
+    pub(crate) fn set_request_id(&mut self, name: HeaderName, value: HeaderValue) {
+        self.request_id = Some(Box::new((name, value)));
+    }
+
+    /// The request id to send with the head, if any.
+    pub(crate) fn request_id(&self) -> Option<&(HeaderName, HeaderValue)> {
+        self.request_id.as_deref()
+    }
+
+    /// The request id, taken out (for a writer that puts it in the map).
+    pub(crate) fn take_request_id(&mut self) -> Option<(HeaderName, HeaderValue)> {
+        self.request_id.take().map(|b| *b)
     }
 
     /// The worker's fields relayed as they came (none for the gateway's own

@@ -500,7 +500,7 @@ impl Lane {
             .await;
             // Every answer from here on carries the id, the gateway's own
             // too, so a client can quote it.
-            response.headers_mut().insert(id.name, id.value);
+            response.body_mut().set_request_id(id.name, id.value);
             match access {
                 Some(record) => record.attach(response),
                 None => response,

@@ -266,6 +266,9 @@ pub async fn serve<H, F>(
                 if let Err(refused) = body.take_fields().append_to(&mut parts.headers) {
                     tracing::warn!(header = %refused.0, "a worker's header dropped");
                 }
+                if let Some((name, value)) = body.take_request_id() {
+                    parts.headers.insert(name, value);
+                }
                 // In flight until the response body is done or dropped.
                 let body = InFlight { body, _busy: busy }.boxed_unsync();
                 Ok::<_, Infallible>(Response::from_parts(parts, body))

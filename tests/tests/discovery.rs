@@ -543,7 +543,7 @@ async fn the_shipped_register_unit_works_without_a_model() {
             .replace("${MODEL}", "")
             .replace("${BALANCER_MODEL}", "")
     });
-    assert_eq!(words.next().as_deref(), Some("/usr/local/bin/balancer"));
+    assert_eq!(words.next().as_deref(), Some("/usr/bin/balancer"));
     let args: Vec<String> = words.collect();
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let sidecar = AgentProcess::spawn(&binary, &args).unwrap();

@@ -441,6 +441,12 @@ where
             }
             put_header(out, name, value);
         }
+        if let Some((name, value)) = body.request_id()
+            && !headers.contains_key(name)
+            && !body.fields().contains(name.as_str())
+        {
+            put_header(out, name.as_str().as_bytes(), value.as_bytes());
+        }
         if !headers.contains_key(header::DATE) && !body.fields().contains("date") {
             out.put_slice(b"date: ");
             put_date(out);
