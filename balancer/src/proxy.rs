@@ -343,13 +343,15 @@ impl Lane {
                 request_id: id.value.clone(),
                 started,
             });
-            let mut response = async {
+            // A labelled block, not an inner async block: an inner future
+            // would be built and then moved whole (its ~4 KiB) into this one.
+            let mut response = 'answer: {
                 // RFC 9112 3.2: an HTTP/1.1 request names exactly one host (as
                 // nginx holds it); HTTP/2 names it in `:authority`.
                 if req.version() == http::Version::HTTP_11
                     && headers.get_all(&http::header::HOST).take(2).count() != 1
                 {
-                    return proxy.gateway_error(
+                    break 'answer proxy.gateway_error(
                         ErrorCode::InvalidRequest,
                         "an HTTP/1.1 request must carry exactly one Host header",
                         None,
@@ -357,10 +359,11 @@ impl Lane {
                 }
                 // Read before admission, under the stall deadline: a client that
                 // sends half a body never holds a permit.
-                let mut body = match read_body(&headers.map, req.body_mut(), &proxy.body_limits).await {
-                    Ok(b) => b,
-                    Err(e) => return proxy.body_error(&e),
-                };
+                let mut body =
+                    match read_body(&headers.map, req.body_mut(), &proxy.body_limits).await {
+                        Ok(b) => b,
+                        Err(e) => break 'answer proxy.body_error(&e),
+                    };
                 let model = match &mut body {
                     RequestBody::Replayable(bytes, _) if inference => inference_model(bytes),
                     RequestBody::Replayable(bytes, _) => request_model(&headers, bytes),
@@ -368,7 +371,7 @@ impl Lane {
                     // body must name its model there to be routed by it.
                     RequestBody::Streaming(prefix, rest) if inference => {
                         if let Err(e) = rest.check_json(prefix) {
-                            return proxy.body_error(&BodyError::Invalid(e));
+                            break 'answer proxy.body_error(&BodyError::Invalid(e));
                         }
                         match model_in_prefix(&prefix.concat()) {
                             Some(m) if m.len() > MAX_MODEL_LEN => Err(format!(
@@ -376,7 +379,7 @@ impl Lane {
                             )),
                             Some(m) => Ok(Some(m)),
                             None => {
-                                return proxy.gateway_error(
+                                break 'answer proxy.gateway_error(
                                 ErrorCode::PayloadTooLarge,
                                 "an inference body larger than --max-buffered-request-bytes must name its model within that many bytes",
                                 None,
@@ -389,7 +392,9 @@ impl Lane {
                 let model = match model {
                     // A model card goes to a worker serving that model.
                     Ok(m) => card.or(m),
-                    Err(msg) => return proxy.gateway_error(ErrorCode::InvalidRequest, &msg, None),
+                    Err(msg) => {
+                        break 'answer proxy.gateway_error(ErrorCode::InvalidRequest, &msg, None);
+                    }
                 };
                 // Refused before admission: only a model with a fallback goes
                 // on, to take it below.
@@ -397,7 +402,7 @@ impl Lane {
                     && proxy.refuses_model(m)
                     && !proxy.config.fallbacks.contains_key(m)
                 {
-                    return proxy.model_not_found(m);
+                    break 'answer proxy.model_not_found(m);
                 }
                 let permit = match &proxy.admission {
                     None => None,
@@ -413,7 +418,11 @@ impl Lane {
                                     "the request waited too long for admission",
                                 ),
                             };
-                            return proxy.gateway_error(code, msg, Some(a.retry_after_secs()));
+                            break 'answer proxy.gateway_error(
+                                code,
+                                msg,
+                                Some(a.retry_after_secs()),
+                            );
                         }
                     },
                 };
@@ -461,7 +470,7 @@ impl Lane {
                 {
                     if !proxy.take_fallback(&mut request, body.as_mut()) {
                         let model = request.model.clone().unwrap_or_default();
-                        return proxy.model_not_found(&model);
+                        break 'answer proxy.model_not_found(&model);
                     }
                 }
                 let mut budgeted = false;
@@ -475,7 +484,7 @@ impl Lane {
                         Allowance::Spent(wait) => {
                             if !proxy.take_fallback(&mut request, body.as_mut()) {
                                 let model = request.model.as_deref().unwrap_or_default();
-                                return proxy.gateway_error(
+                                break 'answer proxy.gateway_error(
                                     ErrorCode::TokenBudgetExceeded,
                                     &format!(
                                         "the token budget of model {model:?} is spent for this minute"
@@ -496,8 +505,7 @@ impl Lane {
                 proxy
                     .attempts(&self.client, &mut request, &mut body, permit, started)
                     .await
-            }
-            .await;
+            };
             // Every answer from here on carries the id, the gateway's own
             // too, so a client can quote it.
             response.body_mut().set_request_id(id.name, id.value);
