@@ -149,5 +149,5 @@ fn detach_all_removes_everything_pinned() {
     let removed = status::detach_all(&pins.0).unwrap();
     assert_eq!(removed, vec!["local-eth9".to_owned()]);
     assert!(!pins.0.exists(), "{} still exists", pins.0.display());
-    assert!(status::report(&pins.0).starts_with("nothing pinned"));
+    assert!(status::report(&pins.0).starts_with("nothing attached: nothing pinned"));
 }
