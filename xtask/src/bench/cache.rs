@@ -6,10 +6,12 @@
 //! each group sharing one long system prompt, `--turns` turns each, every
 //! turn resending the whole conversation (system prompt, the earlier
 //! questions and answers, the new question) as a streamed chat completion.
-//! The defaults (32 system prompts of 10 kB, about 5,000 cache blocks in
-//! all) are more than one demo worker's 4,096-block cache holds and less
-//! than four hold: spreading every prompt over every worker evicts, keeping
-//! each prompt on one worker does not.
+//! The defaults (48 system prompts of 10 kB, about 7,500 cache blocks in
+//! all, 192 conversations) are far more than one demo worker's 4,096-block
+//! cache holds and less than four hold: spreading every prompt over every
+//! worker evicts, keeping each prompt on one worker does not. (With 32
+//! prompts round robin still hit half the time, which left no room to show
+//! a twofold gain.)
 //! `--concurrency` clients run it closed-loop: each takes its users in turn
 //! and sends a user's next turn only after the previous answer ended.
 //!
@@ -51,10 +53,10 @@ use crate::{target_dir, workspace_root};
 #[derive(Args)]
 pub struct Cache {
     /// Conversations in the trace.
-    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    #[arg(long, default_value_t = 192, value_parser = clap::value_parser!(u64).range(1..=10_000))]
     users: u64,
     /// Groups of conversations sharing one system prompt.
-    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..=1_000))]
+    #[arg(long, default_value_t = 48, value_parser = clap::value_parser!(u64).range(1..=1_000))]
     groups: u64,
     /// Turns of each conversation.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=50))]
