@@ -183,8 +183,10 @@ pub struct LaunchArgs {
     pub routing_key_header: String,
     /// Headers that carry a request id, tried in order: the first present
     /// is kept; without any the gateway makes one and sends it as the first
-    /// of these. The worker gets it and the client gets it back.
-    #[arg(long, num_args = 1.., value_name = "HEADER", default_value = "x-request-id")]
+    /// of these. The worker gets it and the client gets it back. Off when
+    /// absent (`--access-log` alone turns it on with `x-request-id`): a
+    /// client's id still reaches the worker as any header does.
+    #[arg(long, num_args = 1.., value_name = "HEADER")]
     pub request_id_headers: Vec<String>,
 
     /// Address of the Prometheus metrics listener.
@@ -695,6 +697,12 @@ impl LaunchArgs {
                 })
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
+        // The access log quotes an id: it brings the default name along.
+        let request_id_headers = if request_id_headers.is_empty() && self.access_log {
+            vec![HeaderName::from_static("x-request-id")]
+        } else {
+            request_id_headers
+        };
         let routing_key_header = HeaderName::try_from(self.routing_key_header.as_str())
             .with_context(|| {
                 format!(

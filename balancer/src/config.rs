@@ -410,7 +410,7 @@ impl Default for ProxyConfig {
             stream_idle_timeout: Duration::from_secs(300),
             max_replay_body: 8 << 20,
             routing_key_header: default_routing_key_header(),
-            request_id_headers: vec![HeaderName::from_static("x-request-id")],
+            request_id_headers: Vec::new(),
             access_log: false,
             fallbacks: HashMap::new(),
             routes: Routes::default(),

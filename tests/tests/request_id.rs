@@ -37,7 +37,7 @@ impl Recorder {
         Ok(Self { addr, heads })
     }
 
-    /// The head of the first chat completion request it got.
+    /// The head of the latest chat completion request it got.
     fn chat_head(&self) -> Result<String> {
         let deadline = Instant::now() + BOUND;
         loop {
@@ -46,6 +46,7 @@ impl Recorder {
                 .lock()
                 .unwrap()
                 .iter()
+                .rev()
                 .find(|h| h.starts_with("post /v1/chat/completions"))
             {
                 return Ok(head.clone());
@@ -192,7 +193,7 @@ fn a_clients_request_id_reaches_the_worker_and_comes_back() -> Result<()> {
 #[test]
 fn a_request_without_an_id_gets_one_on_both_sides() -> Result<()> {
     let worker = Recorder::start()?;
-    let agent = Agent::start(worker.addr, &[])?;
+    let agent = Agent::start(worker.addr, &["--request-id-headers", "x-request-id"])?;
     let answer = agent.chat("")?;
     let made = header(&answer, "x-request-id").context(answer.clone())?;
     ensure!(made.len() > 9 && made.contains('-'), "{made}");
@@ -203,6 +204,26 @@ fn a_request_without_an_id_gets_one_on_both_sides() -> Result<()> {
     ensure!(
         header(&again, "x-request-id").is_some_and(|id| id != made),
         "{again}"
+    );
+    Ok(())
+}
+
+#[test]
+fn without_the_flag_no_id_is_made_and_a_clients_passes_through() -> Result<()> {
+    let worker = Recorder::start()?;
+    let agent = Agent::start(worker.addr, &[])?;
+    let answer = agent.chat("")?;
+    ensure!(answer.starts_with("http/1.1 200"), "{answer}");
+    ensure!(header(&answer, "x-request-id").is_none(), "made: {answer}");
+    ensure!(
+        header(&worker.chat_head()?, "x-request-id").is_none(),
+        "made for the worker"
+    );
+    agent.chat("x-request-id: from-client\r\n")?;
+    let sent = worker.chat_head()?;
+    ensure!(
+        header(&sent, "x-request-id") == Some("from-client"),
+        "{sent}"
     );
     Ok(())
 }
