@@ -472,8 +472,10 @@ impl Lane {
                 };
                 let mut body = Some(body);
                 // An undeclared model with a fallback takes it now: any worker
-                // would answer the undeclared one as its own.
+                // would answer the undeclared one as its own. Without
+                // fallbacks the check before admission said all there is.
                 while let Some(model) = request.model.as_deref()
+                    && !proxy.config.fallbacks.is_empty()
                     && proxy.refuses_model(model)
                 {
                     if !proxy.take_fallback(&mut request, body.as_mut()) {

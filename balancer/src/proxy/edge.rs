@@ -273,7 +273,8 @@ pub(crate) struct Forwarded {
     /// `None` when a trusted proxy's `X-Forwarded-Proto` is kept.
     forwarded_proto: Option<HeaderValue>,
     /// A request id the gateway made (a client's own is among `headers`).
-    request_id: Option<(HeaderName, HeaderValue)>,
+    /// Boxed: off by default, and every request's `Forwarded` is moved.
+    request_id: Option<Box<(HeaderName, HeaderValue)>>,
 }
 
 impl Forwarded {
@@ -315,7 +316,7 @@ impl Forwarded {
 
     /// Sends the request id the gateway made for a request without one.
     pub(crate) fn with_request_id(mut self, name: HeaderName, value: HeaderValue) -> Self {
-        self.request_id = Some((name, value));
+        self.request_id = Some(Box::new((name, value)));
         self
     }
 
@@ -353,7 +354,7 @@ impl Forwarded {
         if let Some(proto) = &self.forwarded_proto {
             f(b"x-forwarded-proto", proto.as_bytes());
         }
-        if let Some((name, value)) = &self.request_id {
+        if let Some((name, value)) = self.request_id.as_deref() {
             f(name.as_str().as_bytes(), value.as_bytes());
         }
     }
@@ -376,7 +377,7 @@ impl Forwarded {
         if let Some(proto) = &self.forwarded_proto {
             map.append(X_FORWARDED_PROTO, proto.clone());
         }
-        if let Some((name, value)) = &self.request_id {
+        if let Some((name, value)) = self.request_id.as_deref() {
             map.append(name.clone(), value.clone());
         }
         map
