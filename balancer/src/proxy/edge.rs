@@ -710,6 +710,14 @@ mod tests {
             }
         );
         assert_eq!(r.route(&Method::HEAD, "/v1/models"), Route::ModelList);
+        // An encoded `/` or `\` matches no route, not even a model card.
+        for path in [
+            "/v1/models/..%2F..%2Fflush_cache",
+            "/v1/models/..%2f..%2fflush_cache",
+            "/v1/models/x%5C..%5Cflush_cache",
+        ] {
+            assert_eq!(r.route(&Method::GET, path), Route::NotFound, "{path}");
+        }
         for path in [
             "/_mock/fault",
             "/flush_cache",
