@@ -217,6 +217,9 @@ mod tests {
             b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokHTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nsecret",
             b"HTTP/1.1 200 OK\r\n\r\nto the close",
             b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort",
+            // The fuzzer's first finding: a trailer that is no field.
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5;e=1\r\nhello\r\n0\r\nx\0\0\0\x001\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0\r\nx-t: 1\r\n\r\n",
         ] {
             compare(b"", wire).unwrap();
         }

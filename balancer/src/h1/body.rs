@@ -23,6 +23,9 @@ use crate::wire::RawFields;
 const MAX_LINE: usize = 4096;
 /// The most trailer bytes accepted (they are read and dropped).
 const MAX_TRAILERS: usize = 16 * 1024;
+/// The most trailer fields accepted: hyper's client refuses more than its
+/// header count limit (100).
+const MAX_TRAILER_FIELDS: usize = 100;
 
 /// How the body ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,9 +52,9 @@ enum Chunk {
     Data(u64),
     /// Expecting the CRLF after a chunk's data.
     DataEnd,
-    /// After the last chunk: trailer lines (this many bytes so far) up to
-    /// an empty line.
-    Trailers(usize),
+    /// After the last chunk: trailer lines (so many bytes and fields so far)
+    /// up to an empty line.
+    Trailers { bytes: usize, fields: usize },
 }
 
 impl Framing {
@@ -145,7 +148,10 @@ pub(super) fn decode(
                     };
                     let size = chunk_size(&line)?;
                     *chunk = if size == 0 {
-                        Chunk::Trailers(0)
+                        Chunk::Trailers {
+                            bytes: 0,
+                            fields: 0,
+                        }
                     } else {
                         Chunk::Data(size)
                     };
@@ -170,7 +176,7 @@ pub(super) fn decode(
                     buf.advance(2);
                     *chunk = Chunk::Size;
                 }
-                Chunk::Trailers(seen) => {
+                Chunk::Trailers { bytes, fields } => {
                     let Some(line) = take_line(buf)? else {
                         return Ok(Step::More);
                     };
@@ -178,13 +184,38 @@ pub(super) fn decode(
                         *kind = Kind::Done;
                         return Ok(Step::End);
                     }
-                    *seen += line.len() + 2;
-                    if *seen > MAX_TRAILERS {
+                    *bytes += line.len() + 2;
+                    *fields += 1;
+                    if *bytes > MAX_TRAILERS || *fields > MAX_TRAILER_FIELDS {
                         return Err(H1Error::Malformed("trailers too large".to_owned()));
                     }
+                    trailer_field(&line)?;
                 }
             },
         }
+    }
+}
+
+/// Checks a trailer line as hyper's client does (it parses trailers as
+/// header fields and fails the body on one that is not): one field, a
+/// valid name and value, no bare CR or LF. Trailers are read and dropped.
+fn trailer_field(line: &[u8]) -> Result<(), H1Error> {
+    let bad = || H1Error::Malformed("a trailer field".to_owned());
+    if line.iter().any(|&b| b == b'\r' || b == b'\n') {
+        return Err(bad());
+    }
+    let mut field = Vec::with_capacity(line.len() + 4);
+    field.extend_from_slice(line);
+    field.extend_from_slice(b"\r\n\r\n");
+    let mut parsed = [httparse::EMPTY_HEADER; 1];
+    match httparse::parse_headers(&field, &mut parsed) {
+        Ok(httparse::Status::Complete((_, [header])))
+            if http::HeaderName::from_bytes(header.name.as_bytes()).is_ok()
+                && http::HeaderValue::from_bytes(header.value).is_ok() =>
+        {
+            Ok(())
+        }
+        _ => Err(bad()),
     }
 }
 
