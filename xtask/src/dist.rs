@@ -40,7 +40,7 @@ impl Profile {
 
 /// What an installed package must hold (besides the units, checked by
 /// `systemd-analyze verify`).
-const INSTALLED_FILES: [&str; 11] = [
+const INSTALLED_FILES: [&str; 12] = [
     "/usr/bin/balancer",
     "/usr/lib/balancer/balancer-ebpf",
     "/etc/balancer/balancer.toml",
@@ -52,6 +52,8 @@ const INSTALLED_FILES: [&str; 11] = [
     "/usr/share/balancer/grafana/balancer.json",
     "/usr/share/balancer/prometheus/alerts.yml",
     "/usr/share/doc/balancer/README.md",
+    // The README links it relatively: the link resolves where it is installed.
+    "/usr/share/doc/balancer/docs/performance.md",
 ];
 
 const UNITS: [&str; 3] = [
