@@ -1,11 +1,15 @@
 //! A real etcd (Debian's `etcd-server`) on loopback for the discovery
 //! tests: its own temporary data directory and free ports, started and
-//! stopped by PID, removed on every exit path.
+//! stopped by PID, removed on every exit path. It runs on the host's
+//! loopback, or on a test namespace's (for agents whose runtime lives in
+//! that namespace, as the XDP tests' do).
 
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use balancer_core::fleet::worker_key;
 
 /// A running etcd; killed and its directory removed when dropped.
 pub struct Etcd {
@@ -13,6 +17,8 @@ pub struct Etcd {
     pub dir: PathBuf,
     pub client_port: u16,
     peer_port: u16,
+    /// The network namespace etcd and `etcdctl` run in; `None`: the host's.
+    ns: Option<String>,
 }
 
 fn free_port() -> u16 {
@@ -42,6 +48,12 @@ impl Etcd {
     /// another test may have taken one: an etcd that exits at start is
     /// tried again on other ports, twice at most.
     pub fn start() -> Option<Self> {
+        Self::start_in(None)
+    }
+
+    /// [`Etcd::start`] on the loopback of namespace `ns` (which the caller
+    /// made, with `lo` up), where only that namespace reaches it.
+    pub fn start_in(ns: Option<&str>) -> Option<Self> {
         etcd_binary()?;
         const TRIES: u32 = 3;
         for tried in 1..=TRIES {
@@ -54,6 +66,7 @@ impl Etcd {
                 )),
                 client_port: free_port(),
                 peer_port: free_port(),
+                ns: ns.map(str::to_owned),
             };
             match etcd.try_run(etcd.client_port) {
                 Ok(()) => return Some(etcd),
@@ -85,7 +98,8 @@ impl Etcd {
         let client = format!("http://127.0.0.1:{port}");
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let log = std::fs::File::create(self.log()).map_err(|e| format!("its log: {e}"))?;
-        let child = Command::new("/usr/bin/etcd")
+        let ns = self.ns.clone();
+        let child = command(ns.as_deref(), "/usr/bin/etcd")
             .arg("--name=test")
             .arg(format!("--data-dir={}", self.dir.display()))
             .arg(format!("--listen-client-urls={client}"))
@@ -101,7 +115,7 @@ impl Etcd {
         let child = self.child.insert(child);
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            let healthy = Command::new("/usr/bin/etcdctl")
+            let healthy = command(ns.as_deref(), "/usr/bin/etcdctl")
                 .arg(format!("--endpoints={client}"))
                 .args(["endpoint", "health", "--command-timeout=1s"])
                 .env("ETCDCTL_API", "3")
@@ -147,7 +161,7 @@ impl Etcd {
 
     /// `etcdctl ARGS` against `port`; panics when it fails.
     pub fn ctl(&self, port: u16, args: &[&str]) -> String {
-        let out = Command::new("/usr/bin/etcdctl")
+        let out = command(self.ns.as_deref(), "/usr/bin/etcdctl")
             .arg(format!("--endpoints=http://127.0.0.1:{port}"))
             .args(args)
             .env("ETCDCTL_API", "3")
@@ -159,6 +173,47 @@ impl Etcd {
             String::from_utf8_lossy(&out.stderr)
         );
         String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// A replica that exists only as keys under the default prefix: its
+    /// replica key and an open verdict on the worker at `url`, both under a
+    /// lease of `ttl` seconds nobody renews (what etcd holds of a replica
+    /// that was killed). Returns the lease's id, for `lease revoke`.
+    pub fn key_only_replica(&self, id: &str, url: &str, ttl: u32) -> String {
+        let granted = self.ctl(self.client_port, &["lease", "grant", &ttl.to_string()]);
+        // "lease 694d8a1f7c1b2c04 granted with TTL(2s)"
+        let lease = granted
+            .split_whitespace()
+            .nth(1)
+            .expect("a lease id")
+            .to_owned();
+        let with_lease = format!("--lease={lease}");
+        self.ctl(
+            self.client_port,
+            &[
+                "put",
+                &with_lease,
+                &format!("/balancer/replicas/{id}"),
+                "{}",
+            ],
+        );
+        let verdict = format!("/balancer/verdicts/{}/{id}", worker_key(url));
+        let value = r#"{"state":"open","reason":"failure_threshold","since":0}"#;
+        self.ctl(self.client_port, &["put", &with_lease, &verdict, value]);
+        lease
+    }
+}
+
+/// `program`, run in namespace `ns` (the host's: `None`). `ip netns exec`
+/// execs the program in place, so the child's PID is the program's own.
+fn command(ns: Option<&str>, program: &str) -> Command {
+    match ns {
+        Some(ns) => {
+            let mut command = Command::new("ip");
+            command.args(["netns", "exec", ns, program]);
+            command
+        }
+        None => Command::new(program),
     }
 }
 

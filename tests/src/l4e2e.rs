@@ -139,13 +139,36 @@ impl<'a> Scenario<'a> {
     }
 
     fn breaker_isolates_b(&self) -> Result<()> {
-        let mut long = self.long_lived_on_b()?;
-        // Only the breaker holds B back once this returns.
-        let (sent, delay) = self.driver.isolate(B, &self.workers[B], BOUND)?;
-        eprintln!("breaker opened after {sent} L7 requests; kernel isolated B {delay:?} later");
-        self.b_gets_nothing_but_keeps_its_connection(&mut long)?;
+        self.breaker_holds_b_back(
+            || {
+                // Only the breaker holds B back once this returns.
+                let (sent, delay) = self.driver.isolate(B, &self.workers[B], BOUND)?;
+                eprintln!(
+                    "breaker opened after {sent} L7 requests; kernel isolated B {delay:?} later"
+                );
+                Ok(())
+            },
+            || {
+                self.clock.advance(Duration::from_secs(CB_TIMEOUT_SECS + 1));
+                Ok(())
+            },
+        )
+    }
 
-        self.clock.advance(Duration::from_secs(CB_TIMEOUT_SECS + 1));
+    /// B's breaker opened by `open` (which returns once the kernel has B
+    /// isolated), and let go by `release` (after which B's next L7 requests
+    /// are its trial): while open, B gets no new connection through the
+    /// service and keeps its established one; closed again by one good
+    /// trial, it gets its share again.
+    pub fn breaker_holds_b_back(
+        &self,
+        open: impl FnOnce() -> Result<()>,
+        release: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        let mut long = self.long_lived_on_b()?;
+        open()?;
+        self.b_gets_nothing_but_keeps_its_connection(&mut long)?;
+        release()?;
         self.driver.chat_until(B, State::Closed)?;
         self.driver
             .wait_kernel_state(B, BackendState::Routable, BOUND)?;

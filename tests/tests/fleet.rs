@@ -111,22 +111,6 @@ fn keys(etcd: &Etcd) -> String {
     )
 }
 
-/// A replica that exists only as keys: its replica key and an open verdict
-/// on `url`, both under a lease of `ttl` seconds nobody renews.
-fn key_only_replica(etcd: &Etcd, id: &str, url: &str, ttl: u32) {
-    let granted = etcd.ctl(etcd.client_port, &["lease", "grant", &ttl.to_string()]);
-    // "lease 694d8a1f7c1b2c04 granted with TTL(2s)"
-    let lease = granted.split_whitespace().nth(1).expect("a lease id");
-    let lease = format!("--lease={lease}");
-    etcd.ctl(
-        etcd.client_port,
-        &["put", &lease, &format!("/balancer/replicas/{id}"), "{}"],
-    );
-    let verdict = format!("/balancer/verdicts/{}/{id}", worker_key(url));
-    let value = r#"{"state":"open","reason":"failure_threshold","since":0}"#;
-    etcd.ctl(etcd.client_port, &["put", &lease, &verdict, value]);
-}
-
 #[tokio::test]
 async fn a_quorum_isolates_on_a_replica_that_saw_no_failure_and_recovery_follows_it() {
     let Some(etcd) = Etcd::start() else { return };
@@ -215,8 +199,8 @@ async fn a_killed_replicas_verdicts_expire_with_its_lease() {
     let a = worker().await;
     let url = a.url();
     let h = replica(&etcd, &url, "r1", u32::MAX).await;
-    key_only_replica(&etcd, "alive", &url, 60);
-    key_only_replica(&etcd, "killed", &url, 2);
+    etcd.key_only_replica("alive", &url, 60);
+    etcd.key_only_replica("killed", &url, 2);
     within(Duration::from_secs(1), "isolated by the two", || {
         breaker(&h, &url).fleet_opened
     })
@@ -239,8 +223,8 @@ async fn etcd_stopped_past_the_lease_lets_fleet_isolations_go_half_open() {
     let a = worker().await;
     let url = a.url();
     let h = replica(&etcd, &url, "r1", u32::MAX).await;
-    key_only_replica(&etcd, "x", &url, 60);
-    key_only_replica(&etcd, "y", &url, 60);
+    etcd.key_only_replica("x", &url, 60);
+    etcd.key_only_replica("y", &url, 60);
     within(Duration::from_secs(1), "isolated by the two", || {
         breaker(&h, &url).fleet_opened
     })

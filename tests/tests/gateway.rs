@@ -105,6 +105,44 @@ async fn pushback_429_is_retried_elsewhere_and_leaves_the_breaker_alone() {
     h.stop().await;
 }
 
+/// The statuses the README says are retried (408, 429, 500, 502, 503, 504)
+/// are retried on the other worker; any other status is the client's
+/// answer, tried once.
+#[tokio::test]
+async fn retryable_statuses_are_retried_on_another_worker_and_others_are_returned() {
+    let h = harness(&["a", "b"], |c| {
+        quiet(c);
+        c.breaker.settings.failure_threshold = u32::MAX;
+        c.policy = Policy::RoundRobin;
+    })
+    .await;
+    const CHATS: u64 = 4;
+    for status in [408, 500, 502, 503, 504] {
+        h.workers[0].set_fault(always(status));
+        let (a, b) = (h.served(0), h.served(1));
+        for _ in 0..CHATS {
+            assert_eq!(h.chat(CHAT).await.status, StatusCode::OK, "{status}");
+        }
+        assert!(h.served(0) > a, "{status}: A was tried");
+        assert_eq!(h.served(1) - b, CHATS, "{status}: B answered every chat");
+    }
+    for status in [400, 404, 501] {
+        h.workers[0].set_fault(always(status));
+        let (a, b) = (h.served(0), h.served(1));
+        let mut passed_on = 0;
+        for _ in 0..CHATS {
+            if h.chat(CHAT).await.status.as_u16() == status {
+                passed_on += 1;
+            }
+        }
+        let tried = h.served(0) - a;
+        assert!(tried > 0, "{status}: A was tried");
+        assert_eq!(passed_on, tried, "{status}: each of A's answers returned");
+        assert_eq!(h.served(1) - b, CHATS - tried, "{status}: never retried");
+    }
+    h.stop().await;
+}
+
 #[tokio::test]
 async fn client_errors_are_successes_and_no_response_is_a_failure() {
     let h = harness(&["a"], |c| {

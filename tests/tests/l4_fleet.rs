@@ -1,0 +1,136 @@
+//! Fleet verdicts reach the XDP datapath: a worker the fleet isolates gets
+//! no new L4 connection, in both modes, on the topology of the other XDP
+//! tests (`balancer_tests::topology`). The gateway runs with
+//! `--fleet-verdicts` against a real etcd on the balancer namespace's
+//! loopback; two other replicas exist only as keys under a lease (what
+//! etcd holds of a live replica is exactly that), so the quorum forms and
+//! clears when the test says. The gateway's own breaker threshold is out
+//! of reach: nothing but the fleet can isolate B.
+//!
+//! Addresses are inside the namespaces the test creates; nothing is sent
+//! anywhere else.
+
+use std::cell::RefCell;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use balancer::discovery::etcd::EtcdConfig;
+use balancer::fleet::FleetConfig;
+use balancer::gateway::Gateway;
+use balancer_common::l4::BackendState;
+use balancer_core::breaker::State;
+use balancer_core::clock::ManualClock;
+use balancer_tests::ebpf_prerequisites;
+use balancer_tests::etcd::{Etcd, etcd_binary};
+use balancer_tests::l4e2e::{self, B, Driver, Scenario, wait};
+use balancer_tests::topology::{Layout, Mode, Topology};
+
+/// How long the fleet may take to reach the kernel: the second for
+/// the breaker, with room for the map sync on a loaded machine.
+const BOUND: Duration = Duration::from_secs(5);
+
+#[test]
+fn local_mode_gives_a_fleet_isolated_worker_no_new_connection() {
+    fleet_isolation("bt-l4fll", Layout::new(Mode::Local, 95));
+}
+
+#[test]
+fn remote_mode_gives_a_fleet_isolated_worker_no_new_connection() {
+    fleet_isolation("bt-l4flr", Layout::new(Mode::Remote, 96));
+}
+
+fn fleet_isolation(prefix: &str, layout: Layout) {
+    if ebpf_prerequisites().is_none() || etcd_binary().is_none() {
+        return;
+    }
+    Topology::run(prefix, layout, |topology| exercise(topology, layout))
+        .unwrap_or_else(|error| panic!("{error:#}"));
+}
+
+fn exercise(topology: &Topology, layout: Layout) -> Result<()> {
+    let etcd = Etcd::start_in(Some(topology.balancer())).context("etcd")?;
+    let runtimes = topology.runtimes()?;
+    let runtime = &runtimes.balancer;
+    let workers = runtimes.start_workers()?;
+
+    let urls: Vec<String> = workers.iter().map(|w| w.url()).collect();
+    let mut config = l4e2e::gateway_config(&urls);
+    config.l4 = Some(l4e2e::l4_config(layout));
+    config.breaker.settings.failure_threshold = u32::MAX;
+    config.etcd = Some(EtcdConfig {
+        endpoints: vec![etcd.url()],
+        prefix: "/balancer/".into(),
+    });
+    config.fleet = Some(FleetConfig {
+        replica_id: "gateway".into(),
+        quorum: 2,
+        lease: Duration::from_secs(10),
+    });
+    let clock = Arc::new(ManualClock::new());
+    let gw = runtime
+        .run(Gateway::start_with_clock(config, clock.clone()))?
+        .context("starting the gateway")?;
+
+    let driver = Driver::new(runtime, &gw, &urls);
+    let scenario = Scenario::new(topology, driver, &workers, &clock);
+    let outcome = driver.ready(BOUND).and_then(|()| {
+        let leases = RefCell::new(Vec::new());
+        scenario.breaker_holds_b_back(
+            || {
+                // One verdict is below the quorum: B stays routable.
+                leases
+                    .borrow_mut()
+                    .push(etcd.key_only_replica("r1", &urls[B], 60));
+                wait("r1's verdict seen", BOUND, || {
+                    Ok(driver
+                        .metrics()?
+                        .get(&format!(
+                            "balancer_fleet_open_verdicts{{worker=\"{}\"}}",
+                            urls[B]
+                        ))
+                        .unwrap_or(0.0)
+                        == 1.0)
+                })?;
+                let b = driver.worker(B)?;
+                ensure!(b.breaker.state() == State::Closed, "one verdict opened B");
+                ensure!(
+                    driver.kernel_state(&b)? == Some(BackendState::Routable),
+                    "one verdict changed B in the kernel"
+                );
+                // The second forms it.
+                leases
+                    .borrow_mut()
+                    .push(etcd.key_only_replica("r2", &urls[B], 60));
+                let formed = Instant::now();
+                driver.wait_kernel_state(B, BackendState::Isolated, BOUND)?;
+                let snapshot = b.breaker.snapshot();
+                ensure!(
+                    snapshot.fleet_opened && snapshot.failures_total() == 0,
+                    "B isolated by something else than the fleet: {snapshot:?}"
+                );
+                eprintln!(
+                    "quorum formed: kernel isolated B {:?} later",
+                    formed.elapsed()
+                );
+                Ok(())
+            },
+            || {
+                // The quorum clears: B's breaker goes half-open, and its
+                // trial (an L7 request) closes it.
+                for lease in leases.borrow().iter() {
+                    etcd.ctl(etcd.client_port, &["lease", "revoke", lease]);
+                }
+                wait("B half-open after the quorum cleared", BOUND, || {
+                    Ok(driver.worker(B)?.breaker.state() == State::HalfOpen)
+                })
+            },
+        )
+    });
+
+    runtime.run(gw.shutdown())?;
+    runtimes.stop_workers(workers.into_iter().enumerate())?;
+    drop(runtimes);
+    drop(etcd);
+    outcome
+}
