@@ -99,10 +99,10 @@ fn exercise(topology: &Topology, layout: Layout) -> Result<()> {
                     "one verdict changed B in the kernel"
                 );
                 // The second forms it.
+                let formed = Instant::now();
                 leases
                     .borrow_mut()
                     .push(etcd.key_only_replica("r2", &urls[B], 60));
-                let formed = Instant::now();
                 driver.wait_kernel_state(B, BackendState::Isolated, BOUND)?;
                 let snapshot = b.breaker.snapshot();
                 ensure!(
@@ -110,7 +110,7 @@ fn exercise(topology: &Topology, layout: Layout) -> Result<()> {
                     "B isolated by something else than the fleet: {snapshot:?}"
                 );
                 eprintln!(
-                    "quorum formed: kernel isolated B {:?} later",
+                    "kernel isolated B {:?} after the quorum's second verdict was put",
                     formed.elapsed()
                 );
                 Ok(())
