@@ -6,10 +6,11 @@
 //! Worker A answers 500 from the start; requests go to three replicas in
 //! turn (evenly), then 6:3:1 (a replica that sees little traffic), then to
 //! ten replicas evenly (the example) and with two busy ones, until
-//! every replica stopped sending to A. Each spread runs without and with
-//! `--fleet-verdicts` (quorum 2). Printed per run: the failed requests the
-//! fleet served (A's request count), and with verdicts the time from the
-//! second replica's own opening (the quorum's second verdict) to the last
+//! every replica stopped sending to A. Each spread runs without
+//! `--fleet-verdicts`, with it (quorum 2, the default) and with
+//! `--fleet-quorum 1`. Printed per run: the failed requests the fleet served
+//! (A's request count), and with verdicts the time from the verdict that
+//! formed the quorum (the quorum-th replica's own opening) to the last
 //! replica's opening. Every process it starts stops with it; the load is
 //! one request at a time, at most [`MAX_REQUESTS`] per run.
 
@@ -37,7 +38,7 @@ struct Run {
     fleet_opened: usize,
 }
 
-async fn run(etcd: &Etcd, prefix: &str, shares: &[usize], fleet: bool) -> Run {
+async fn run(etcd: &Etcd, prefix: &str, shares: &[usize], quorum: Option<usize>) -> Run {
     let spawn =
         |name: &str| MockWorker::spawn(([127, 0, 0, 1], 0).into(), MockWorkerConfig::named(name));
     let (a, b) = (spawn("a").await.unwrap(), spawn("b").await.unwrap());
@@ -49,14 +50,14 @@ async fn run(etcd: &Etcd, prefix: &str, shares: &[usize], fleet: bool) -> Run {
             harness_with_urls(&urls, |c| {
                 quiet(c);
                 c.policy = balancer_core::selection::Policy::RoundRobin;
-                if fleet {
+                if let Some(quorum) = quorum {
                     c.etcd = Some(EtcdConfig {
                         endpoints: vec![url],
                         prefix: prefix.to_owned(),
                     });
                     c.fleet = Some(FleetConfig {
                         replica_id: format!("r{i}"),
-                        quorum: 2,
+                        quorum,
                         lease: Duration::from_secs(10),
                     });
                 }
@@ -111,8 +112,10 @@ async fn run(etcd: &Etcd, prefix: &str, shares: &[usize], fleet: bool) -> Run {
     let run = Run {
         failed: a.stats().inference_requests,
         client_errors,
-        quorum_to_last: match (own.get(1), last) {
-            (Some(second), Some(last)) if fleet => Some(last.saturating_duration_since(*second)),
+        quorum_to_last: match (quorum, last) {
+            (Some(q), Some(last)) => own
+                .get(q - 1)
+                .map(|formed| last.saturating_duration_since(*formed)),
             _ => None,
         },
         fleet_opened: openings.iter().filter(|o| o.2).count(),
@@ -132,7 +135,7 @@ async fn main() {
         eprintln!("fleet bench: etcd is needed (cargo xtask setup installs it)");
         std::process::exit(1);
     };
-    println!("fleet verdicts: threshold 10, quorum 2, worker A fails every request");
+    println!("fleet verdicts: threshold 10, worker A fails every request");
     println!(
         "{:<10} {:<16} {:>14} {:>14} {:>16} {:>22}",
         "replicas",
@@ -140,7 +143,7 @@ async fn main() {
         "failed on A",
         "client errors",
         "fleet isolations",
-        "2nd verdict -> last"
+        "quorum -> last"
     );
     let mut n = 0;
     let spreads: [(&str, &[usize]); 4] = [
@@ -150,13 +153,13 @@ async fn main() {
         ("10 5:5:1..", &[5, 5, 1, 1, 1, 1, 1, 1, 1, 1]),
     ];
     for (name, shares) in spreads {
-        for fleet in [false, true] {
+        for quorum in [None, Some(2), Some(1)] {
             n += 1;
-            let r = run(&etcd, &format!("/bench{n}/"), shares, fleet).await;
+            let r = run(&etcd, &format!("/bench{n}/"), shares, quorum).await;
             println!(
                 "{:<10} {:<16} {:>14} {:>14} {:>16} {:>22}",
                 name,
-                if fleet { "--fleet-verdicts" } else { "off" },
+                quorum.map_or("off".to_owned(), |q| format!("quorum {q}")),
                 r.failed,
                 r.client_errors,
                 r.fleet_opened,
