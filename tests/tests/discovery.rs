@@ -172,6 +172,46 @@ async fn bad_values_are_ignored_and_the_other_workers_untouched() {
     h.stop().await;
 }
 
+/// An etcd that is down at start (refusing: no wait; silent: at most the
+/// 3 s start-up wait) leaves the static workers serving, and the balancer
+/// catches up when it answers.
+#[tokio::test]
+async fn an_etcd_away_at_start_delays_the_start_by_at_most_three_seconds_then_is_caught_up() {
+    let Some(mut etcd) = Etcd::start() else {
+        return;
+    };
+    let (a, b) = (demo("a").await, demo("b").await);
+    etcd.ctl(
+        etcd.client_port,
+        &["put", &format!("{KEY}a"), &value(&a.url())],
+    );
+    let port = etcd.client_port;
+    for silent in [false, true] {
+        if silent {
+            etcd.run(port);
+            etcd.freeze(true);
+        } else {
+            etcd.stop();
+        }
+        let started = tokio::time::Instant::now();
+        let h = gateway(&etcd, &[b.url()]).await;
+        let took = started.elapsed();
+        let limit = Duration::from_secs(if silent { 5 } else { 2 });
+        assert!(took < limit, "silent {silent}: the start took {took:?}");
+        assert!(served(&h, &b.url()) && !served(&h, &a.url()));
+        assert_eq!(h.chat(CHAT).await.status, StatusCode::OK);
+        if silent {
+            etcd.freeze(false);
+        } else {
+            etcd.run(port);
+        }
+        // Reconnection backs off at most 2 s; a frozen etcd's connection
+        // answers once thawed.
+        within(Duration::from_secs(5), "caught up", || served(&h, &a.url())).await;
+        h.stop().await;
+    }
+}
+
 #[tokio::test]
 async fn with_etcd_away_the_last_set_serves_and_its_return_resyncs() {
     let Some(mut etcd) = Etcd::start() else {
