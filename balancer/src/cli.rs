@@ -7,6 +7,8 @@
 //! with `_` or `-`), and flags on the command line win. Bad values fail at
 //! start with the flag and the value named.
 
+pub mod file;
+
 use std::ffi::OsString;
 use std::net::{IpAddr, SocketAddr, SocketAddrV4};
 use std::path::{Path, PathBuf};
@@ -34,6 +36,7 @@ use crate::proxy::{
     Routes,
 };
 use crate::tls::{ServingTlsConfig, WorkerTlsConfig};
+use file::ConfigFile;
 
 fn positive_f64(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
@@ -88,6 +91,17 @@ fn log_level(s: &str) -> Result<String, String> {
         .map_err(|e| format!("{e}: use {levels}"))
 }
 
+/// The log filter a subcommand runs with: its `--log-level` when given
+/// (on the command line or in the config file), else `RUST_LOG` when set,
+/// else `default`. The explicit setting wins so that an environment (a
+/// unit's `Environment=`) cannot override the configuration file.
+pub fn log_filter(explicit: Option<&str>, rust_log: Option<&str>, default: &str) -> String {
+    explicit
+        .or(rust_log.filter(|f| !f.trim().is_empty()))
+        .unwrap_or(default)
+        .to_owned()
+}
+
 fn split_pair(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
         Some((k, v)) if !k.is_empty() && !v.is_empty() => Ok((k.to_owned(), v.to_owned())),
@@ -136,6 +150,11 @@ pub struct LaunchArgs {
     /// on the command line win.
     #[arg(long, value_name = "PATH")]
     pub config: Option<PathBuf>,
+    /// Check the flags and the file (every value, how they combine, the TLS
+    /// files, the eBPF object when L4 is on) and exit: 0 with a one-line
+    /// summary, 2 with the error. Binds no port and attaches nothing.
+    #[arg(long)]
+    pub check_config: bool,
 
     /// Address the HTTP gateway listens on (an IP address or a host name,
     /// resolved at start).
@@ -310,9 +329,10 @@ pub struct LaunchArgs {
     pub removed_worker_grace_secs: u64,
 
     /// Log level (error, warn, info, debug, trace) or a tracing filter
-    /// whose directives name levels (`info,balancer=debug`).
-    #[arg(long, default_value = "info", value_parser = log_level)]
-    pub log_level: String,
+    /// whose directives name levels (`info,balancer=debug`). Without it,
+    /// RUST_LOG when set, else info; with it, RUST_LOG is ignored.
+    #[arg(long, value_parser = log_level)]
+    pub log_level: Option<String>,
     /// Log as JSON lines.
     #[arg(long)]
     pub log_json: bool,
@@ -653,15 +673,17 @@ impl BreakerArgs {
 }
 
 impl LaunchArgs {
-    /// Parses `balancer launch` arguments, merging `--config` underneath.
+    /// Parses `balancer launch` arguments, merging `--config` underneath
+    /// (see [`file`]), and checks the configuration they describe.
     pub fn parse_with_config(args: Vec<OsString>) -> anyhow::Result<Self> {
-        let config_path = find_config_flag(&args);
+        let command = launch_command();
+        let given = given_on_command_line(&command, &args);
         let mut merged = vec![OsString::from("balancer launch")];
         let mut specs = Vec::new();
-        if let Some(path) = &config_path {
-            let (flags, workers) = config_file_args(path, &args)?;
-            merged.extend(flags);
-            specs = workers;
+        if let Some(path) = given.as_ref().and_then(|m| m.get_one::<PathBuf>("config")) {
+            let file = ConfigFile::read(path, &command)?;
+            merged.extend(file.args_under(&command, given.as_ref()));
+            specs = file.workers;
         }
         merged.extend(args);
         let mut parsed = match LaunchArgs::try_parse_from(merged) {
@@ -870,96 +892,37 @@ impl LaunchArgs {
     }
 }
 
-fn find_config_flag(args: &[OsString]) -> Option<PathBuf> {
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let a = a.to_string_lossy();
-        if a == "--config" {
-            return it.next().map(PathBuf::from);
-        }
-        if let Some(p) = a.strip_prefix("--config=") {
-            return Some(PathBuf::from(p));
-        }
-    }
-    None
-}
-
-/// Turns a TOML config file into flags, plus its `[[workers]]` specs. Keys
-/// the command line also sets are left out, so the command line wins even
-/// for list flags, which would otherwise accumulate.
-fn config_file_args(
-    path: &Path,
-    cli: &[OsString],
-) -> anyhow::Result<(Vec<OsString>, Vec<WorkerSpec>)> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("cannot read config file {}", path.display()))?;
-    config_text_args(&text, path, cli)
-}
-
-/// [`config_file_args`] on the file's text (the fuzzing entry point).
+/// The `--config` file's arguments for the flags `cli` leaves to it, and
+/// its `[[workers]]` specs (also the fuzzing entry point).
 pub fn config_text_args(
     text: &str,
     path: &Path,
     cli: &[OsString],
 ) -> anyhow::Result<(Vec<OsString>, Vec<WorkerSpec>)> {
-    let on_cli = |flag: &str| {
-        cli.iter().any(|a| {
-            let a = a.to_string_lossy();
-            a.strip_prefix("--")
-                .is_some_and(|rest| rest == flag || rest.starts_with(&format!("{flag}=")))
-        })
-    };
-    let mut table: toml::Table = text
-        .parse()
-        .with_context(|| format!("config file {} is not valid TOML", path.display()))?;
-    let workers = match table.remove("workers") {
-        Some(v) => v
-            .try_into::<Vec<WorkerSpec>>()
-            .with_context(|| format!("config file {}: invalid [[workers]]", path.display()))?,
-        None => Vec::new(),
-    };
-    let command = LaunchArgs::command();
-    let mut flags = Vec::new();
-    for (key, value) in table {
-        let flag = key.replace('_', "-");
-        let known = command
-            .get_arguments()
-            .any(|a| a.get_long() == Some(flag.as_str()));
-        if !known || flag == "config" {
-            bail!("config file {}: unknown key '{key}'", path.display());
-        }
-        if on_cli(&flag) {
-            continue;
-        }
-        let scalar = |v: &toml::Value| -> anyhow::Result<String> {
-            Ok(match v {
-                toml::Value::String(s) => s.clone(),
-                toml::Value::Integer(i) => i.to_string(),
-                toml::Value::Float(f) => f.to_string(),
-                other => bail!(
-                    "config file {}: key '{key}' has an unsupported value {other}",
-                    path.display()
-                ),
-            })
-        };
-        match &value {
-            toml::Value::Boolean(true) => flags.push(format!("--{flag}").into()),
-            toml::Value::Boolean(false) => {}
-            // One flag per item: single-value list flags (`--fallback-model`)
-            // take one value per occurrence.
-            toml::Value::Array(items) => {
-                for item in items {
-                    flags.push(format!("--{flag}").into());
-                    flags.push(scalar(item)?.into());
-                }
-            }
-            v => {
-                flags.push(format!("--{flag}").into());
-                flags.push(scalar(v)?.into());
-            }
-        }
-    }
-    Ok((flags, workers))
+    let command = launch_command();
+    let file = ConfigFile::parse(text, path, &command)?;
+    let given = given_on_command_line(&command, cli);
+    Ok((file.args_under(&command, given.as_ref()), file.workers))
+}
+
+/// `balancer launch`'s flags, built (so that what each flag takes can be
+/// read off it).
+fn launch_command() -> clap::Command {
+    let mut command = LaunchArgs::command();
+    command.build();
+    command
+}
+
+/// The command line parsed alone and leniently (a flag it requires may be
+/// in the file): which flags it gives, and `--config`. `None` when it
+/// cannot be read at all (`--help`); the full parse then says why.
+fn given_on_command_line(command: &clap::Command, cli: &[OsString]) -> Option<clap::ArgMatches> {
+    let argv = std::iter::once(OsString::from("balancer launch")).chain(cli.iter().cloned());
+    command
+        .clone()
+        .ignore_errors(true)
+        .try_get_matches_from(argv)
+        .ok()
 }
 
 #[cfg(test)]
@@ -1197,6 +1160,172 @@ resilience = { capacity_status_codes = [429, 503], cb_failure_threshold = 2 }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// The error `text` as a config file named `balancer.toml` gets.
+    fn file_error(text: &str) -> String {
+        let command = launch_command();
+        ConfigFile::parse(text, Path::new("balancer.toml"), &command)
+            .unwrap_err()
+            .to_string()
+    }
+
+    /// `args` parsed with `text` as their `--config` file.
+    fn parse_with_file(text: &str, args: &[&str]) -> anyhow::Result<LaunchArgs> {
+        static FILES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = FILES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path =
+            std::env::temp_dir().join(format!("balancer-file-{}-{n}.toml", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        let mut argv = vec!["--config", path.to_str().unwrap()];
+        argv.extend(args);
+        let parsed = parse(&argv);
+        std::fs::remove_file(&path).unwrap();
+        parsed
+    }
+
+    #[test]
+    fn config_file_errors_name_the_file_and_the_key() {
+        for (text, expected) in [
+            (
+                r#"disable_retries = "yes""#,
+                r#"balancer.toml: key 'disable_retries': expected a boolean, found string "yes""#,
+            ),
+            (
+                "disable_retries = 1",
+                "balancer.toml: key 'disable_retries': expected a boolean, found integer 1",
+            ),
+            (
+                r#"port = "abc""#,
+                "balancer.toml: key 'port': invalid value 'abc': invalid digit found in string",
+            ),
+            (
+                "port = 70000",
+                "balancer.toml: key 'port': invalid value '70000': 70000 is not in 0..=65535",
+            ),
+            (
+                "port = [1, 2]",
+                "balancer.toml: key 'port': expected a string or a number, found an array",
+            ),
+            (
+                "log_json = [true]",
+                "balancer.toml: key 'log_json': expected a boolean, found an array",
+            ),
+            (
+                "worker_urls = [{ url = \"x\" }]",
+                "balancer.toml: key 'worker_urls': expected an array of strings or numbers, \
+                 found a table in it",
+            ),
+            (
+                r#"cb_failure_mode = "sometimes""#,
+                "balancer.toml: key 'cb_failure_mode': invalid value 'sometimes': \
+                 possible values: consecutive, window",
+            ),
+            ("foo = 1", "balancer.toml: unknown key 'foo'"),
+            (
+                "cb_failure_treshold = 4",
+                "balancer.toml: unknown key 'cb_failure_treshold' \
+                 (did you mean 'cb_failure_threshold'?)",
+            ),
+            (
+                "config = \"other.toml\"",
+                "balancer.toml: unknown key 'config'",
+            ),
+            (
+                "port = 1\nport-x = 2",
+                "balancer.toml: unknown key 'port-x' (did you mean 'port'?)",
+            ),
+            (
+                "cb_failure_threshold = 4\ncb-failure-threshold = 5",
+                "balancer.toml: key 'cb_failure_threshold': 'cb-failure-threshold' sets it too",
+            ),
+            (
+                "disable_retries = yes",
+                "balancer.toml:1:19: invalid string; expected `\"`, `'`",
+            ),
+            (
+                "[[workers]]\nurl = \"http://127.0.0.1:1\"\n[[workers]]\nurl = \"ftp://x\"",
+                "balancer.toml: workers[1].url: \"ftp://x\": a worker URL starts with http:// or https://",
+            ),
+            (
+                "[[workers]]\nurl = \"http://127.0.0.1:1\"\nresilience = { cb_timeout_secs = \"x\" }",
+                "balancer.toml: workers[0].resilience.cb_timeout_secs: \
+                 invalid type: string \"x\", expected u64",
+            ),
+            (
+                "[[workers]]\nurl = \"http://127.0.0.1:1\"\nresilience = { cb_timeout_secs = 0 }",
+                "balancer.toml: workers[0].resilience.cb_timeout_secs: must be at least 1",
+            ),
+            (
+                "workers = 3",
+                "balancer.toml: key 'workers': expected [[workers]] tables, found integer 3",
+            ),
+        ] {
+            assert_eq!(file_error(text), expected, "{text}");
+        }
+    }
+
+    #[test]
+    fn a_config_file_value_may_start_with_a_dash() {
+        let c = parse_with_file("admin_token = \"-abc\"\nadmin_host = \"0.0.0.0\"", &[])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        assert_eq!(c.admin_token.as_deref(), Some("-abc"));
+    }
+
+    #[test]
+    fn the_command_line_wins_over_the_file_by_name_alias_or_conflict() {
+        let file = "port = 8080\nmax_buffered_request_bytes = 1000\n\
+                    worker_urls = [\"http://127.0.0.1:9001\", \"http://127.0.0.1:9002\"]\n\
+                    allow_path = [\"/a\", \"/b\"]\nadmin_token = \"from-file\"";
+        let a = parse_with_file(file, &[]).unwrap();
+        assert_eq!((a.port, a.max_buffered_request_bytes), (8080, 1000));
+        assert_eq!(a.worker_urls.len(), 2);
+        assert_eq!(a.allow_path, ["/a", "/b"]);
+
+        let token = std::env::temp_dir().join(format!("balancer-cli-token-{}", std::process::id()));
+        std::fs::write(&token, "from-token-file\n").unwrap();
+        let a = parse_with_file(
+            file,
+            &[
+                "--port=9090",
+                "--max-replay-body-bytes",
+                "2000",
+                "--worker-urls",
+                "http://127.0.0.1:9003",
+                "--allow-path",
+                "/c",
+                "--admin-token-file",
+                token.to_str().unwrap(),
+            ],
+        );
+        let config = a.as_ref().ok().map(LaunchArgs::to_config);
+        std::fs::remove_file(&token).unwrap();
+        let a = a.unwrap();
+        assert_eq!(a.port, 9090, "a scalar");
+        assert_eq!(a.max_buffered_request_bytes, 2000, "by the flag's alias");
+        assert_eq!(a.worker_urls, ["http://127.0.0.1:9003"], "a list");
+        assert_eq!(a.allow_path, ["/c"], "a repeated flag");
+        assert_eq!(
+            a.admin_token, None,
+            "the file's token conflicts with the flag's file"
+        );
+        assert_eq!(
+            config.unwrap().unwrap().admin_token.as_deref(),
+            Some("from-token-file")
+        );
+    }
+
+    #[test]
+    fn an_explicit_log_level_wins_over_rust_log() {
+        assert_eq!(log_filter(Some("debug"), Some("trace"), "info"), "debug");
+        assert_eq!(log_filter(None, Some("trace"), "info"), "trace");
+        assert_eq!(log_filter(None, Some(" "), "info"), "info");
+        assert_eq!(log_filter(None, None, "warn"), "warn");
+        let from_file = parse_with_file("log_level = \"warn\"", &[]).unwrap();
+        assert_eq!(from_file.log_level.as_deref(), Some("warn"));
+        assert_eq!(parse(&[]).unwrap().log_level, None);
+    }
+
     #[test]
     fn min_completion_tokens_comes_from_the_flag_or_the_file_and_per_worker() {
         assert_eq!(parse(&[]).unwrap().breaker.cb_min_completion_tokens, None);
@@ -1254,7 +1383,10 @@ resilience = { cb_min_completion_tokens = 0 }
             "warn,balancer=debug",
             "balancer::proxy=trace",
         ] {
-            assert_eq!(parse(&["--log-level", ok]).unwrap().log_level, ok);
+            assert_eq!(
+                parse(&["--log-level", ok]).unwrap().log_level.as_deref(),
+                Some(ok)
+            );
         }
         for bad in ["verbose", "info,verbose", "balancer=loud"] {
             let err = parse(&["--log-level", bad]).unwrap_err().to_string();
