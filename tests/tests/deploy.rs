@@ -124,7 +124,12 @@ fn the_manual_pages_and_completions_describe_the_launch_flags() {
     let launch = std::fs::read_to_string(dir.join("balancer-launch.1"));
     let top = std::fs::read_to_string(dir.join("balancer.1"));
     std::fs::remove_dir_all(&dir).unwrap();
-    assert!(launch.unwrap().contains("worker\\-urls"));
+    let launch = launch.unwrap();
+    assert!(launch.contains("worker\\-urls"));
+    assert!(
+        launch.contains(".SH \"CIRCUIT BREAKERS\"") && launch.contains(".SH FLEET"),
+        "the flags' groups are the page's sections"
+    );
     assert!(top.unwrap().contains("launch"));
 
     for shell in ["bash", "zsh", "fish"] {
