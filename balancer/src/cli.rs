@@ -1,11 +1,13 @@
 //! The gateway's command line and config file, mapped onto [`GatewayConfig`].
 //!
-//! Owns flag names, their defaults and per-flag validation; the checks that
-//! span settings are [`GatewayConfig::validate`]'s. Names and defaults follow the
-//! reference gateway (`smg launch`) so operators can reuse their flags. Every
-//! flag can also come from a TOML file (`--config PATH`, keys are flag names
-//! with `_` or `-`), and flags on the command line win. Bad values fail at
-//! start with the flag and the value named.
+//! Owns flag names, their defaults, their help (grouped under [`heading`]s)
+//! and per-flag validation; the checks that span settings are
+//! [`GatewayConfig::validate`]'s. Names and defaults follow the reference
+//! gateway (`smg launch`) so operators can reuse their flags. Every flag can
+//! also come from a TOML file (`--config PATH`, keys are flag names with `_`
+//! or `-`; [`file`](mod@file) reads and checks it), and flags on the command line win.
+//! Bad values fail at start with the flag (or the file and key) and the
+//! value named.
 
 pub mod file;
 
@@ -265,7 +267,7 @@ pub struct LaunchArgs {
     #[arg(long, value_name = "SECS", default_value_t = 180, help_heading = heading::LISTENERS)]
     pub shutdown_grace_period_secs: u64,
 
-    /// Worker base URLs (http[s]://host:port, without /v1)
+    /// Worker base URLs (http://host:port or https://, without /v1)
     #[arg(long, num_args = 1.., value_name = "URL", help_heading = heading::WORKERS)]
     pub worker_urls: Vec<String>,
     /// Discover workers through etcd at these endpoints (none when absent)
@@ -835,7 +837,7 @@ impl BreakerArgs {
 
 impl LaunchArgs {
     /// Parses `balancer launch` arguments, merging `--config` underneath
-    /// (see [`file`]), and checks the configuration they describe.
+    /// (see [`file`](mod@file)), and checks the configuration they describe.
     pub fn parse_with_config(args: Vec<OsString>) -> anyhow::Result<Self> {
         let command = launch_command();
         let given = given_on_command_line(&command, &args);
