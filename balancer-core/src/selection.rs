@@ -57,23 +57,27 @@ pub enum Policy {
 impl FromStr for Policy {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        Ok(match s {
-            "round_robin" => Policy::RoundRobin,
-            "random" => Policy::Random,
-            "power_of_two" => Policy::PowerOfTwo,
-            "cache_aware" => Policy::CacheAware,
-            "least_load" => Policy::LeastLoad,
-            "consistent_hash" => Policy::ConsistentHash,
-            other => {
-                return Err(format!(
-                    "unknown policy {other:?} (round_robin, random, power_of_two, least_load, cache_aware, consistent_hash)"
-                ));
-            }
-        })
+        Self::ALL
+            .into_iter()
+            .find(|p| p.as_str() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL.map(Policy::as_str).to_vec();
+                format!("unknown policy {s:?} ({})", names.join(", "))
+            })
     }
 }
 
 impl Policy {
+    /// Every policy, in the order `--help` lists them.
+    pub const ALL: [Policy; 6] = [
+        Policy::RoundRobin,
+        Policy::Random,
+        Policy::PowerOfTwo,
+        Policy::LeastLoad,
+        Policy::CacheAware,
+        Policy::ConsistentHash,
+    ];
+
     /// The name `--policy` accepts for it.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -63,6 +63,9 @@ pub enum ForwardMode {
 }
 
 impl ForwardMode {
+    /// Both modes, as `--l4-mode` lists them.
+    pub const ALL: [ForwardMode; 2] = [ForwardMode::Local, ForwardMode::Remote];
+
     pub fn as_str(self) -> &'static str {
         match self {
             ForwardMode::Local => "local",
@@ -74,7 +77,7 @@ impl ForwardMode {
 impl std::str::FromStr for ForwardMode {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        [ForwardMode::Local, ForwardMode::Remote]
+        Self::ALL
             .into_iter()
             .find(|m| m.as_str() == s)
             .ok_or_else(|| format!("unknown L4 mode {s:?} (local, remote)"))

@@ -1,18 +1,24 @@
 //! The gateway's command line and config file, mapped onto [`GatewayConfig`].
 //!
-//! Owns flag names, their defaults and per-flag validation; the checks that
-//! span settings are [`GatewayConfig::validate`]'s. Names and defaults follow the
-//! reference gateway (`smg launch`) so operators can reuse their flags. Every
-//! flag can also come from a TOML file (`--config PATH`, keys are flag names
-//! with `_` or `-`), and flags on the command line win. Bad values fail at
-//! start with the flag and the value named.
+//! Owns flag names, their defaults, their help (grouped under [`heading`]s)
+//! and per-flag validation; the checks that span settings are
+//! [`GatewayConfig::validate`]'s. Names and defaults follow the reference
+//! gateway (`smg launch`) so operators can reuse their flags. Every flag can
+//! also come from a TOML file (`--config PATH`, keys are flag names with `_`
+//! or `-`; [`file`](mod@file) reads and checks it), and flags on the command line win.
+//! Bad values fail at start with the flag (or the file and key) and the
+//! value named.
+
+pub mod file;
 
 use std::ffi::OsString;
 use std::net::{IpAddr, SocketAddr, SocketAddrV4};
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, CommandFactory, Parser};
 
 use balancer_common::l4::{DEFAULT_CONNTRACK_SIZE, DEFAULT_TABLE_SIZE};
@@ -34,6 +40,7 @@ use crate::proxy::{
     Routes,
 };
 use crate::tls::{ServingTlsConfig, WorkerTlsConfig};
+use file::ConfigFile;
 
 fn positive_f64(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
@@ -88,6 +95,17 @@ fn log_level(s: &str) -> Result<String, String> {
         .map_err(|e| format!("{e}: use {levels}"))
 }
 
+/// The log filter a subcommand runs with: its `--log-level` when given
+/// (on the command line or in the config file), else `RUST_LOG` when set,
+/// else `default`. The explicit setting wins so that an environment (a
+/// unit's `Environment=`) cannot override the configuration file.
+pub fn log_filter(explicit: Option<&str>, rust_log: Option<&str>, default: &str) -> String {
+    explicit
+        .or(rust_log.filter(|f| !f.trim().is_empty()))
+        .unwrap_or(default)
+        .to_owned()
+}
+
 fn split_pair(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
         Some((k, v)) if !k.is_empty() && !v.is_empty() => Ok((k.to_owned(), v.to_owned())),
@@ -127,307 +145,445 @@ pub enum FailureMode {
     Window,
 }
 
+/// The groups of `balancer launch --help`, in the order they appear.
+pub mod heading {
+    pub const CONFIG: &str = "Configuration";
+    pub const LISTENERS: &str = "Listeners";
+    pub const WORKERS: &str = "Workers and discovery";
+    pub const ROUTING: &str = "Routing";
+    pub const CACHE_AWARE: &str = "Routing: the cache_aware policy";
+    pub const TIMEOUTS: &str = "Timeouts";
+    pub const RETRIES: &str = "Retries";
+    pub const BREAKERS: &str = "Circuit breakers";
+    pub const LLM: &str = "LLM options";
+    pub const HEALTH: &str = "Health checks";
+    pub const LIMITS: &str = "Admission and limits";
+    pub const TLS: &str = "TLS";
+    pub const L4: &str = "L4 steering (XDP)";
+    pub const FLEET: &str = "Fleet";
+    pub const OBSERVABILITY: &str = "Observability";
+    /// All of them, in order.
+    pub const ALL: [&str; 15] = [
+        CONFIG,
+        LISTENERS,
+        WORKERS,
+        ROUTING,
+        CACHE_AWARE,
+        TIMEOUTS,
+        RETRIES,
+        BREAKERS,
+        LLM,
+        HEALTH,
+        LIMITS,
+        TLS,
+        L4,
+        FLEET,
+        OBSERVABILITY,
+    ];
+}
+
+/// A flag taking one of `all`, by name (`name`), parsed back with its
+/// `FromStr`: `--help` lists the names and a wrong one is refused with them.
+fn one_of<T>(
+    all: impl IntoIterator<Item = T>,
+    name: fn(T) -> &'static str,
+) -> impl TypedValueParser<Value = T>
+where
+    T: FromStr<Err = String> + Clone + Send + Sync + 'static,
+{
+    PossibleValuesParser::new(all.into_iter().map(name)).try_map(|s| s.parse::<T>())
+}
+
 /// `balancer launch`: run the gateway.
+///
+/// Flags by group; `-h` gives one line each, `--help` the details. Every
+/// flag can also be a key of the `--config` file.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "balancer launch")]
 pub struct LaunchArgs {
-    /// TOML file with any of these flags as keys (`cb_failure_threshold = 5`)
-    /// and `[[workers]]` tables (url, model, labels, resilience). Flags given
-    /// on the command line win.
-    #[arg(long, value_name = "PATH")]
+    /// TOML file whose keys are these flags' names; the command line wins
+    ///
+    /// Keys are flag names with `_` or `-` (`cb_failure_threshold = 5`), plus
+    /// `[[workers]]` tables (url, model, labels, resilience). A flag given on
+    /// the command line (or by its environment variable) replaces the file's
+    /// key, lists included. Errors name the file and the key.
+    #[arg(long, value_name = "PATH", help_heading = heading::CONFIG)]
     pub config: Option<PathBuf>,
+    /// Check the flags and the file, print a summary and exit (0, or 2)
+    ///
+    /// Checks every value, how they combine, the TLS files and, with L4 on,
+    /// that the eBPF object is found; binds no port and attaches nothing.
+    /// Exits 0 printing a one-line summary, or 2 printing the error.
+    #[arg(long, help_heading = heading::CONFIG)]
+    pub check_config: bool,
 
-    /// Address the HTTP gateway listens on (an IP address or a host name,
-    /// resolved at start).
-    #[arg(long, default_value = "127.0.0.1", value_parser = host)]
+    /// Address of the HTTP gateway (an IP address or a host name)
+    ///
+    /// A name is resolved once at start; of its addresses the first IPv4
+    /// one is taken (`localhost` is 127.0.0.1).
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1", value_parser = host, help_heading = heading::LISTENERS)]
     pub host: IpAddr,
-    /// Port of the HTTP gateway.
-    #[arg(long, default_value_t = 30000)]
+    /// Port of the HTTP gateway
+    #[arg(long, default_value_t = 30000, help_heading = heading::LISTENERS)]
     pub port: u16,
-    /// Worker base URLs (http://host:port).
-    #[arg(long, num_args = 1.., value_name = "URL")]
-    pub worker_urls: Vec<String>,
-    /// Discover workers through etcd at these endpoints (http://host:port,
-    /// comma-separated or repeated), beside --worker-urls.
-    #[arg(long, value_delimiter = ',', value_name = "URL")]
-    pub etcd_endpoints: Vec<String>,
-    /// The etcd key prefix; workers are `<PREFIX>workers/<id>`.
-    #[arg(long, default_value = "/balancer/")]
-    pub etcd_prefix: String,
-    /// Share breaker verdicts with the other balancer replicas through etcd
-    /// (needs --etcd-endpoints): a worker that --fleet-quorum live replicas
-    /// hold open is isolated on every replica.
-    #[arg(long)]
-    pub fleet_verdicts: bool,
-    /// This replica's id in etcd (A-Z a-z 0-9 . _ ~ -); default
-    /// `<hostname>-<port>`. A start with an id a live replica holds fails.
-    #[arg(long, value_name = "ID")]
-    pub replica_id: Option<String>,
-    /// Distinct live replicas whose open verdicts isolate a worker.
-    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=1024))]
-    pub fleet_quorum: u32,
-    /// The lease of this replica's keys in etcd; out of touch longer than
-    /// this, its fleet isolations end.
-    #[arg(long, value_name = "S", default_value_t = 10, value_parser = clap::value_parser!(u64).range(2..=3600))]
-    pub fleet_lease_secs: u64,
-    /// Start N built-in demo workers on loopback and route to them
-    /// (what `cargo xtask run` does).
-    #[arg(long, default_value_t = 0, value_name = "N")]
-    pub demo_workers: u16,
-    /// Load-balancing policy: round_robin, random, power_of_two, least_load,
-    /// cache_aware, consistent_hash.
-    #[arg(long, default_value = "power_of_two")]
-    pub policy: Policy,
-    /// Header whose value is the routing key of `consistent_hash`.
-    #[arg(long, default_value = "x-session-id")]
-    pub routing_key_header: String,
-    /// Headers that carry a request id, tried in order: the first present
-    /// is kept; without any the gateway makes one and sends it as the first
-    /// of these. The worker gets it and the client gets it back. Off when
-    /// absent (`--access-log` alone turns it on with `x-request-id`): a
-    /// client's id still reaches the worker as any header does.
-    #[arg(long, num_args = 1.., value_name = "HEADER")]
-    pub request_id_headers: Vec<String>,
-
-    /// Address of the Prometheus metrics listener.
-    #[arg(long, default_value = "127.0.0.1", value_parser = host)]
+    /// Address of the Prometheus metrics listener (`/metrics`)
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1", value_parser = host, help_heading = heading::LISTENERS)]
     pub prometheus_host: IpAddr,
-    #[arg(long, default_value_t = 29000)]
+    /// Port of the Prometheus metrics listener
+    #[arg(long, value_name = "PORT", default_value_t = 29000, help_heading = heading::LISTENERS)]
     pub prometheus_port: u16,
-    /// Prefix of every metric name (`smg` makes the reference gateway's
-    /// dashboards and alerts work unchanged).
-    #[arg(long, default_value = "balancer")]
-    pub metrics_prefix: String,
-
-    /// Address of the admin API (never served on the public port).
-    #[arg(long, default_value = "127.0.0.1", value_parser = host)]
+    /// Address of the admin API (never served on the public port)
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1", value_parser = host, help_heading = heading::LISTENERS)]
     pub admin_host: IpAddr,
-    #[arg(long, default_value_t = 29100)]
+    /// Port of the admin API
+    #[arg(long, value_name = "PORT", default_value_t = 29100, help_heading = heading::LISTENERS)]
     pub admin_port: u16,
-    /// Require `Authorization: Bearer <TOKEN>` on the admin API. Required
-    /// when the admin API listens on a non-loopback address.
-    #[arg(long, env = "BALANCER_ADMIN_TOKEN", hide_env_values = true)]
+    /// Bearer token the admin API requires (none when absent, on loopback)
+    ///
+    /// Callers send `Authorization: Bearer <TOKEN>`. Required when the admin
+    /// API listens on an address other than loopback.
+    #[arg(long, value_name = "TOKEN", env = "BALANCER_ADMIN_TOKEN", hide_env_values = true, help_heading = heading::LISTENERS)]
     pub admin_token: Option<String>,
-    /// Read the admin token from this file (first line; systemd's
-    /// `LoadCredential=` puts it under `$CREDENTIALS_DIRECTORY`).
-    #[arg(long, value_name = "PATH", conflicts_with = "admin_token")]
+    /// Read the admin token from this file's first line
+    ///
+    /// systemd's `LoadCredential=` puts it under `$CREDENTIALS_DIRECTORY`, as
+    /// the shipped units do.
+    #[arg(long, value_name = "PATH", conflicts_with = "admin_token", help_heading = heading::LISTENERS)]
     pub admin_token_file: Option<PathBuf>,
-
-    /// Per-attempt timeout to the first response byte, in seconds.
-    #[arg(long, default_value_t = 1800, value_parser = clap::value_parser!(u64).range(1..))]
-    pub request_timeout_secs: u64,
-    /// Timeout for opening a connection to a worker, in seconds.
-    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
-    pub connect_timeout_secs: u64,
-    /// A streamed response that sends nothing for this long is cut (an SSE
-    /// error event ends it, never `data: [DONE]`); a breaker failure only
-    /// with `--cb-stream-failures`.
-    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
-    pub stream_idle_timeout_secs: u64,
-    /// Request bodies up to this size are kept for replay on retries; larger
-    /// ones stream to a single attempt.
-    #[arg(long, alias = "max-replay-body-bytes", default_value_t = 8 << 20)]
-    pub max_buffered_request_bytes: usize,
-    /// Bytes all kept request bodies may hold at once; past it requests get
-    /// 503 `body_budget_exhausted` instead of growing memory.
-    #[arg(long, default_value_t = 1 << 30, value_parser = clap::value_parser!(u64).range(1..))]
-    pub max_buffered_bytes_total: u64,
-    /// Largest request body, in bytes: 413 at once from `Content-Length`,
-    /// or as soon as a chunked body passes it.
-    #[arg(long, default_value_t = 512 << 20, value_parser = clap::value_parser!(u64).range(1..))]
-    pub max_payload_size: u64,
-    /// A request body that sends nothing for this long gets 408.
-    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
-    pub stream_body_stall_timeout_secs: u64,
-    /// A connection whose request head is not complete this long after
-    /// accept (or after its previous response) is closed.
-    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
-    pub header_read_timeout_secs: u64,
-    /// A connection with no request in flight (an open stream counts) is
-    /// closed after this long.
-    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
-    pub idle_connection_timeout_secs: u64,
-    /// A client that accepts no byte of a response for this long is
-    /// disconnected.
-    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
-    pub send_timeout_secs: u64,
-    /// HTTP/2 keep-alive ping interval; an unanswered ping closes the
-    /// connection.
-    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
-    pub http2_keepalive_interval_secs: u64,
-    /// Client connections at once on the public port; at the cap, accept waits.
-    #[arg(long, default_value_t = 16384, value_parser = clap::value_parser!(u64).range(1..))]
-    pub max_connections: u64,
-    /// Serve HTTPS on `--port` with this PEM certificate chain (leaf
-    /// first); reloaded on SIGHUP and when the file changes.
-    #[arg(long, value_name = "PATH", requires = "tls_key_path")]
-    pub tls_cert_path: Option<PathBuf>,
-    /// The PEM private key of `--tls-cert-path`.
-    #[arg(long, value_name = "PATH", requires = "tls_cert_path")]
-    pub tls_key_path: Option<PathBuf>,
-    /// Callers must present a certificate signed by a CA of this PEM bundle.
-    #[arg(long, value_name = "PATH", requires = "tls_cert_path")]
-    pub tls_client_ca_path: Option<PathBuf>,
-    /// How often the TLS files are checked for a change, in seconds; 0:
-    /// only SIGHUP reloads them.
-    #[arg(long, default_value_t = 2)]
-    pub tls_watch_interval_secs: u64,
-    /// Trust these PEM CA certificates for `https://` workers instead of the
-    /// system's.
-    #[arg(long, value_name = "PATH")]
-    pub worker_ca_path: Option<PathBuf>,
-    /// Present this PEM certificate chain to `https://` workers (mutual TLS).
-    #[arg(long, value_name = "PATH", requires = "client_key_path")]
-    pub client_cert_path: Option<PathBuf>,
-    /// The PEM private key of `--client-cert-path`.
-    #[arg(long, value_name = "PATH", requires = "client_cert_path")]
-    pub client_key_path: Option<PathBuf>,
-    /// Forward this route too (an exact normalised path, or a prefix ending
-    /// in `/*`), for GET and POST. Repeatable. By default only the inference
-    /// and model routes reach a worker.
-    #[arg(long, value_name = "PATH", value_parser = allowed_path)]
-    pub allow_path: Vec<String>,
-    /// Breakers never isolate more than this percentage of a model's workers
-    /// at once (Envoy's max ejection percent); a breaker past it stays
-    /// closed. 100: no limit, as in the reference gateway.
-    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=100))]
-    pub cb_max_open_percent: u32,
-    /// Proxies in front of this gateway whose `X-Forwarded-For` is kept (the
-    /// peer is appended); 0 replaces it with the peer.
-    #[arg(long, default_value_t = 0)]
-    pub trusted_proxy_hops: u32,
-    /// Threads serving the HTTP port, each with its own runtime, socket and
-    /// worker connections (0: one per core). Their client connections are
-    /// kept even: a thread holding more than another hands a new one over.
-    #[arg(long, default_value_t = 0)]
+    /// Threads serving the HTTP port (0: one per core)
+    ///
+    /// Each has its own runtime, socket and worker connections. Their client
+    /// connections are kept even: a thread holding more than another hands a
+    /// new one over.
+    #[arg(long, value_name = "N", default_value_t = 0, help_heading = heading::LISTENERS)]
     pub serving_threads: usize,
-    /// In-flight requests get this long to finish after SIGTERM.
-    #[arg(long, default_value_t = 180)]
+    /// Proxies in front whose `X-Forwarded-For` is kept (0: replaced)
+    ///
+    /// With N > 0 the peer is appended to the header the client sent; with 0
+    /// the header is replaced with the peer's address.
+    #[arg(long, value_name = "N", default_value_t = 0, help_heading = heading::LISTENERS)]
+    pub trusted_proxy_hops: u32,
+    /// Seconds in-flight requests get to finish after SIGTERM
+    #[arg(long, value_name = "SECS", default_value_t = 180, help_heading = heading::LISTENERS)]
     pub shutdown_grace_period_secs: u64,
-    /// A removed worker's series stay in /metrics (its breaker state at -1)
-    /// this long, then go; 0 drops them at once.
-    #[arg(long, default_value_t = DEFAULT_REMOVED_GRACE.as_secs())]
+
+    /// Worker base URLs (http://host:port or https://, without /v1)
+    #[arg(long, num_args = 1.., value_name = "URL", help_heading = heading::WORKERS)]
+    pub worker_urls: Vec<String>,
+    /// Discover workers through etcd at these endpoints (none when absent)
+    ///
+    /// http://host:port URLs, comma-separated or repeated; the workers found
+    /// there are added to --worker-urls and the config file's.
+    #[arg(long, value_delimiter = ',', value_name = "URL", help_heading = heading::WORKERS)]
+    pub etcd_endpoints: Vec<String>,
+    /// The etcd key prefix; workers are `<PREFIX>workers/<id>`
+    #[arg(long, value_name = "PREFIX", default_value = "/balancer/", help_heading = heading::WORKERS)]
+    pub etcd_prefix: String,
+    /// Start N built-in demo workers on loopback and route to them
+    ///
+    /// What `cargo xtask run` does; for trying the gateway without GPUs.
+    #[arg(long, default_value_t = 0, value_name = "N", help_heading = heading::WORKERS)]
+    pub demo_workers: u16,
+    /// Seconds a removed worker's series stay in /metrics (0: none)
+    ///
+    /// Its breaker state gauge reads -1 meanwhile, then its series go.
+    #[arg(long, value_name = "SECS", default_value_t = DEFAULT_REMOVED_GRACE.as_secs(), help_heading = heading::WORKERS)]
     pub removed_worker_grace_secs: u64,
 
-    /// Log level (error, warn, info, debug, trace) or a tracing filter
-    /// whose directives name levels (`info,balancer=debug`).
-    #[arg(long, default_value = "info", value_parser = log_level)]
-    pub log_level: String,
-    /// Log as JSON lines.
-    #[arg(long)]
-    pub log_json: bool,
-    /// Log one line per request (target `access`): method, path, model,
-    /// status, worker, attempts, time to the response head, duration,
-    /// request id. Off: the request path does nothing for it.
-    #[arg(long)]
-    pub access_log: bool,
-
-    /// Retries per request after the first attempt (0: none).
-    #[arg(long, default_value_t = 5)]
-    pub retry_max_retries: u32,
-    #[arg(long, default_value_t = 50)]
-    pub retry_initial_backoff_ms: u64,
-    #[arg(long, default_value_t = 30000)]
-    pub retry_max_backoff_ms: u64,
-    #[arg(long, default_value_t = 1.5, value_parser = positive_f64)]
-    pub retry_backoff_multiplier: f64,
-    #[arg(long, default_value_t = 0.2, value_parser = fraction)]
-    pub retry_jitter_factor: f64,
-    /// One attempt per request.
-    #[arg(long)]
-    pub disable_retries: bool,
-
-    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
-    pub health_check_interval_secs: u64,
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
-    pub health_check_timeout_secs: u64,
-    #[arg(long, default_value = "/health", value_parser = endpoint_path)]
-    pub health_check_endpoint: String,
-    /// Consecutive failed probes that demote a worker to NotReady.
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
-    pub health_failure_threshold: u32,
-    /// Consecutive passing probes that promote it back to Ready.
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
-    pub health_success_threshold: u32,
-    #[arg(long)]
-    pub disable_health_check: bool,
-
-    /// Requests running at once; the rest queue (off when absent).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
-    pub max_concurrent_requests: Option<u64>,
-    #[arg(long, default_value_t = 100)]
-    pub queue_size: usize,
-    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
-    pub queue_timeout_secs: u64,
-
-    /// MODEL=OTHER: when no worker serving MODEL is eligible (or MODEL's
-    /// token budget is spent), the request goes to OTHER's workers with the
-    /// body's `model` rewritten, and the response names the fallback in an
-    /// `x-balancer-fallback` header. Repeatable; chains allowed, cycles refused.
-    #[arg(long, value_name = "MODEL=OTHER", value_parser = split_pair)]
-    pub fallback_model: Vec<(String, String)>,
-    /// Send a request naming a model no worker declares to any worker (the
-    /// behaviour before 404 `model_not_found`): for fleets of one model
-    /// whose workers list none on `/v1/models`.
-    #[arg(long)]
-    pub route_undeclared_models: bool,
-    /// MODEL=TOKENS: tokens per rolling minute (from the responses' `usage`).
-    /// Past it, requests for MODEL take its fallback model, or get 429
-    /// `token_budget_exceeded` with Retry-After. Repeatable.
-    #[arg(long, value_name = "MODEL=TOKENS", value_parser = model_budget)]
-    pub token_budget: Vec<(String, u64)>,
-
-    /// Attach the XDP program to IFACE and steer new TCP connections of the
-    /// `--l4-service`s over the workers at line rate, skipping workers whose
-    /// breaker is open, that are not ready or that drain. Repeatable: in
-    /// remote mode, name the interfaces where clients' packets and the
-    /// workers' replies arrive. Without it nothing is attached and the
-    /// gateway is L7 only. Needs root and the eBPF object
-    /// (`cargo xtask build-ebpf`, or BALANCER_EBPF_OBJECT).
-    #[arg(long, value_name = "IFACE")]
-    pub xdp_iface: Vec<String>,
-    /// How to attach the XDP program: auto (native, else generic), driver
-    /// (native only), skb (generic).
-    #[arg(long, default_value = "auto")]
-    pub xdp_mode: XdpMode,
-    /// VIP:PORT whose TCP connections are balanced over the workers (at the
-    /// IPv4 address and port of their URLs). Repeatable.
-    #[arg(long, value_name = "VIP:PORT")]
-    pub l4_service: Vec<SocketAddrV4>,
-    /// How steered packets reach the workers (NAT both ways, no tunnel).
-    #[arg(long, default_value = "local")]
-    pub l4_mode: ForwardMode,
-    /// Slots of each service's Maglev table; must be prime, and about 100
-    /// times the number of workers keeps their shares within 1% of even.
-    #[arg(long, default_value_t = DEFAULT_TABLE_SIZE, value_parser = clap::value_parser!(u32).range(3..))]
-    pub l4_table_size: u32,
-    /// Entries of the LRU connection table (each connection takes two).
-    #[arg(long, default_value_t = DEFAULT_CONNTRACK_SIZE, value_parser = clap::value_parser!(u32).range(64..))]
-    pub l4_conntrack_size: u32,
-    /// Where the XDP datapath's maps and links are pinned (bpffs, mounted
-    /// if needed), one folder per interface set and mode. The datapath
-    /// stays attached when the agent stops or crashes, and the next start
-    /// adopts it: established connections and isolated workers carry over.
-    #[arg(long, value_name = "DIR", default_value = balancer_dataplane::pin::DEFAULT_BPFFS_DIR)]
-    pub bpffs_dir: PathBuf,
-    /// Detach the datapath and remove its pins when the agent stops (every
-    /// L4 connection through a service then breaks, as before pinning).
-    #[arg(long)]
-    pub l4_detach_on_exit: bool,
-    /// How often the agent reads the handshake counters of the XDP datapath
-    /// (`l4_worker_handshakes_total`, and the breakers with
-    /// `--cb-l4-signals`).
-    #[arg(long, value_name = "MS", default_value_t = 100, value_parser = clap::value_parser!(u64).range(10..=60_000))]
-    pub l4_signal_interval_ms: u64,
+    /// Load-balancing policy
+    ///
+    /// round_robin: the next worker in turn; random; power_of_two: the less
+    /// loaded of two random workers; least_load: the least loaded;
+    /// cache_aware: the worker most likely to hold the prompt's prefix,
+    /// unless load is imbalanced (see its group below); consistent_hash: by
+    /// the hash of --routing-key-header, round robin without one.
+    #[arg(long, default_value = "power_of_two", value_parser = one_of(Policy::ALL, Policy::as_str), help_heading = heading::ROUTING)]
+    pub policy: Policy,
+    /// Header whose value is the routing key of `consistent_hash`
+    #[arg(long, value_name = "HEADER", default_value = "x-session-id", help_heading = heading::ROUTING)]
+    pub routing_key_header: String,
+    /// Forward this route too (repeatable; GET and POST)
+    ///
+    /// An exact normalised path, or a prefix ending in `/*`. By default only
+    /// the inference and model routes reach a worker.
+    #[arg(long, value_name = "PATH", value_parser = allowed_path, help_heading = heading::ROUTING)]
+    pub allow_path: Vec<String>,
 
     #[command(flatten)]
-    pub breaker: BreakerArgs,
+    pub load: LoadArgs,
 
     #[command(flatten)]
     pub cache_aware: CacheAwareArgs,
 
+    /// Seconds per attempt until the worker's first response byte
+    #[arg(long, value_name = "SECS", default_value_t = 1800, value_parser = clap::value_parser!(u64).range(1..), help_heading = heading::TIMEOUTS)]
+    pub request_timeout_secs: u64,
+    /// Seconds to open a connection to a worker
+    #[arg(long, value_name = "SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..), help_heading = heading::TIMEOUTS)]
+    pub connect_timeout_secs: u64,
+    /// Seconds a streamed response may send nothing before it is cut
+    ///
+    /// An SSE error event ends it, never `data: [DONE]`; it is a breaker
+    /// failure only with --cb-stream-failures.
+    #[arg(long, value_name = "SECS", default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..), help_heading = heading::TIMEOUTS)]
+    pub stream_idle_timeout_secs: u64,
+    /// Seconds a request body may send nothing before a 408
+    #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..), help_heading = heading::TIMEOUTS)]
+    pub stream_body_stall_timeout_secs: u64,
+    /// Seconds a client has to send a request head
+    ///
+    /// Counted from accept, or from the previous response; past it the
+    /// connection is closed.
+    #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..), help_heading = heading::TIMEOUTS)]
+    pub header_read_timeout_secs: u64,
+    /// Seconds a client connection may stay idle before it is closed
+    ///
+    /// Idle: no request in flight (an open stream counts as one).
+    #[arg(long, value_name = "SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..), help_heading = heading::TIMEOUTS)]
+    pub idle_connection_timeout_secs: u64,
+    /// Seconds a client may accept no byte of a response before it is cut
+    #[arg(long, value_name = "SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..), help_heading = heading::TIMEOUTS)]
+    pub send_timeout_secs: u64,
+    /// Seconds between HTTP/2 keep-alive pings
+    ///
+    /// An unanswered ping closes the connection.
+    #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..), help_heading = heading::TIMEOUTS)]
+    pub http2_keepalive_interval_secs: u64,
+
+    /// Retries per request after the first attempt (0: none)
+    #[arg(long, value_name = "N", default_value_t = 5, help_heading = heading::RETRIES)]
+    pub retry_max_retries: u32,
+    /// Milliseconds before the first retry
+    ///
+    /// Each wait is this times --retry-backoff-multiplier per retry before,
+    /// at most --retry-max-backoff-ms; a worker's longer `Retry-After`
+    /// replaces it (within the same cap).
+    #[arg(long, value_name = "MS", default_value_t = 50, help_heading = heading::RETRIES)]
+    pub retry_initial_backoff_ms: u64,
+    /// Milliseconds at most between two attempts
+    #[arg(long, value_name = "MS", default_value_t = 30000, help_heading = heading::RETRIES)]
+    pub retry_max_backoff_ms: u64,
+    /// Factor the wait grows by per retry (at least 1.0)
+    #[arg(long, value_name = "FACTOR", default_value_t = 1.5, value_parser = positive_f64, help_heading = heading::RETRIES)]
+    pub retry_backoff_multiplier: f64,
+    /// Random spread (0-1) of each wait: 0.2 is ±20%
+    #[arg(long, value_name = "FRACTION", default_value_t = 0.2, value_parser = fraction, help_heading = heading::RETRIES)]
+    pub retry_jitter_factor: f64,
+    /// One attempt per request
+    #[arg(long, help_heading = heading::RETRIES)]
+    pub disable_retries: bool,
+
     #[command(flatten)]
-    pub load: LoadArgs,
+    pub breaker: BreakerArgs,
+
+    /// Most workers of a model (percent) breakers may isolate at once
+    ///
+    /// Envoy's max ejection percent: a breaker past it stays closed. 100: no
+    /// limit, as in the reference gateway.
+    #[arg(long, value_name = "PCT", default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=100), help_heading = heading::BREAKERS)]
+    pub cb_max_open_percent: u32,
+
+    /// MODEL=OTHER: OTHER's workers serve MODEL when none of MODEL's can
+    ///
+    /// When no worker serving MODEL is eligible (or MODEL's token budget is
+    /// spent), the request goes to OTHER's workers with the body's `model`
+    /// rewritten, and the response names the fallback in an
+    /// `x-balancer-fallback` header. Repeatable; chains allowed, cycles
+    /// refused.
+    #[arg(long, value_name = "MODEL=OTHER", value_parser = split_pair, help_heading = heading::LLM)]
+    pub fallback_model: Vec<(String, String)>,
+    /// Send a request naming an undeclared model to any worker
+    ///
+    /// Instead of 404 `model_not_found`: for fleets of one model whose
+    /// workers list none on `/v1/models`.
+    #[arg(long, help_heading = heading::LLM)]
+    pub route_undeclared_models: bool,
+    /// MODEL=TOKENS: tokens per rolling minute for MODEL (none when absent)
+    ///
+    /// Counted from the responses' `usage`. Past it, requests for MODEL take
+    /// its fallback model, or get 429 `token_budget_exceeded` with
+    /// Retry-After. Repeatable.
+    #[arg(long, value_name = "MODEL=TOKENS", value_parser = model_budget, help_heading = heading::LLM)]
+    pub token_budget: Vec<(String, u64)>,
+
+    /// Seconds between two health probes of a worker
+    #[arg(long, value_name = "SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..), help_heading = heading::HEALTH)]
+    pub health_check_interval_secs: u64,
+    /// Seconds a health probe may take
+    #[arg(long, value_name = "SECS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..), help_heading = heading::HEALTH)]
+    pub health_check_timeout_secs: u64,
+    /// Path the health probe GETs (a 2xx passes)
+    #[arg(long, value_name = "PATH", default_value = "/health", value_parser = endpoint_path, help_heading = heading::HEALTH)]
+    pub health_check_endpoint: String,
+    /// Consecutive failed probes that demote a worker to NotReady
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..), help_heading = heading::HEALTH)]
+    pub health_failure_threshold: u32,
+    /// Consecutive passing probes that promote it back to Ready
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..), help_heading = heading::HEALTH)]
+    pub health_success_threshold: u32,
+    /// No health probes: no worker is demoted by one
+    #[arg(long, help_heading = heading::HEALTH)]
+    pub disable_health_check: bool,
+
+    /// Requests running at once; the rest queue (no limit when absent)
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..), help_heading = heading::LIMITS)]
+    pub max_concurrent_requests: Option<u64>,
+    /// Requests that may wait for --max-concurrent-requests; past it, 429
+    #[arg(long, value_name = "N", default_value_t = 100, help_heading = heading::LIMITS)]
+    pub queue_size: usize,
+    /// Seconds a request may wait in that queue before a 503
+    #[arg(long, value_name = "SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..), help_heading = heading::LIMITS)]
+    pub queue_timeout_secs: u64,
+    /// Client connections at once on the public port; at the cap, accept waits
+    #[arg(long, value_name = "N", default_value_t = 16384, value_parser = clap::value_parser!(u64).range(1..), help_heading = heading::LIMITS)]
+    pub max_connections: u64,
+    /// Largest request body, in bytes (413 past it)
+    ///
+    /// Refused at once from `Content-Length`, or as soon as a chunked body
+    /// passes it.
+    #[arg(long, value_name = "BYTES", default_value_t = 512 << 20, value_parser = clap::value_parser!(u64).range(1..), help_heading = heading::LIMITS)]
+    pub max_payload_size: u64,
+    /// Bytes of a request body kept for replay on retries
+    ///
+    /// Larger bodies stream to a single attempt.
+    #[arg(long, value_name = "BYTES", alias = "max-replay-body-bytes", default_value_t = 8 << 20, help_heading = heading::LIMITS)]
+    pub max_buffered_request_bytes: usize,
+    /// Bytes all kept request bodies may hold at once
+    ///
+    /// Past it requests get 503 `body_budget_exhausted` instead of growing
+    /// memory.
+    #[arg(long, value_name = "BYTES", default_value_t = 1 << 30, value_parser = clap::value_parser!(u64).range(1..), help_heading = heading::LIMITS)]
+    pub max_buffered_bytes_total: u64,
+
+    /// Serve HTTPS on --port with this PEM certificate chain (leaf first)
+    ///
+    /// Reloaded on SIGHUP and when the file changes.
+    #[arg(long, value_name = "PATH", requires = "tls_key_path", help_heading = heading::TLS)]
+    pub tls_cert_path: Option<PathBuf>,
+    /// The PEM private key of --tls-cert-path
+    #[arg(long, value_name = "PATH", requires = "tls_cert_path", help_heading = heading::TLS)]
+    pub tls_key_path: Option<PathBuf>,
+    /// Require client certificates signed by a CA of this PEM bundle
+    #[arg(long, value_name = "PATH", requires = "tls_cert_path", help_heading = heading::TLS)]
+    pub tls_client_ca_path: Option<PathBuf>,
+    /// Seconds between checks of the TLS files for a change (0: SIGHUP only)
+    #[arg(long, value_name = "SECS", default_value_t = 2, help_heading = heading::TLS)]
+    pub tls_watch_interval_secs: u64,
+    /// Trust these PEM CA certificates for https:// workers (default: the system's)
+    #[arg(long, value_name = "PATH", help_heading = heading::TLS)]
+    pub worker_ca_path: Option<PathBuf>,
+    /// Present this PEM certificate chain to https:// workers (mutual TLS)
+    #[arg(long, value_name = "PATH", requires = "client_key_path", help_heading = heading::TLS)]
+    pub client_cert_path: Option<PathBuf>,
+    /// The PEM private key of --client-cert-path
+    #[arg(long, value_name = "PATH", requires = "client_cert_path", help_heading = heading::TLS)]
+    pub client_key_path: Option<PathBuf>,
+
+    /// Attach the XDP program to IFACE (repeatable; L7 only when absent)
+    ///
+    /// New TCP connections of the --l4-service addresses are steered over the
+    /// workers at line rate, skipping workers whose breaker is open, that are
+    /// not ready or that drain. In remote mode, name the interfaces where
+    /// clients' packets and the workers' replies arrive. Needs root (or the
+    /// capabilities of deploy/balancer.service) and the eBPF object (`cargo
+    /// xtask build-ebpf`, or BALANCER_EBPF_OBJECT).
+    #[arg(long, value_name = "IFACE", help_heading = heading::L4)]
+    pub xdp_iface: Vec<String>,
+    /// How to attach the XDP program
+    ///
+    /// auto: native, else generic; driver: native only; skb: generic.
+    #[arg(long, value_name = "MODE", default_value = "auto", value_parser = one_of(XdpMode::ALL, XdpMode::as_str), help_heading = heading::L4)]
+    pub xdp_mode: XdpMode,
+    /// VIP:PORT whose TCP connections are balanced over the workers (repeatable)
+    ///
+    /// To the IPv4 address and port of each worker's URL.
+    #[arg(long, value_name = "VIP:PORT", help_heading = heading::L4)]
+    pub l4_service: Vec<SocketAddrV4>,
+    /// How steered packets reach the workers (NAT both ways, no tunnel)
+    ///
+    /// local: workers on this host; remote: workers on hosts that route their
+    /// replies back through this one (needs net.ipv4.ip_forward=1).
+    #[arg(long, value_name = "MODE", default_value = "local", value_parser = one_of(ForwardMode::ALL, ForwardMode::as_str), help_heading = heading::L4)]
+    pub l4_mode: ForwardMode,
+    /// Slots of each service's Maglev table (a prime)
+    ///
+    /// About 100 times the number of workers keeps their shares within 1% of
+    /// even.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_TABLE_SIZE, value_parser = clap::value_parser!(u32).range(3..), help_heading = heading::L4)]
+    pub l4_table_size: u32,
+    /// Entries of the LRU connection table (each connection takes two)
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_CONNTRACK_SIZE, value_parser = clap::value_parser!(u32).range(64..), help_heading = heading::L4)]
+    pub l4_conntrack_size: u32,
+    /// Where the XDP datapath's maps and links are pinned (bpffs)
+    ///
+    /// Mounted if needed; one folder per interface set and mode. The
+    /// datapath stays attached when the agent stops or crashes, and the next
+    /// start adopts it: established connections and isolated workers carry
+    /// over.
+    #[arg(long, value_name = "DIR", default_value = balancer_dataplane::pin::DEFAULT_BPFFS_DIR, help_heading = heading::L4)]
+    pub bpffs_dir: PathBuf,
+    /// Detach the datapath and remove its pins when the agent stops
+    ///
+    /// Every L4 connection through a service then breaks, as before pinning.
+    #[arg(long, help_heading = heading::L4)]
+    pub l4_detach_on_exit: bool,
+    /// Milliseconds between reads of the datapath's handshake counters
+    ///
+    /// They feed `l4_worker_handshakes_total` and, with --cb-l4-signals, the
+    /// breakers.
+    #[arg(long, value_name = "MS", default_value_t = 100, value_parser = clap::value_parser!(u64).range(10..=60_000), help_heading = heading::L4)]
+    pub l4_signal_interval_ms: u64,
+
+    /// Share breaker verdicts with the other replicas through etcd
+    ///
+    /// Needs --etcd-endpoints: a worker that --fleet-quorum live replicas
+    /// hold open is isolated on every replica.
+    #[arg(long, help_heading = heading::FLEET)]
+    pub fleet_verdicts: bool,
+    /// This replica's id in etcd (default: `<hostname>-<port>`)
+    ///
+    /// A-Z a-z 0-9 . _ ~ -. A start with an id a live replica holds fails.
+    #[arg(long, value_name = "ID", help_heading = heading::FLEET)]
+    pub replica_id: Option<String>,
+    /// Distinct live replicas whose open verdicts isolate a worker
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=1024), help_heading = heading::FLEET)]
+    pub fleet_quorum: u32,
+    /// Seconds of this replica's etcd lease
+    ///
+    /// Out of touch longer than this, its fleet isolations end.
+    #[arg(long, value_name = "SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(2..=3600), help_heading = heading::FLEET)]
+    pub fleet_lease_secs: u64,
+
+    /// Log level: error, warn, info, debug, trace or a filter (default: RUST_LOG, else info)
+    ///
+    /// A filter's directives name levels (`info,balancer=debug`). Without
+    /// this flag (or key), RUST_LOG when set, else info; with it, RUST_LOG is
+    /// ignored.
+    #[arg(long, value_name = "LEVEL", value_parser = log_level, help_heading = heading::OBSERVABILITY)]
+    pub log_level: Option<String>,
+    /// Log as JSON lines (the access log included)
+    #[arg(long, help_heading = heading::OBSERVABILITY)]
+    pub log_json: bool,
+    /// Log one line per request (target `access`)
+    ///
+    /// Method, path, model, status, worker, attempts, time to the response
+    /// head, duration, request id. Off: the request path does nothing for it.
+    #[arg(long, help_heading = heading::OBSERVABILITY)]
+    pub access_log: bool,
+    /// Headers carrying a request id, tried in order (off when absent)
+    ///
+    /// The first present is kept; without any the gateway makes one and
+    /// sends it as the first of these. The worker gets it and the client gets
+    /// it back. --access-log alone turns it on with `x-request-id`; off, a
+    /// client's id still reaches the worker as any header does.
+    #[arg(long, num_args = 1.., value_name = "HEADER", help_heading = heading::OBSERVABILITY)]
+    pub request_id_headers: Vec<String>,
+    /// Prefix of every metric name
+    ///
+    /// `smg` makes the reference gateway's dashboards and alerts work
+    /// unchanged.
+    #[arg(long, value_name = "PREFIX", default_value = "balancer", help_heading = heading::OBSERVABILITY)]
+    pub metrics_prefix: String,
 
     #[command(flatten)]
     pub compat: CompatArgs,
@@ -485,28 +641,37 @@ impl CompatArgs {
 /// The flags of `--policy cache_aware`, with `smg launch`'s names and
 /// defaults (smg 1.13.0).
 #[derive(Debug, Clone, Args)]
+#[command(next_help_heading = heading::CACHE_AWARE)]
 pub struct CacheAwareArgs {
-    /// cache_aware: the least share (0-1) of a prompt its best-matching
-    /// worker must already hold to be sent it.
-    #[arg(long, alias = "cache-match-threshold", default_value_t = 0.3, value_parser = fraction)]
+    /// Least share (0-1) of a prompt the best-matching worker must hold
+    ///
+    /// Below it the request goes by load rather than to that worker.
+    #[arg(long, value_name = "FRACTION", alias = "cache-match-threshold", default_value_t = 0.3, value_parser = fraction)]
     pub cache_threshold: f64,
-    /// cache_aware: load is imbalanced when the most and least loaded
-    /// candidates differ by more than this many requests ...
-    #[arg(long, default_value_t = 64)]
+    /// Requests between the most and least loaded that make load imbalanced
+    ///
+    /// Load is imbalanced when the most and least loaded candidates differ
+    /// by more than this many requests and by more than
+    /// --balance-rel-threshold; then the least loaded gets the request.
+    #[arg(long, value_name = "N", default_value_t = 64)]
     pub balance_abs_threshold: u32,
-    /// ... and the most loaded carries more than this multiple of the least
-    /// (at least 1.0); then the least loaded gets the request.
-    #[arg(long, default_value_t = 1.5, value_parser = positive_f64)]
+    /// Multiple of the least load the most loaded must carry (at least 1.0)
+    ///
+    /// The second condition of an imbalance, beside --balance-abs-threshold.
+    #[arg(long, value_name = "FACTOR", default_value_t = 1.5, value_parser = positive_f64)]
     pub balance_rel_threshold: f64,
-    /// cache_aware: seconds between evictions of the prefix trees.
-    #[arg(long, alias = "eviction-interval", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Seconds between evictions of the prefix trees
+    #[arg(long, value_name = "SECS", alias = "eviction-interval", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     pub eviction_interval_secs: u64,
-    /// cache_aware: bytes of prompt text each model's prefix trees keep after
-    /// an eviction, shared by all its workers (never more than twice that).
-    #[arg(long, default_value_t = 1 << 26, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Bytes of prompt text each model's prefix trees keep after an eviction
+    ///
+    /// Shared by all the model's workers; never more than twice that.
+    #[arg(long, value_name = "BYTES", default_value_t = 1 << 26, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_tree_size: u64,
-    /// cache_aware: route by the prefix match alone, without weighing each
-    /// worker's recent time to first token against it.
+    /// Route by the prefix match alone, not weighed by time to first token
+    ///
+    /// By default each worker's recent time to first token is weighed
+    /// against its prefix match.
     #[arg(long)]
     pub disable_ttft_weighting: bool,
 }
@@ -527,17 +692,21 @@ impl CacheAwareArgs {
 /// The workers' own load: `--load-monitor-interval-ms` and
 /// `--worker-overload-waiting-requests`.
 #[derive(Debug, Clone, Args)]
+#[command(next_help_heading = heading::ROUTING)]
 pub struct LoadArgs {
-    /// Read each worker's Prometheus `/metrics` this often for its queue and
-    /// KV-cache occupancy (vLLM's and SGLang's series); the load-aware
-    /// policies use it while it is at most three intervals old, else the
-    /// gateway's in-flight count. Each read is bounded by the interval and
-    /// 1 MiB, and a failed read never counts against the breaker. 0: off.
+    /// Milliseconds between reads of each worker's load (0: off)
+    ///
+    /// The worker's Prometheus `/metrics`, for its queue and KV-cache
+    /// occupancy (vLLM's and SGLang's series); the load-aware policies use it
+    /// while it is at most three intervals old, else the gateway's in-flight
+    /// count. Each read is bounded by the interval and 1 MiB, and a failed
+    /// read never counts against the breaker.
     #[arg(long, value_name = "MS", default_value_t = DEFAULT_LOAD_MONITOR_INTERVAL.as_millis() as u64, value_parser = clap::value_parser!(u64).range(0..=600_000))]
     pub load_monitor_interval_ms: u64,
-    /// A worker reporting more than N requests waiting takes no new request
-    /// while another candidate can (a shed, not a failure;
-    /// `worker_overload_sheds_total`). Off when absent.
+    /// Skip a worker reporting more than N requests waiting (off when absent)
+    ///
+    /// It takes no new request while another candidate can: a shed, not a
+    /// failure (`worker_overload_sheds_total`).
     #[arg(long, value_name = "N")]
     pub worker_overload_waiting_requests: Option<u32>,
 }
@@ -554,71 +723,85 @@ impl LoadArgs {
 
 /// The `--cb-*` flags.
 #[derive(Debug, Clone, Args)]
+#[command(next_help_heading = heading::BREAKERS)]
 pub struct BreakerArgs {
-    /// Failed requests that open a worker's circuit.
-    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Failed requests that open a worker's circuit
+    #[arg(long, value_name = "N", default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
     pub cb_failure_threshold: u32,
-    /// Consecutive half-open successes that close it.
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Consecutive half-open successes that close it
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     pub cb_success_threshold: u32,
-    /// Seconds an open circuit waits before a half-open trial.
-    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Seconds an open circuit waits before a half-open trial
+    #[arg(long, value_name = "SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     pub cb_timeout_duration_secs: u64,
-    /// Window of `--cb-failure-mode window`; validated (> 0) and otherwise
-    /// unused in the default consecutive mode, as in the reference gateway.
-    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Seconds of the window of `--cb-failure-mode window`
+    ///
+    /// Validated (> 0) and otherwise unused in the default consecutive mode,
+    /// as in the reference gateway.
+    #[arg(long, value_name = "SECS", default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
     pub cb_window_duration_secs: u64,
-    /// `consecutive` (default) or `window`.
-    #[arg(long, value_enum, default_value_t = FailureMode::Consecutive)]
+    /// How failures are counted
+    #[arg(long, value_name = "MODE", value_enum, default_value_t = FailureMode::Consecutive)]
     pub cb_failure_mode: FailureMode,
-    /// In window mode, fewer requests than this in the window never open the circuit.
-    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    /// In window mode, requests in the window needed before it can open
+    #[arg(long, value_name = "N", default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
     pub cb_window_min_calls: u32,
-    /// At most N requests in flight to a half-open worker (0: no limit, as in
-    /// the reference gateway; at most 16777215).
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=i64::from(MAX_HALF_OPEN_INFLIGHT)))]
+    /// Requests in flight to a half-open worker at most (0: no limit)
+    ///
+    /// 0, as in the reference gateway; at most 16777215.
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=i64::from(MAX_HALF_OPEN_INFLIGHT)))]
     pub cb_half_open_max_inflight: u32,
-    /// Charge a response body that breaks off or stalls (cut at
-    /// `--stream-idle-timeout-secs`) as a breaker failure with reason
-    /// `broken` or `stall`. Off: the status decides, as in the reference
-    /// gateway (a 2xx is a success); the client still sees the cut.
+    /// Count a response body that breaks off or stalls as a failure
+    ///
+    /// A body cut at --stream-idle-timeout-secs or broken off is a breaker
+    /// failure with reason `broken` or `stall`. Off: the status decides, as
+    /// in the reference gateway (a 2xx is a success); the client still sees
+    /// the cut.
     #[arg(long)]
     pub cb_stream_failures: bool,
-    /// Charge the handshakes the XDP datapath sees: a steered SYN answered
-    /// with a reset (`l4_refused`) or retransmitted before any SYN-ACK
-    /// (`l4_timeout`) is a breaker failure, an established handshake a
-    /// success, read every `--l4-signal-interval-ms`. For workers served
-    /// through L4 services; off, only requests move the breaker, as in the
-    /// reference gateway.
+    /// Count the handshakes the XDP datapath sees (L4 services)
+    ///
+    /// A steered SYN answered with a reset (`l4_refused`) or retransmitted
+    /// before any SYN-ACK (`l4_timeout`) is a breaker failure, an established
+    /// handshake a success, read every --l4-signal-interval-ms. Off, only
+    /// requests move the breaker, as in the reference gateway.
     #[arg(long)]
     pub cb_l4_signals: bool,
-    /// Breakers never open (unless a worker sets its own cb_failure_threshold);
-    /// outcomes are still counted.
+    /// Breakers never open; outcomes are still counted
+    ///
+    /// A worker that sets its own cb_failure_threshold keeps its breaker.
     #[arg(long)]
     pub disable_circuit_breaker: bool,
-    /// A response whose first byte (for a stream: its first chunk after the
-    /// headers) comes later than this counts as a breaker failure with reason
-    /// `slow`, even with a 2xx status. The response still reaches the client.
-    /// Off when absent.
+    /// Milliseconds to a first byte past which a response is a failure (off when absent)
+    ///
+    /// For a stream: its first chunk after the headers. Such a response is a
+    /// breaker failure with reason `slow`, even with a 2xx status; it still
+    /// reaches the client.
     #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..))]
     pub cb_slow_ttfb_ms: Option<u64>,
-    /// After a successful half-open trial, keep the worker degraded: it gets
+    /// Percent of its traffic a recovered worker gets while degraded (off when absent)
+    ///
+    /// After a successful half-open trial the worker stays degraded: it gets
     /// about this percentage of the traffic it would otherwise get, a failure
-    /// reopens the circuit, and `--cb-degraded-duration-secs` without one
-    /// closes it (state gauge 3). Off when absent.
+    /// reopens the circuit, and --cb-degraded-duration-secs without one
+    /// closes it (state gauge 3).
     #[arg(long, value_name = "PCT", value_parser = clap::value_parser!(u32).range(1..=100))]
     pub cb_degraded_traffic_pct: Option<u32>,
-    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Seconds without a failure that end the degraded state
+    #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     pub cb_degraded_duration_secs: u64,
-    /// In half-open, admit at most one request per this many milliseconds,
-    /// so the trial is spread in time rather than a burst (0: no spacing).
+    /// Milliseconds between half-open trial requests (0: no spacing)
+    ///
+    /// In half-open, at most one request per interval is admitted, so the
+    /// trial is spread in time rather than a burst.
     #[arg(long, default_value_t = 0, value_name = "MS")]
     pub cb_half_open_probe_interval_ms: u64,
-    /// A 2xx completion (chat, completions, SGLang `/generate`) with fewer
-    /// than N completion tokens counts as a breaker failure with reason
-    /// `quality`; the answer still reaches the client. Exempt: requests
-    /// asking for fewer than N tokens, tool calls, `finish_reason:
-    /// content_filter`. Off when absent.
+    /// Fewer completion tokens than N in a 2xx is a failure (off when absent)
+    ///
+    /// A chat, completion or SGLang `/generate` answer with fewer than N
+    /// completion tokens is a breaker failure with reason `quality`; the
+    /// answer still reaches the client. Exempt: requests asking for fewer
+    /// than N tokens, tool calls, `finish_reason: content_filter`.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub cb_min_completion_tokens: Option<u32>,
 }
@@ -653,15 +836,17 @@ impl BreakerArgs {
 }
 
 impl LaunchArgs {
-    /// Parses `balancer launch` arguments, merging `--config` underneath.
+    /// Parses `balancer launch` arguments, merging `--config` underneath
+    /// (see [`file`](mod@file)), and checks the configuration they describe.
     pub fn parse_with_config(args: Vec<OsString>) -> anyhow::Result<Self> {
-        let config_path = find_config_flag(&args);
+        let command = launch_command();
+        let given = given_on_command_line(&command, &args);
         let mut merged = vec![OsString::from("balancer launch")];
         let mut specs = Vec::new();
-        if let Some(path) = &config_path {
-            let (flags, workers) = config_file_args(path, &args)?;
-            merged.extend(flags);
-            specs = workers;
+        if let Some(path) = given.as_ref().and_then(|m| m.get_one::<PathBuf>("config")) {
+            let file = ConfigFile::read(path, &command)?;
+            merged.extend(file.args_under(&command, given.as_ref()));
+            specs = file.workers;
         }
         merged.extend(args);
         let mut parsed = match LaunchArgs::try_parse_from(merged) {
@@ -870,101 +1055,43 @@ impl LaunchArgs {
     }
 }
 
-fn find_config_flag(args: &[OsString]) -> Option<PathBuf> {
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let a = a.to_string_lossy();
-        if a == "--config" {
-            return it.next().map(PathBuf::from);
-        }
-        if let Some(p) = a.strip_prefix("--config=") {
-            return Some(PathBuf::from(p));
-        }
-    }
-    None
-}
-
-/// Turns a TOML config file into flags, plus its `[[workers]]` specs. Keys
-/// the command line also sets are left out, so the command line wins even
-/// for list flags, which would otherwise accumulate.
-fn config_file_args(
-    path: &Path,
-    cli: &[OsString],
-) -> anyhow::Result<(Vec<OsString>, Vec<WorkerSpec>)> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("cannot read config file {}", path.display()))?;
-    config_text_args(&text, path, cli)
-}
-
-/// [`config_file_args`] on the file's text (the fuzzing entry point).
+/// The `--config` file's arguments for the flags `cli` leaves to it, and
+/// its `[[workers]]` specs (also the fuzzing entry point).
 pub fn config_text_args(
     text: &str,
     path: &Path,
     cli: &[OsString],
 ) -> anyhow::Result<(Vec<OsString>, Vec<WorkerSpec>)> {
-    let on_cli = |flag: &str| {
-        cli.iter().any(|a| {
-            let a = a.to_string_lossy();
-            a.strip_prefix("--")
-                .is_some_and(|rest| rest == flag || rest.starts_with(&format!("{flag}=")))
-        })
-    };
-    let mut table: toml::Table = text
-        .parse()
-        .with_context(|| format!("config file {} is not valid TOML", path.display()))?;
-    let workers = match table.remove("workers") {
-        Some(v) => v
-            .try_into::<Vec<WorkerSpec>>()
-            .with_context(|| format!("config file {}: invalid [[workers]]", path.display()))?,
-        None => Vec::new(),
-    };
-    let command = LaunchArgs::command();
-    let mut flags = Vec::new();
-    for (key, value) in table {
-        let flag = key.replace('_', "-");
-        let known = command
-            .get_arguments()
-            .any(|a| a.get_long() == Some(flag.as_str()));
-        if !known || flag == "config" {
-            bail!("config file {}: unknown key '{key}'", path.display());
-        }
-        if on_cli(&flag) {
-            continue;
-        }
-        let scalar = |v: &toml::Value| -> anyhow::Result<String> {
-            Ok(match v {
-                toml::Value::String(s) => s.clone(),
-                toml::Value::Integer(i) => i.to_string(),
-                toml::Value::Float(f) => f.to_string(),
-                other => bail!(
-                    "config file {}: key '{key}' has an unsupported value {other}",
-                    path.display()
-                ),
-            })
-        };
-        match &value {
-            toml::Value::Boolean(true) => flags.push(format!("--{flag}").into()),
-            toml::Value::Boolean(false) => {}
-            // One flag per item: single-value list flags (`--fallback-model`)
-            // take one value per occurrence.
-            toml::Value::Array(items) => {
-                for item in items {
-                    flags.push(format!("--{flag}").into());
-                    flags.push(scalar(item)?.into());
-                }
-            }
-            v => {
-                flags.push(format!("--{flag}").into());
-                flags.push(scalar(v)?.into());
-            }
-        }
-    }
-    Ok((flags, workers))
+    let command = launch_command();
+    let file = ConfigFile::parse(text, path, &command)?;
+    let given = given_on_command_line(&command, cli);
+    Ok((file.args_under(&command, given.as_ref()), file.workers))
+}
+
+/// `balancer launch`'s flags, built (so that what each flag takes can be
+/// read off it).
+fn launch_command() -> clap::Command {
+    let mut command = LaunchArgs::command();
+    command.build();
+    command
+}
+
+/// The command line parsed alone and leniently (a flag it requires may be
+/// in the file): which flags it gives, and `--config`. `None` when it
+/// cannot be read at all (`--help`); the full parse then says why.
+fn given_on_command_line(command: &clap::Command, cli: &[OsString]) -> Option<clap::ArgMatches> {
+    let argv = std::iter::once(OsString::from("balancer launch")).chain(cli.iter().cloned());
+    command
+        .clone()
+        .ignore_errors(true)
+        .try_get_matches_from(argv)
+        .ok()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::ArgAction;
 
     fn parse(args: &[&str]) -> anyhow::Result<LaunchArgs> {
         LaunchArgs::parse_with_config(args.iter().map(OsString::from).collect())
@@ -1197,6 +1324,247 @@ resilience = { capacity_status_codes = [429, 503], cb_failure_threshold = 2 }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// The error `text` as a config file named `balancer.toml` gets.
+    fn file_error(text: &str) -> String {
+        let command = launch_command();
+        ConfigFile::parse(text, Path::new("balancer.toml"), &command)
+            .unwrap_err()
+            .to_string()
+    }
+
+    /// `args` parsed with `text` as their `--config` file.
+    fn parse_with_file(text: &str, args: &[&str]) -> anyhow::Result<LaunchArgs> {
+        static FILES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = FILES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path =
+            std::env::temp_dir().join(format!("balancer-file-{}-{n}.toml", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        let mut argv = vec!["--config", path.to_str().unwrap()];
+        argv.extend(args);
+        let parsed = parse(&argv);
+        std::fs::remove_file(&path).unwrap();
+        parsed
+    }
+
+    #[test]
+    fn config_file_errors_name_the_file_and_the_key() {
+        for (text, expected) in [
+            (
+                r#"disable_retries = "yes""#,
+                r#"balancer.toml: key 'disable_retries': expected a boolean, found string "yes""#,
+            ),
+            (
+                "disable_retries = 1",
+                "balancer.toml: key 'disable_retries': expected a boolean, found integer 1",
+            ),
+            (
+                r#"port = "abc""#,
+                "balancer.toml: key 'port': invalid value 'abc': invalid digit found in string",
+            ),
+            (
+                "port = 70000",
+                "balancer.toml: key 'port': invalid value '70000': 70000 is not in 0..=65535",
+            ),
+            (
+                "port = [1, 2]",
+                "balancer.toml: key 'port': expected a string or a number, found an array",
+            ),
+            (
+                "log_json = [true]",
+                "balancer.toml: key 'log_json': expected a boolean, found an array",
+            ),
+            (
+                "worker_urls = [{ url = \"x\" }]",
+                "balancer.toml: key 'worker_urls': expected an array of strings or numbers, \
+                 found a table in it",
+            ),
+            (
+                r#"cb_failure_mode = "sometimes""#,
+                "balancer.toml: key 'cb_failure_mode': invalid value 'sometimes': \
+                 possible values: consecutive, window",
+            ),
+            ("foo = 1", "balancer.toml: unknown key 'foo'"),
+            (
+                "cb_failure_treshold = 4",
+                "balancer.toml: unknown key 'cb_failure_treshold' \
+                 (did you mean 'cb_failure_threshold'?)",
+            ),
+            (
+                "config = \"other.toml\"",
+                "balancer.toml: unknown key 'config'",
+            ),
+            (
+                "port = 1\nport-x = 2",
+                "balancer.toml: unknown key 'port-x' (did you mean 'port'?)",
+            ),
+            (
+                "cb_failure_threshold = 4\ncb-failure-threshold = 5",
+                "balancer.toml: key 'cb_failure_threshold': 'cb-failure-threshold' sets it too",
+            ),
+            (
+                "disable_retries = yes",
+                "balancer.toml:1:19: invalid string; expected `\"`, `'`",
+            ),
+            (
+                "[[workers]]\nurl = \"http://127.0.0.1:1\"\n[[workers]]\nurl = \"ftp://x\"",
+                "balancer.toml: workers[1].url: \"ftp://x\": a worker URL starts with http:// or https://",
+            ),
+            (
+                "[[workers]]\nurl = \"http://127.0.0.1:1\"\nresilience = { cb_timeout_secs = \"x\" }",
+                "balancer.toml: workers[0].resilience.cb_timeout_secs: \
+                 invalid type: string \"x\", expected u64",
+            ),
+            (
+                "[[workers]]\nurl = \"http://127.0.0.1:1\"\nresilience = { cb_timeout_secs = 0 }",
+                "balancer.toml: workers[0].resilience.cb_timeout_secs: must be at least 1",
+            ),
+            (
+                "workers = 3",
+                "balancer.toml: key 'workers': expected [[workers]] tables, found integer 3",
+            ),
+        ] {
+            assert_eq!(file_error(text), expected, "{text}");
+        }
+    }
+
+    #[test]
+    fn a_config_file_value_may_start_with_a_dash() {
+        let c = parse_with_file("admin_token = \"-abc\"\nadmin_host = \"0.0.0.0\"", &[])
+            .unwrap()
+            .to_config()
+            .unwrap();
+        assert_eq!(c.admin_token.as_deref(), Some("-abc"));
+    }
+
+    #[test]
+    fn the_command_line_wins_over_the_file_by_name_alias_or_conflict() {
+        let file = "port = 8080\nmax_buffered_request_bytes = 1000\n\
+                    worker_urls = [\"http://127.0.0.1:9001\", \"http://127.0.0.1:9002\"]\n\
+                    allow_path = [\"/a\", \"/b\"]\nadmin_token = \"from-file\"";
+        let a = parse_with_file(file, &[]).unwrap();
+        assert_eq!((a.port, a.max_buffered_request_bytes), (8080, 1000));
+        assert_eq!(a.worker_urls.len(), 2);
+        assert_eq!(a.allow_path, ["/a", "/b"]);
+
+        let token = std::env::temp_dir().join(format!("balancer-cli-token-{}", std::process::id()));
+        std::fs::write(&token, "from-token-file\n").unwrap();
+        let a = parse_with_file(
+            file,
+            &[
+                "--port=9090",
+                "--max-replay-body-bytes",
+                "2000",
+                "--worker-urls",
+                "http://127.0.0.1:9003",
+                "--allow-path",
+                "/c",
+                "--admin-token-file",
+                token.to_str().unwrap(),
+            ],
+        );
+        let config = a.as_ref().ok().map(LaunchArgs::to_config);
+        std::fs::remove_file(&token).unwrap();
+        let a = a.unwrap();
+        assert_eq!(a.port, 9090, "a scalar");
+        assert_eq!(a.max_buffered_request_bytes, 2000, "by the flag's alias");
+        assert_eq!(a.worker_urls, ["http://127.0.0.1:9003"], "a list");
+        assert_eq!(a.allow_path, ["/c"], "a repeated flag");
+        assert_eq!(
+            a.admin_token, None,
+            "the file's token conflicts with the flag's file"
+        );
+        assert_eq!(
+            config.unwrap().unwrap().admin_token.as_deref(),
+            Some("from-token-file")
+        );
+    }
+
+    #[test]
+    fn an_explicit_log_level_wins_over_rust_log() {
+        assert_eq!(log_filter(Some("debug"), Some("trace"), "info"), "debug");
+        assert_eq!(log_filter(None, Some("trace"), "info"), "trace");
+        assert_eq!(log_filter(None, Some(" "), "info"), "info");
+        assert_eq!(log_filter(None, None, "warn"), "warn");
+        let from_file = parse_with_file("log_level = \"warn\"", &[]).unwrap();
+        assert_eq!(from_file.log_level.as_deref(), Some("warn"));
+        assert_eq!(parse(&[]).unwrap().log_level, None);
+    }
+
+    /// The text of `--flag`'s entry in a rendered help: from its line to
+    /// the next flag's.
+    fn entry<'a>(help: &'a str, long: &str) -> &'a str {
+        let start = help
+            .find(&format!("      --{long} "))
+            .or_else(|| help.find(&format!("      --{long}\n")))
+            .unwrap_or_else(|| panic!("--{long} is not in the help"));
+        let rest = &help[start + 6..];
+        let end = rest.find("\n      --").unwrap_or(rest.len());
+        &rest[..end]
+    }
+
+    #[test]
+    fn help_is_grouped_and_every_flag_is_described_with_its_values() {
+        let mut command = LaunchArgs::command();
+        command.build();
+        let short = command.render_help().to_string();
+        let long = command.render_long_help().to_string();
+        let mut from = 0;
+        for heading in heading::ALL {
+            let at = long[from..]
+                .find(&format!("\n{heading}:\n"))
+                .unwrap_or_else(|| panic!("{heading:?} missing or out of order"));
+            from += at + 1;
+            assert!(short.contains(&format!("\n{heading}:\n")), "-h: {heading}");
+        }
+        let mut enumerated = 0;
+        for arg in command.get_arguments() {
+            let id = arg.get_id().as_str();
+            if arg.is_hide_set() || id == "help" {
+                continue;
+            }
+            let help = arg.get_help().map(ToString::to_string);
+            assert!(
+                help.as_deref().is_some_and(|h| !h.is_empty()),
+                "--{id} has no help"
+            );
+            assert!(!help.unwrap().contains('\n'), "--{id}: -h takes one line");
+            assert!(
+                arg.get_help_heading()
+                    .is_some_and(|h| heading::ALL.contains(&h)),
+                "--{id} is in no group"
+            );
+            let long_name = arg.get_long().unwrap();
+            for (suffix, unit) in [("-secs", "SECS"), ("-ms", "MS")] {
+                if long_name.ends_with(suffix) {
+                    let names = arg.get_value_names().unwrap_or_default();
+                    assert_eq!(names, [unit], "--{long_name} shows its unit");
+                }
+            }
+            let values = arg.get_possible_values();
+            if !values.is_empty() && !matches!(arg.get_action(), ArgAction::SetTrue) {
+                enumerated += 1;
+                for help in [&short, &long] {
+                    let text = entry(help, long_name);
+                    for value in &values {
+                        assert!(text.contains(value.get_name()), "--{long_name}: {text}");
+                    }
+                }
+            }
+        }
+        assert!(
+            enumerated >= 4,
+            "--policy, --xdp-mode, --l4-mode, --cb-failure-mode"
+        );
+        assert!(
+            short.len() < long.len(),
+            "-h is the summary of --help ({} and {} bytes)",
+            short.len(),
+            long.len()
+        );
+        assert!(entry(&long, "cb-stream-failures").contains("reason `broken`"));
+        assert!(!entry(&short, "cb-stream-failures").contains("reason `broken`"));
+    }
+
     #[test]
     fn min_completion_tokens_comes_from_the_flag_or_the_file_and_per_worker() {
         assert_eq!(parse(&[]).unwrap().breaker.cb_min_completion_tokens, None);
@@ -1254,7 +1622,10 @@ resilience = { cb_min_completion_tokens = 0 }
             "warn,balancer=debug",
             "balancer::proxy=trace",
         ] {
-            assert_eq!(parse(&["--log-level", ok]).unwrap().log_level, ok);
+            assert_eq!(
+                parse(&["--log-level", ok]).unwrap().log_level.as_deref(),
+                Some(ok)
+            );
         }
         for bad in ["verbose", "info,verbose", "balancer=loud"] {
             let err = parse(&["--log-level", bad]).unwrap_err().to_string();

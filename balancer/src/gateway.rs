@@ -166,7 +166,37 @@ async fn bind(addr: SocketAddr, flag: &str) -> anyhow::Result<TcpListener> {
         .map_err(|e| in_use(e, addr, flag))
 }
 
+/// The TLS of both edges, from the files `config` names.
+fn load_tls(
+    config: &GatewayConfig,
+    stats: &Arc<TlsStats>,
+) -> anyhow::Result<(WorkerTls, Option<Arc<ServingTls>>)> {
+    let worker = WorkerTls::load(&config.worker_tls, stats.clone()).context(
+        "cannot set up TLS to workers (--worker-ca-path, --client-cert-path, --client-key-path)",
+    )?;
+    let serving = match &config.tls {
+        Some(files) => Some(ServingTls::load(files.clone(), stats.clone()).context(
+            "cannot serve HTTPS (--tls-cert-path, --tls-key-path, --tls-client-ca-path)",
+        )?),
+        None => None,
+    };
+    Ok((worker, serving))
+}
+
 impl Gateway {
+    /// What [`Gateway::start`] would refuse before binding a port, without
+    /// binding one or loading the XDP program: the configuration, the TLS
+    /// files, and with L4 on, that the eBPF object is found.
+    pub fn check(config: &GatewayConfig) -> anyhow::Result<()> {
+        config.validate()?;
+        load_tls(config, &Arc::new(TlsStats::default()))?;
+        if config.l4.is_some() {
+            balancer_dataplane::locate_object(None)
+                .context("cannot start the XDP dataplane (--xdp-iface)")?;
+        }
+        Ok(())
+    }
+
     /// Starts the agent on the real clock: every listener bound, every
     /// worker added and probed.
     pub async fn start(config: GatewayConfig) -> anyhow::Result<Self> {
@@ -218,16 +248,8 @@ impl Gateway {
         let admission = config.admission.map(|a| Arc::new(Admission::new(a)));
 
         let tls_stats = Arc::new(TlsStats::default());
-        let worker_tls = Arc::new(
-            WorkerTls::load(&config.worker_tls, tls_stats.clone())
-                .context("cannot set up TLS to workers (--worker-ca-path, --client-cert-path, --client-key-path)")?,
-        );
-        let serving_tls = match &config.tls {
-            Some(files) => Some(ServingTls::load(files.clone(), tls_stats.clone()).context(
-                "cannot serve HTTPS (--tls-cert-path, --tls-key-path, --tls-client-ca-path)",
-            )?),
-            None => None,
-        };
+        let (worker_tls, serving_tls) = load_tls(&config, &tls_stats)?;
+        let worker_tls = Arc::new(worker_tls);
         let prober = Prober::new(
             registry.clone(),
             config.health_check.clone(),

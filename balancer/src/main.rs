@@ -119,10 +119,19 @@ fn write_man_pages(dir: &Path) -> anyhow::Result<()> {
         .with_context(|| format!("writing manual pages into {}", dir.display()))
 }
 
-fn init_logging(level: &str, json: bool) -> anyhow::Result<()> {
-    let filter = EnvFilter::try_from_default_env()
-        .or_else(|_| EnvFilter::try_new(level))
-        .with_context(|| format!("invalid value '{level}' for '--log-level'"))?;
+/// Logging with `--log-level` (`explicit`), else RUST_LOG, else `default`
+/// ([`balancer::cli::log_filter`]).
+fn init_logging(explicit: Option<&str>, default: &str, json: bool) -> anyhow::Result<()> {
+    let rust_log = std::env::var("RUST_LOG").ok();
+    let filter = balancer::cli::log_filter(explicit, rust_log.as_deref(), default);
+    let filter = EnvFilter::try_new(&filter).with_context(|| {
+        let source = if explicit.is_some() {
+            "'--log-level'"
+        } else {
+            "RUST_LOG"
+        };
+        format!("invalid value '{filter}' for {source}")
+    })?;
     // Colour only for a person at a terminal: journald and log files get
     // plain text.
     let builder = tracing_subscriber::fmt()
@@ -208,20 +217,49 @@ async fn signal() -> std::io::Result<()> {
     }
 }
 
+/// A configuration `launch` refused: a flag, a key of the config file, or
+/// how they combine. It exits 2, as a flag clap refuses does.
+#[derive(Debug, thiserror::Error)]
+#[error(transparent)]
+struct Refused(anyhow::Error);
+
+/// `launch --check-config`: what `launch` would refuse before serving,
+/// without serving. The flags and the file were checked on parsing.
+fn check_config(args: &LaunchArgs) -> anyhow::Result<()> {
+    let config = args.to_config().map_err(Refused)?;
+    Gateway::check(&config).map_err(Refused)?;
+    let workers = config.workers.len() + usize::from(args.demo_workers);
+    let plural = if workers == 1 { "" } else { "s" };
+    let discovery = if config.etcd.is_some() {
+        " and etcd discovery"
+    } else {
+        ""
+    };
+    println!(
+        "balancer: configuration OK ({workers} worker{plural}{discovery}, policy {})",
+        config.policy.as_str()
+    );
+    Ok(())
+}
+
 /// Errors an operator caused (a flag, a file, a port) are shown as one
-/// line with their causes and exit 1, without a backtrace even under
-/// RUST_BACKTRACE (that is for bugs, which panic and keep theirs); a flag
-/// the parser refused is shown by clap itself and exits 2, as for every
-/// subcommand.
+/// line with their causes, without a backtrace even under RUST_BACKTRACE
+/// (that is for bugs, which panic and keep theirs). A configuration
+/// refused exits 2 (a flag the parser refused is shown by clap itself, as
+/// for every subcommand); a start that fails (a port in use) exits 1.
 fn main() -> ExitCode {
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
+            let (error, code) = match error.downcast::<Refused>() {
+                Ok(Refused(error)) => (error, 2),
+                Err(error) => (error, 1),
+            };
             if let Some(usage) = error.downcast_ref::<clap::Error>() {
                 usage.exit();
             }
             eprintln!("balancer: error: {error:#}");
-            ExitCode::FAILURE
+            ExitCode::from(code)
         }
     }
 }
@@ -232,19 +270,22 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         .build()?;
     match cli.command {
         Command::Launch { args } => {
-            let args = LaunchArgs::parse_with_config(args)?;
-            init_logging(&args.log_level, args.log_json)?;
+            let args = LaunchArgs::parse_with_config(args).map_err(Refused)?;
+            if args.check_config {
+                return check_config(&args);
+            }
+            init_logging(args.log_level.as_deref(), "info", args.log_json)?;
             runtime.block_on(launch(args))
         }
         Command::Register(args) => {
-            init_logging("info", false)?;
+            init_logging(None, "info", false)?;
             let registration = args.registration()?;
             runtime.block_on(balancer::discovery::etcd::register(registration, async {
                 let _ = signal().await;
             }))
         }
         Command::L4 { command } => {
-            init_logging("warn", false)?;
+            init_logging(None, "warn", false)?;
             match command {
                 L4Command::Status { bpffs_dir } => {
                     print!("{}", balancer_dataplane::status::report(&bpffs_dir));
@@ -279,7 +320,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Man { out_dir } => write_man_pages(&out_dir),
         #[cfg(feature = "demo-workers")]
         Command::MockWorker(args) => {
-            init_logging("info", false)?;
+            init_logging(None, "info", false)?;
             runtime.block_on(balancer_mock_worker::run(args))
         }
     }

@@ -52,6 +52,30 @@ fn the_register_sidecar_unit_passes_systemd_analyze_verify() {
     verify("balancer-register@.service");
 }
 
+#[test]
+fn the_units_leave_the_log_level_to_the_file_and_do_not_restart_a_refused_one() {
+    for unit in ["balancer.service", "balancer-l7.service"] {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../deploy")
+            .join(unit);
+        let text = std::fs::read_to_string(path).unwrap();
+        let directives: Vec<&str> = text
+            .lines()
+            .filter(|l| !l.trim_start().starts_with('#'))
+            .collect();
+        assert!(
+            !directives
+                .iter()
+                .any(|l| l.contains("RUST_LOG") || l.contains("--log-level")),
+            "{unit} overrides log_level of the file"
+        );
+        assert!(
+            directives.contains(&"RestartPreventExitStatus=2"),
+            "{unit} restarts a refused configuration"
+        );
+    }
+}
+
 fn balancer_dir() -> &'static Path {
     Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../balancer"))
 }
@@ -100,7 +124,12 @@ fn the_manual_pages_and_completions_describe_the_launch_flags() {
     let launch = std::fs::read_to_string(dir.join("balancer-launch.1"));
     let top = std::fs::read_to_string(dir.join("balancer.1"));
     std::fs::remove_dir_all(&dir).unwrap();
-    assert!(launch.unwrap().contains("worker\\-urls"));
+    let launch = launch.unwrap();
+    assert!(launch.contains("worker\\-urls"));
+    assert!(
+        launch.contains(".SH \"CIRCUIT BREAKERS\"") && launch.contains(".SH FLEET"),
+        "the flags' groups are the page's sections"
+    );
     assert!(top.unwrap().contains("launch"));
 
     for shell in ["bash", "zsh", "fish"] {

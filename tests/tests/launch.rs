@@ -1,6 +1,6 @@
 //! End-to-end tests of `balancer launch` as a process, as an operator starts
-//! it: ports another process holds, and flag values refused or resolved at
-//! start. Every process a test starts is killed when the test ends, however
+//! it: ports another process holds, flag values refused or resolved at
+//! start, config file keys refused, `--check-config`. Every process a test starts is killed when the test ends, however
 //! it ends, and every wait is bounded.
 
 use std::io::{Read, Write};
@@ -280,7 +280,10 @@ fn a_launch_flag_error_is_clap_s_own_and_exits_2() -> Result<()> {
 #[test]
 fn a_worker_url_ending_in_v1_is_refused_with_the_fix_and_no_backtrace() -> Result<()> {
     let (code, stderr) = refused(&["--worker-urls", "http://127.0.0.1:8000/v1"])?;
-    ensure!(code == Some(1), "exit {code:?}: {stderr}");
+    ensure!(
+        code == Some(2),
+        "a configuration refused: exit {code:?}: {stderr}"
+    );
     one_line(&stderr)?;
     ensure!(
         stderr.contains("--worker-urls") && stderr.contains("drop the /v1"),
@@ -369,6 +372,152 @@ fn an_unreachable_etcd_is_logged_without_debug_structures() -> Result<()> {
             && !line.contains("Os {")
             && !line.contains('\x1b'),
         "{line}"
+    );
+    Ok(())
+}
+
+/// `balancer launch --check-config ARGS` with `file` as `--config`: exit
+/// code, stdout, stderr.
+fn check_config(file: &str, args: &[&str]) -> Result<(Option<i32>, String, String)> {
+    check_config_with(file, args, &[])
+}
+
+/// [`check_config`] with `env` set.
+fn check_config_with(
+    file: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Result<(Option<i32>, String, String)> {
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let binary = balancer_binary("--check-config")?;
+    let dir = std::env::temp_dir().join(format!("balancer-check-{}-{call}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join("balancer.toml"), file)?;
+    let out = Command::new(binary)
+        .current_dir(&dir)
+        .args(["launch", "--check-config", "--config", "balancer.toml"])
+        .args(args)
+        .envs(env.iter().copied())
+        .env("RUST_BACKTRACE", "1")
+        .stdin(Stdio::null())
+        .output();
+    std::fs::remove_dir_all(&dir)?;
+    let out = out?;
+    Ok((
+        out.status.code(),
+        String::from_utf8(out.stdout)?,
+        String::from_utf8(out.stderr)?,
+    ))
+}
+
+#[test]
+fn check_config_says_ok_and_binds_nothing() -> Result<()> {
+    let port = free_port()?;
+    // The port is held: a start would fail, a check does not bind it.
+    let _held = TcpListener::bind(("127.0.0.1", port))?;
+    let file = format!(
+        "port = {port}\nadmin_token = \"-abc\"\nadmin_host = \"0.0.0.0\"\n\
+         policy = \"least_load\"\n[[workers]]\nurl = \"http://127.0.0.1:8000\"\n"
+    );
+    let (code, stdout, stderr) = check_config(&file, &["--worker-urls", "http://127.0.0.1:8001"])?;
+    ensure!(code == Some(0), "exit {code:?}: {stderr}");
+    ensure!(
+        stdout == "balancer: configuration OK (2 workers, policy least_load)\n",
+        "{stdout:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn check_config_refuses_a_bad_key_naming_the_file_and_exits_2() -> Result<()> {
+    for (file, expected) in [
+        (
+            "disable_retries = \"yes\"\n",
+            "balancer: error: balancer.toml: key 'disable_retries': expected a boolean, found string \"yes\"\n",
+        ),
+        (
+            "port = \"abc\"\n",
+            "balancer: error: balancer.toml: key 'port': invalid value 'abc': invalid digit found in string\n",
+        ),
+        (
+            "prot = 1\n",
+            "balancer: error: balancer.toml: unknown key 'prot' (did you mean 'port'?)\n",
+        ),
+    ] {
+        let (code, stdout, stderr) = check_config(file, &[])?;
+        ensure!(code == Some(2), "{file}: exit {code:?}: {stderr}");
+        ensure!(stdout.is_empty() && stderr == expected, "{file}: {stderr}");
+    }
+    // A check of what only a start would see: the TLS files.
+    let (code, _, stderr) = check_config(
+        "tls_cert_path = \"/nonexistent/cert.pem\"\ntls_key_path = \"/nonexistent/key.pem\"\n",
+        &[],
+    )?;
+    ensure!(code == Some(2), "exit {code:?}: {stderr}");
+    one_line(&stderr)?;
+    ensure!(stderr.contains("/nonexistent/cert.pem"), "{stderr}");
+    // And, with L4 on, the eBPF object (found, not loaded).
+    let (code, _, stderr) = check_config_with(
+        "xdp_iface = [\"lo\"]\nl4_service = [\"10.0.0.1:80\"]\n",
+        &[],
+        &[("BALANCER_EBPF_OBJECT", "/nonexistent/balancer-ebpf")],
+    )?;
+    ensure!(code == Some(2), "exit {code:?}: {stderr}");
+    one_line(&stderr)?;
+    ensure!(
+        stderr.contains("--xdp-iface") && stderr.contains("/nonexistent/balancer-ebpf"),
+        "{stderr}"
+    );
+    Ok(())
+}
+
+/// `GET /workers` on the admin API at `addr` with `token`: the status line.
+fn admin_status(addr: SocketAddr, token: &str) -> Option<String> {
+    let answer = exchange(
+        addr,
+        &format!(
+            "GET /workers HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {token}\r\n\
+             connection: close\r\n\r\n"
+        ),
+    )?;
+    answer.lines().next().map(str::to_owned)
+}
+
+#[tokio::test]
+async fn the_environment_s_admin_token_wins_over_the_file_s() -> Result<()> {
+    let binary = balancer_binary("--check-config")?;
+    let worker = worker().await?;
+    let port = free_port()?;
+    let args = flags(port, &worker)?;
+    let admin = SocketAddr::from(([127, 0, 0, 1], args[5].parse::<u16>()?));
+    let file = std::env::temp_dir().join(format!("balancer-env-token-{}.toml", std::process::id()));
+    std::fs::write(&file, "admin_token = \"from-file\"\n")?;
+    let child = Command::new(binary)
+        .arg("launch")
+        .args(&args)
+        .arg("--config")
+        .arg(&file)
+        .env("BALANCER_ADMIN_TOKEN", "from-env")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn();
+    let mut agent = Agent(child?);
+    let serving = wait_serving(SocketAddr::from(([127, 0, 0, 1], port)), &mut agent);
+    std::fs::remove_file(&file)?;
+    serving?;
+    let with_env = admin_status(admin, "from-env");
+    let with_file = admin_status(admin, "from-file");
+    drop(agent);
+    worker.shutdown().await;
+    ensure!(
+        with_env.as_deref().is_some_and(|l| l.contains(" 200 ")),
+        "{with_env:?}"
+    );
+    ensure!(
+        with_file.as_deref().is_some_and(|l| l.contains(" 401 ")),
+        "{with_file:?}"
     );
     Ok(())
 }
