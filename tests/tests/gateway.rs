@@ -540,6 +540,54 @@ async fn admission_sheds_the_fourth_concurrent_request_with_429() {
 }
 
 #[tokio::test]
+async fn a_request_queued_past_the_queue_timeout_gets_503_and_never_reaches_a_worker() {
+    let h = harness(&["a"], |c| {
+        quiet(c);
+        c.admission = Some(AdmissionConfig {
+            max_concurrent: 1,
+            queue_size: 1,
+            queue_timeout: Duration::from_millis(200),
+        });
+    })
+    .await;
+    h.workers[0].set_fault(Fault {
+        latency_ms: Some(1500),
+        ..Fault::default()
+    });
+    let h = Arc::new(h);
+    let running = {
+        let h = h.clone();
+        tokio::spawn(async move { h.chat(CHAT).await.status })
+    };
+    eventually("one admitted", || {
+        std::future::ready(h.gw.proxy.admission().unwrap().stats().inflight == 1)
+    })
+    .await;
+    let served = h.served(0);
+    let waited = Instant::now();
+    let r = h.chat(CHAT).await;
+    assert_eq!(
+        (r.status, r.code().as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, "admission_queue_timeout")
+    );
+    assert!(r.headers.contains_key("retry-after"));
+    let waited = waited.elapsed();
+    assert!(
+        waited >= Duration::from_millis(200) && waited < Duration::from_millis(1400),
+        "shed after {waited:?}, not at the queue timeout"
+    );
+    assert_eq!(running.await.unwrap(), StatusCode::OK);
+    assert_eq!(h.served(0), served, "the shed request reached no worker");
+    let a = h.breaker(0);
+    assert_eq!(
+        (a.successes, a.failures_total()),
+        (1, 0),
+        "no breaker charged"
+    );
+    Arc::into_inner(h).unwrap().stop().await;
+}
+
+#[tokio::test]
 async fn malformed_json_gets_400_and_records_nothing() {
     let h = harness(&["a"], |c| {
         quiet(c);
