@@ -842,11 +842,11 @@ impl LaunchArgs {
         let command = launch_command();
         let given = given_on_command_line(&command, &args);
         let mut merged = vec![OsString::from("balancer launch")];
-        let mut specs = Vec::new();
+        let mut file = None;
         if let Some(path) = given.as_ref().and_then(|m| m.get_one::<PathBuf>("config")) {
-            let file = ConfigFile::read(path, &command)?;
-            merged.extend(file.args_under(&command, given.as_ref()));
-            specs = file.workers;
+            let read = ConfigFile::read(path, &command)?;
+            merged.extend(read.args_under(&command, given.as_ref()));
+            file = Some(read);
         }
         merged.extend(args);
         let mut parsed = match LaunchArgs::try_parse_from(merged) {
@@ -855,8 +855,15 @@ impl LaunchArgs {
             // The binary shows it as clap does (usage, exit 2).
             Err(e) => return Err(e.into()),
         };
-        parsed.worker_specs = specs;
-        parsed.to_config()?;
+        if let Some(file) = &mut file {
+            parsed.worker_specs = std::mem::take(&mut file.workers);
+        }
+        if let Err(error) = parsed.to_config() {
+            return Err(match &file {
+                Some(file) => file.blame(&command, error, given.as_ref()),
+                None => error,
+            });
+        }
         Ok(parsed)
     }
 
@@ -1425,6 +1432,42 @@ resilience = { capacity_status_codes = [429, 503], cb_failure_threshold = 2 }
         ] {
             assert_eq!(file_error(text), expected, "{text}");
         }
+    }
+
+    /// Checks that span settings name flags; when the flag's value came
+    /// from the file, the error names the file and the key instead.
+    #[test]
+    fn whole_configuration_errors_name_the_file_key_that_set_the_value() {
+        let blamed = |text: &str, args: &[&str]| {
+            let error = format!("{:#}", parse_with_file(text, args).unwrap_err());
+            let file = error.split(": key '").next().unwrap().to_owned();
+            (file.ends_with(".toml").then_some(()), error)
+        };
+        for (text, key) in [
+            (
+                "fleet_verdicts = true\netcd_endpoints = [\"http://127.0.0.1:2379\"]\nfleet_quorum = 0",
+                "fleet_quorum",
+            ),
+            (
+                "worker_urls = [\"http://127.0.0.1:8000/v1\"]",
+                "worker_urls",
+            ),
+            ("fallback_model = [\"a=b\", \"b=a\"]", "fallback_model"),
+        ] {
+            let (named, error) = blamed(text, &[]);
+            assert!(named.is_some(), "{text}: {error}");
+            assert!(
+                error.contains(&format!(": key '{key}': ")),
+                "{text}: {error}"
+            );
+        }
+        // The same value from the command line is the command line's.
+        let (named, error) = blamed(
+            "fleet_verdicts = true\netcd_endpoints = [\"http://127.0.0.1:2379\"]",
+            &["--fleet-quorum", "0"],
+        );
+        assert!(named.is_none(), "{error}");
+        assert!(error.contains("--fleet-quorum"), "{error}");
     }
 
     #[test]

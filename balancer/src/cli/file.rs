@@ -14,7 +14,7 @@
 //! `--flag=value`, so a value starting with `-` stays a value.
 
 use std::ffi::OsString;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, anyhow, bail};
 use clap::error::{ContextKind, ContextValue, ErrorKind};
@@ -34,6 +34,10 @@ const WORKERS: &str = "workers";
 /// A config file, every key checked.
 #[derive(Debug)]
 pub struct ConfigFile {
+    /// The file's path as given, for errors.
+    path: PathBuf,
+    /// Per key the file sets: the key as written and its flag's long name.
+    keys: Vec<(String, String)>,
     /// Per flag the file sets (its clap id), its arguments for the parser.
     settings: Vec<(String, Vec<OsString>)>,
     /// The `[[workers]]` tables, each validated.
@@ -64,6 +68,7 @@ impl ConfigFile {
         })?;
         let mut settings: Vec<(String, Vec<OsString>)> = Vec::new();
         let mut keys: Vec<(&str, &str)> = Vec::new();
+        let mut longs = Vec::new();
         let mut workers = Vec::new();
         for (key, value) in &table {
             if key == WORKERS {
@@ -78,11 +83,54 @@ impl ConfigFile {
                 bail!("{name}: key '{key}': '{other}' sets it too");
             }
             keys.push((key, id));
+            longs.push((key.clone(), arg.get_long().unwrap_or_default().to_owned()));
             let args = arguments(command, arg, value)
                 .map_err(|why| anyhow!("{name}: key '{key}': {why}"))?;
             settings.push((id.to_owned(), args));
         }
-        Ok(Self { settings, workers })
+        Ok(Self {
+            path: path.to_owned(),
+            keys: longs,
+            settings,
+            workers,
+        })
+    }
+
+    /// `error`, a check of the whole configuration that names flags
+    /// (`'--fleet-quorum': must be at least 1`), told as the file's when
+    /// the first flag it names that the file sets took the file's value
+    /// (`given`, the command line parsed alone, did not set it).
+    pub fn blame(
+        &self,
+        command: &Command,
+        error: anyhow::Error,
+        given: Option<&ArgMatches>,
+    ) -> anyhow::Error {
+        let text = format!("{error:#}");
+        let mentioned = text.match_indices("--").filter_map(|(at, _)| {
+            let name = &text[at + 2..];
+            let end = name
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+                .unwrap_or(name.len());
+            (end > 0).then(|| &name[..end])
+        });
+        let on_command_line = |long: &str| {
+            let arg = command
+                .get_arguments()
+                .find(|a| names(a).any(|n| n == long));
+            given.zip(arg).is_some_and(|(m, arg)| {
+                m.value_source(arg.get_id().as_str()) == Some(ValueSource::CommandLine)
+            })
+        };
+        for long in mentioned {
+            if on_command_line(long) {
+                break;
+            }
+            if let Some((key, _)) = self.keys.iter().find(|(_, l)| l == long) {
+                return anyhow!("{}: key '{key}': {text}", self.path.display());
+            }
+        }
+        error
     }
 
     /// The file's arguments for the flags `given` (the command line parsed
