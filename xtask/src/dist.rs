@@ -138,7 +138,7 @@ pub fn install_and_check(package: &Path) -> Result<()> {
     }
     let started = Instant::now();
     run(Command::new("dpkg").arg("-i").arg(package))?;
-    let checked = check_installed();
+    let checked = check_installed().and_then(|()| check_upgrade(package));
     let purged = run(Command::new("dpkg").args(["--purge", "balancer"]));
     checked?;
     purged?;
@@ -146,6 +146,44 @@ pub fn install_and_check(package: &Path) -> Result<()> {
         "dist: installed, checked and purged in {:.1} s",
         started.elapsed().as_secs_f64()
     );
+    Ok(())
+}
+
+/// The configuration file as the package installs it.
+const CONFIG: &str = "/etc/balancer/balancer.toml";
+/// The admin token postinst creates.
+const ADMIN_TOKEN: &str = "/etc/balancer/admin-token";
+
+/// An upgrade over an operator's changes, as the README's Operations
+/// section describes it: the package installed again over an edited
+/// configuration keeps the edit and the admin token, and the installed
+/// binary accepts the installed configuration (`--check-config`).
+fn check_upgrade(package: &Path) -> Result<()> {
+    const EDIT: &str = "\n# edited by the operator\n";
+    let mut edited =
+        std::fs::read_to_string(CONFIG).with_context(|| format!("reading {CONFIG}"))?;
+    edited.push_str(EDIT);
+    std::fs::write(CONFIG, &edited).with_context(|| format!("editing {CONFIG}"))?;
+    let token = std::fs::read(ADMIN_TOKEN).with_context(|| format!("reading {ADMIN_TOKEN}"))?;
+    run(Command::new("dpkg").arg("-i").arg(package))?;
+    ensure!(
+        std::fs::read_to_string(CONFIG)? == edited,
+        "the upgrade did not keep the edited {CONFIG}"
+    );
+    ensure!(
+        std::fs::read(ADMIN_TOKEN)? == token,
+        "the upgrade replaced {ADMIN_TOKEN}"
+    );
+    let checked = stdout_of(
+        Command::new("/usr/bin/balancer")
+            .args(["launch", "--config", CONFIG, "--check-config"])
+            .env_remove("BALANCER_EBPF_OBJECT"),
+    )?;
+    ensure!(
+        checked.starts_with("balancer: configuration OK"),
+        "`balancer launch --config {CONFIG} --check-config` says `{checked}`"
+    );
+    println!("dist: upgraded over an edited configuration: kept; {checked}");
     Ok(())
 }
 
@@ -163,7 +201,7 @@ fn check_installed() -> Result<()> {
     );
     println!("dist: {version}");
 
-    let token = std::fs::metadata("/etc/balancer/admin-token")
+    let token = std::fs::metadata(ADMIN_TOKEN)
         .context("postinst did not create /etc/balancer/admin-token")?;
     use std::os::unix::fs::PermissionsExt;
     ensure!(
