@@ -210,3 +210,38 @@ async fn one_sigint_with_nothing_in_flight_drains_and_exits_0() {
     assert_eq!(started[0]["fields"]["deadline_secs"], 180, "the default");
     assert!(events(&lines, "second signal").is_empty());
 }
+
+/// `systemctl reload` without TLS: the SIGHUP is logged and changes
+/// nothing (the default action of SIGHUP would end the process).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_without_tls_changes_nothing() {
+    let binary = balancer_binary("--shutdown-grace-period-secs").unwrap();
+    let worker = demo("a").await;
+    let agent =
+        AgentProcess::launch(&binary, &["--worker-urls", &worker.url(), "--log-json"]).unwrap();
+    within(Duration::from_secs(10), "worker ready", || {
+        ready(&agent, &worker)
+    });
+    let served = worker.stats().inference_requests;
+    agent.signal("HUP").unwrap();
+    within(Duration::from_secs(10), "the SIGHUP logged", || {
+        !events(&agent.lines(), "SIGHUP").is_empty()
+    });
+    assert!(
+        status_of(send_chat(agent.addr)).contains(" 200 "),
+        "still serving after SIGHUP"
+    );
+    assert_eq!(worker.stats().inference_requests, served + 1);
+    assert!(ready(&agent, &worker), "the worker kept its state");
+    agent.signal("TERM").unwrap();
+    let (status, lines) = agent.wait(Duration::from_secs(10)).unwrap();
+    assert_eq!(status.code(), Some(0), "{lines:#?}");
+    let hups = events(&lines, "SIGHUP");
+    assert_eq!(hups.len(), 1, "{lines:#?}");
+    assert!(
+        hups[0]["fields"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("nothing to reload")),
+        "{hups:#?}"
+    );
+}
