@@ -393,15 +393,6 @@ mod tests {
     use crate::ring::hash_key;
     use crate::spec::{BreakerDefaults, WorkerSpec};
 
-    const ALL: [Policy; 6] = [
-        Policy::RoundRobin,
-        Policy::Random,
-        Policy::PowerOfTwo,
-        Policy::LeastLoad,
-        Policy::CacheAware,
-        Policy::ConsistentHash,
-    ];
-
     fn fleet(n: usize) -> (Arc<Registry>, Arc<ManualClock>) {
         fleet_with(
             n,
@@ -457,7 +448,7 @@ mod tests {
             open(w, &clock);
         }
         let (candidates, ring) = fleet.candidates(None);
-        for policy in ALL {
+        for policy in Policy::ALL {
             let s = Selector::new(policy);
             let picked = s.select(candidates, ring, Some(7), &[], &*clock).unwrap();
             assert_eq!(picked.url, fleet.workers[0].url, "{policy:?}");
@@ -472,7 +463,7 @@ mod tests {
         for w in fleet.workers.iter().step_by(2) {
             open(w, &clock);
         }
-        for policy in ALL {
+        for policy in Policy::ALL {
             let s = Selector::new(policy);
             for key in 0..200 {
                 let w = s.select(candidates, ring, Some(key), &[], &*clock).unwrap();
@@ -485,7 +476,7 @@ mod tests {
         for w in fleet.workers.iter().skip(1).step_by(2) {
             open(w, &clock);
         }
-        for policy in ALL {
+        for policy in Policy::ALL {
             assert!(
                 Selector::new(policy)
                     .select(candidates, ring, None, &[], &*clock)
@@ -500,7 +491,7 @@ mod tests {
         let fleet = registry.fleet();
         let (candidates, ring) = fleet.candidates(None);
         let ids: Vec<u64> = fleet.workers.iter().map(|w| w.breaker.id()).collect();
-        for policy in ALL {
+        for policy in Policy::ALL {
             let s = Selector::new(policy);
             let w = s
                 .select(candidates, ring, Some(1), &ids[..2], &*clock)
