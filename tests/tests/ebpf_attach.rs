@@ -110,6 +110,38 @@ fn exercise(object: &std::path::Path, server_ns: &str, client_ns: &str) -> Resul
     Ok(())
 }
 
+/// `--xdp-mode auto` on an interface whose driver has no native XDP (the
+/// namespace's loopback; this kernel has no dummy driver): the program
+/// runs in generic mode, as `ip link` shows
+/// (`xdpgeneric`); `--xdp-mode driver` there is refused.
+#[test]
+fn auto_mode_falls_back_to_generic_where_the_driver_has_no_native_xdp() {
+    let Some(object) = ebpf_prerequisites() else {
+        return;
+    };
+    let namespaces = Namespaces::create("bt-xdpgen", 1).expect("creating the namespace");
+    let ns = namespaces.name(0).to_owned();
+    let outcome = (|| -> Result<()> {
+        let (mut dataplane, refused, mode) = netns::run_in(&ns, STEP_TIMEOUT, move || {
+            let mut dataplane = Dataplane::load(&object)?;
+            let refused = dataplane.attach("lo", XdpMode::Driver).is_err();
+            let mode = dataplane.attach("lo", XdpMode::Auto)?;
+            anyhow::Ok((dataplane, refused, mode))
+        })??;
+        ensure!(refused, "native mode attached on the loopback");
+        ensure!(mode == XdpMode::Skb, "auto attached in {mode:?} mode");
+        let link = run("ip", &["-n", &ns, "link", "show", "dev", "lo"])?;
+        ensure!(link.contains("xdpgeneric"), "`ip link` shows: {link}");
+        netns::run_in(&ns, STEP_TIMEOUT, move || dataplane.detach())??;
+        let link = run("ip", &["-n", &ns, "link", "show", "dev", "lo"])?;
+        ensure!(!link.contains("xdp"), "still attached: {link}");
+        Ok(())
+    })();
+    let deleted = namespaces.delete();
+    outcome.unwrap_or_else(|error| panic!("{error:#}"));
+    deleted.expect("deleting the namespace");
+}
+
 fn connect_veth(server_ns: &str, client_ns: &str) -> Result<()> {
     run(
         "ip",
