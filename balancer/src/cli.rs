@@ -1471,6 +1471,19 @@ resilience = { capacity_status_codes = [429, 503], cb_failure_threshold = 2 }
     }
 
     #[test]
+    fn keys_whose_flags_exclude_each_other_are_refused_as_the_files() {
+        let error =
+            file_error("admin_token = \"t\"\nadmin_token_file = \"/etc/balancer/admin-token\"");
+        assert!(
+            error.starts_with("balancer.toml: keys '")
+                && error.contains("'admin_token'")
+                && error.contains("'admin_token_file'")
+                && error.ends_with("cannot be used together"),
+            "{error}"
+        );
+    }
+
+    #[test]
     fn a_config_file_value_may_start_with_a_dash() {
         let c = parse_with_file("admin_token = \"-abc\"\nadmin_host = \"0.0.0.0\"", &[])
             .unwrap()

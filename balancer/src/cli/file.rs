@@ -88,6 +88,22 @@ impl ConfigFile {
                 .map_err(|why| anyhow!("{name}: key '{key}': {why}"))?;
             settings.push((id.to_owned(), args));
         }
+        // Two keys whose flags exclude each other: said here, as the file's,
+        // rather than by clap as two flags nobody typed.
+        let arg_of = |id: &str| command.get_arguments().find(|a| a.get_id() == id);
+        let set = |id: &str| settings.iter().any(|(i, args)| i == id && !args.is_empty());
+        for (i, (key, id)) in keys.iter().enumerate() {
+            for (other, other_id) in &keys[..i] {
+                let (Some(a), Some(b)) = (arg_of(id), arg_of(other_id)) else {
+                    continue;
+                };
+                let conflict = command.get_arg_conflicts_with(a).contains(&b)
+                    || command.get_arg_conflicts_with(b).contains(&a);
+                if conflict && set(id) && set(other_id) {
+                    bail!("{name}: keys '{other}' and '{key}' cannot be used together");
+                }
+            }
+        }
         Ok(Self {
             path: path.to_owned(),
             keys: longs,
