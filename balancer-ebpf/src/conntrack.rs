@@ -181,17 +181,32 @@ fn fill(found: Option<Flow>, out: &mut MaybeUninit<Flow>) -> bool {
 /// send packets whose answers nothing restores).
 ///
 /// A SYN that finds its own handshake still waiting (same initial sequence
-/// number, no SYN-ACK seen) is the client trying again: the backend's
-/// handshake timed out, which its counters record.
+/// number, nothing closed) is the client trying again: unanswered, the backend's handshake
+/// timed out, which its counters record. When the SYN went to the same
+/// backend, the entries already say everything it would write, and they
+/// stay: two lookups instead of replacing both entries, which costs an LRU
+/// node each (a retransmitted SYN is what a SYN flood of one four-tuple
+/// is made of).
 #[inline(always)]
 pub fn open(key: &FlowKey, flow: &Flow) {
-    const NO_EXIST: u64 = 1;
-    if EMBRYONIC.insert(key, flow, NO_EXIST).is_err() {
-        note_retransmission(key, flow);
-        if EMBRYONIC.insert(key, flow, 0).is_err() {
-            outcome(Outcome::ConntrackFull);
+    if let Some(entry) = EMBRYONIC.get_ptr(key) {
+        // SAFETY: a successful lookup, copied at once.
+        let old = unsafe { *entry };
+        let over = FLAG_REPLY | FLAG_RECOVERED | FLAG_FIN_CLIENT | FLAG_FIN_BACKEND;
+        if old.flags & over == 0
+            && old.closed == 0
+            && old.seq == flow.seq
+            && retransmitted(key, &old)
+            && old.backend == flow.backend
+            && old.addr == flow.addr
+            && old.port == flow.port
+        {
             return;
         }
+    }
+    if EMBRYONIC.insert(key, flow, 0).is_err() {
+        outcome(Outcome::ConntrackFull);
+        return;
     }
     let (peer_key, peer) = flow.peer(key);
     if EMBRYONIC.insert(peer_key, peer, 0).is_err() {
@@ -200,25 +215,21 @@ pub fn open(key: &FlowKey, flow: &Flow) {
     }
 }
 
+/// The client sent the SYN of `old` (its forward entry at `key`) again:
+/// counts a timeout of the backend if its SYN-ACK has not been seen.
+/// Whether the reply entry is there (if not, the entries are written anew).
 #[inline(always)]
-fn note_retransmission(key: &FlowKey, flow: &Flow) {
-    let Some(entry) = EMBRYONIC.get_ptr(key) else {
-        return;
-    };
-    // SAFETY: a successful lookup, copied at once.
-    let old = unsafe { *entry };
-    if old.flags & (FLAG_REPLY | FLAG_RECOVERED) != 0 || old.seq != flow.seq {
-        return;
-    }
+fn retransmitted(key: &FlowKey, old: &Flow) -> bool {
     let Some(reply) = EMBRYONIC.get_ptr(old.peer_key(key)) else {
-        return;
+        return false;
     };
-    // SAFETY: as above.
+    // SAFETY: a successful lookup, read at once.
     let answered = unsafe { (*reply).flags } & FLAG_SEQ != 0;
     if !answered && let Some(stats) = backend_stats(old.backend) {
         stats.timeouts += 1;
         stats.last_signal_ns = now_ns();
     }
+    true
 }
 
 /// Forgets an established connection whose four-tuple a new SYN reuses, so
