@@ -363,7 +363,7 @@ pub struct Flow {
     /// real one, so the in-window test errs toward ignoring a reset.
     pub window: u32,
     /// When a packet of this entry last made sure the other direction's
-    /// entry exists ([`CLOSED_SHIFT`] units).
+    /// entry exists (the low 32 bits of the kernel's jiffies).
     pub checked: u32,
 }
 

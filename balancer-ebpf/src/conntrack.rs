@@ -18,7 +18,7 @@
 //! window as a lower bound). Segments outside any plausible window change no
 //! state at all; they are passed on, and the endpoint's stack decides.
 
-use aya_ebpf::helpers::generated::{bpf_ktime_get_coarse_ns, bpf_ktime_get_ns};
+use aya_ebpf::helpers::generated::{bpf_jiffies64, bpf_ktime_get_coarse_ns, bpf_ktime_get_ns};
 use aya_ebpf::maps::LruHashMap;
 use core::mem::MaybeUninit;
 
@@ -40,10 +40,10 @@ const MAX_AHEAD: i32 = 1 << 18;
 /// How far behind it may start (retransmissions: at most a window, and
 /// windows scale to 1 GiB).
 const MAX_BEHIND: i32 = 1 << 30;
-/// How often (in [`Flow::closed`] units, about a millisecond) a packet of an
-/// established connection checks that the other direction's entry is still
-/// there: about a second.
-const PEER_CHECK: u32 = 1_000;
+/// How often (in jiffies, [`Flow::checked`]) a packet of an established
+/// connection checks that the other direction's entry is still there: a
+/// second at the usual HZ of 250 (a quarter of one at 1000, 2.5 at 100).
+const PEER_CHECK: u32 = 250;
 
 /// A packet from client to service of an established connection: its
 /// entry, after tracking the segment. `None` when `CONNS` has none.
@@ -261,7 +261,7 @@ fn track(table: &'static Table, key: &FlowKey, entry: *mut Flow, seg: &Segment) 
     // keeps both entries of a live connection, and only one that sat idle
     // can have lost one of them, which its first packet after the pause
     // repairs. That keeps the steady state at one hash lookup per packet.
-    let now = now_closed_units();
+    let now = now_jiffies();
     let wanted = seg.flags & (TcpHdr::FIN | TcpHdr::RST) != 0
         || own.flags & FLAG_REPLY != 0 && seg.is_syn_ack()
         || core::ptr::eq(table, &EMBRYONIC)
@@ -446,6 +446,15 @@ fn promote(key: &FlowKey, entry: *mut Flow, peer_key: &FlowKey) {
 fn now_ns() -> u64 {
     // SAFETY: a helper without arguments.
     unsafe { bpf_ktime_get_ns() }
+}
+
+/// The kernel's tick count, for [`Flow::checked`]: every packet of a
+/// connection reads a clock, and this is the one the verifier inlines into a
+/// load (`bpf_ktime_get_coarse_ns` is a helper call, about 10 ns here).
+#[inline(always)]
+fn now_jiffies() -> u32 {
+    // SAFETY: a helper without arguments.
+    unsafe { bpf_jiffies64() as u32 }
 }
 
 /// The time in [`Flow::closed`] units; never 0, which means "open".
