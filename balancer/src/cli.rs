@@ -8,7 +8,7 @@
 //! start with the flag and the value named.
 
 use std::ffi::OsString;
-use std::net::{IpAddr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -390,10 +390,11 @@ pub struct LaunchArgs {
     /// (native only), skb (generic).
     #[arg(long, default_value = "auto")]
     pub xdp_mode: XdpMode,
-    /// VIP:PORT whose TCP connections are balanced over the workers (at the
-    /// IPv4 address and port of their URLs). Repeatable.
+    /// VIP:PORT whose TCP connections are balanced over the workers of its
+    /// address family (at the address and port of their URLs). IPv4 only
+    /// so far: an IPv6 `[VIP]:PORT` is refused. Repeatable.
     #[arg(long, value_name = "VIP:PORT")]
-    pub l4_service: Vec<SocketAddrV4>,
+    pub l4_service: Vec<SocketAddr>,
     /// How steered packets reach the workers (NAT both ways, no tunnel).
     #[arg(long, default_value = "local")]
     pub l4_mode: ForwardMode,
@@ -1331,10 +1332,7 @@ resilience = { cb_min_completion_tokens = 0 }
         assert_eq!(l4.mode, ForwardMode::Remote);
         assert_eq!(l4.xdp_mode, XdpMode::Skb);
         assert_eq!(l4.table_size, 251);
-        assert_eq!(
-            l4.services,
-            ["10.0.0.1:80".parse::<SocketAddrV4>().unwrap()]
-        );
+        assert_eq!(l4.services, ["10.0.0.1:80".parse::<SocketAddr>().unwrap()]);
         for (args, needle) in [
             (&["--xdp-iface", "eth0"][..], "--l4-service"),
             (&["--l4-service", "10.0.0.1:80"][..], "--xdp-iface"),
@@ -1361,6 +1359,10 @@ resilience = { cb_min_completion_tokens = 0 }
                 "twice",
             ),
             (&["--l4-mode", "tunnel"][..], "--l4-mode"),
+            (
+                &["--xdp-iface", "e", "--l4-service", "[2001:db8::100]:8000"][..],
+                "IPv4 services only",
+            ),
         ] {
             let err = format!("{:#}", parse(args).unwrap_err());
             assert!(err.contains(needle), "{args:?}: {err}");
