@@ -79,6 +79,13 @@ pub const MAX_SERVICE_BACKENDS: u32 = MAX_BACKENDS;
 pub const DEFAULT_TABLE_SIZE: u32 = 65_537;
 /// Connections (both directions) the LRU connection table holds by default.
 pub const DEFAULT_CONNTRACK_SIZE: u32 = 262_144;
+/// Map flags of the two connection tables: `BPF_F_NO_COMMON_LRU`, an LRU
+/// list per CPU. With the one shared list, each CPU holds back a batch of
+/// free entries (up to 128) and refills it by evicting as many at once, so
+/// a small table loses live connections to others' churn; per CPU, batches
+/// are 4 entries and eviction follows each CPU's recency closely. (Each CPU
+/// gets an equal part of the entries and evicts only from it.)
+pub const CONNTRACK_MAP_FLAGS: u32 = 2;
 /// Table slots a new connection tries (a fresh hash each) before falling
 /// back to the service's list of routable backends: enough that a table
 /// with a few isolated backends almost never needs the list.

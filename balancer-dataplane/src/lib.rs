@@ -293,15 +293,27 @@ pub struct LoadOptions {
     /// Services the Maglev map has room for (two tables each).
     pub services: u32,
     /// Entries of the connection table (each connection takes two). The
-    /// table of connections still proving themselves gets a quarter of it.
+    /// table of connections still proving themselves gets a quarter of it,
+    /// and never fewer than [`LoadOptions::EMBRYONIC_MIN`].
     pub conntrack_size: u32,
 }
 
 impl LoadOptions {
-    /// Entries of the embryonic table: a quarter of the established one,
-    /// at least 256, so a flood has room to churn without touching it.
+    /// The fewest entries of the embryonic table. Its size is about
+    /// handshakes in flight, not established connections, so it does not
+    /// shrink with a small connection table: the kernel's LRU frees entries
+    /// in batches (each CPU keeps up to 128 free ones, and taking more
+    /// evicts as many of the least recently used at once), which in a table
+    /// of a few hundred reaches handshakes that are still waiting for the
+    /// client's ACK. About 2 MiB of kernel memory at this size.
+    pub const EMBRYONIC_MIN: u32 = 16_384;
+
+    /// Entries of the embryonic table: a quarter of the established one, at
+    /// least [`LoadOptions::EMBRYONIC_MIN`], so a flood has room to churn
+    /// without touching the established table, and other connections'
+    /// handshakes do not evict a waiting one.
     pub fn embryonic_size(&self) -> u32 {
-        (self.conntrack_size / 4).max(256)
+        (self.conntrack_size / 4).max(Self::EMBRYONIC_MIN)
     }
 }
 

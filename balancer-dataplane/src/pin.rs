@@ -267,6 +267,8 @@ pub fn layout_id(options: &LoadOptions) -> String {
             options.table_size as usize,
             options.services as usize,
             options.conntrack_size as usize,
+            options.embryonic_size() as usize,
+            common::CONNTRACK_MAP_FLAGS as usize,
         ])
     )
 }
