@@ -9,6 +9,14 @@
 //!
 //! Layouts are `#[repr(C)]` with explicit padding fields: hash-map keys are
 //! compared byte by byte, so no byte of a key may be left uninitialised.
+//!
+//! Both address families use the same types, generic over the address
+//! ([`Addr`]: `u32` for IPv4, the default, and [`Addr6`] for IPv6). Each
+//! family has its own services, backend addresses, next hops and connection
+//! tables (the `*6` maps), while everything indexed by a service or backend
+//! slot (Maglev tables, routable lists, counters, trials) is shared: a slot
+//! belongs to one family. The agent keeps both families' maps; the program
+//! steers IPv4 only so far.
 
 /// The `#[classifier]` program that restores the service address on replies
 /// that local workers send (local mode, TC egress).
@@ -71,6 +79,13 @@ pub const MAX_SERVICE_BACKENDS: u32 = MAX_BACKENDS;
 pub const DEFAULT_TABLE_SIZE: u32 = 65_537;
 /// Connections (both directions) the LRU connection table holds by default.
 pub const DEFAULT_CONNTRACK_SIZE: u32 = 262_144;
+/// Map flags of the two connection tables: `BPF_F_NO_COMMON_LRU`, an LRU
+/// list per CPU. With the one shared list, each CPU holds back a batch of
+/// free entries (up to 128) and refills it by evicting as many at once, so
+/// a small table loses live connections to others' churn; per CPU, batches
+/// are 4 entries and eviction follows each CPU's recency closely. (Each CPU
+/// gets an equal part of the entries and evicts only from it.)
+pub const CONNTRACK_MAP_FLAGS: u32 = 2;
 /// Table slots a new connection tries (a fresh hash each) before falling
 /// back to the service's list of routable backends: enough that a table
 /// with a few isolated backends almost never needs the list.
@@ -79,6 +94,20 @@ pub const MAX_PROBES: u32 = 8;
 /// hash gives: more than one only matters in the microseconds between a
 /// state bit flipping and the agent rewriting the list.
 pub const LIST_TRIES: u32 = 4;
+
+/// [`SERVICES`] of IPv6 services ([`ServiceKey<Addr6>`]).
+pub const SERVICES6: &str = "SERVICES6";
+/// [`BACKENDS`] of IPv6 backends ([`Backend<Addr6>`], same slots: a slot
+/// is in use in one of the two).
+pub const BACKENDS6: &str = "BACKENDS6";
+/// [`NEXT_HOPS`] toward IPv6 backends.
+pub const NEXT_HOPS6: &str = "NEXT_HOPS6";
+/// [`CLIENT_HOPS`] of IPv6 clients.
+pub const CLIENT_HOPS6: &str = "CLIENT_HOPS6";
+/// [`CONNS`] of IPv6 connections ([`FlowKey<Addr6>`] → [`Flow<Addr6>`]).
+pub const CONNS6: &str = "CONNS6";
+/// [`EMBRYONIC`] of IPv6 connections.
+pub const EMBRYONIC6: &str = "EMBRYONIC6";
 
 /// `PORTS` bit: some service listens on this destination port.
 pub const PORT_SERVICE: u32 = 1;
@@ -118,9 +147,64 @@ pub const CLOSE_GRACE: u32 = 2_000;
 /// `IPPROTO_TCP`.
 pub const PROTO_TCP: u8 = 6;
 
+/// An address as it sits in a packet, in the maps' keys and values: IPv4
+/// (`u32`) or IPv6 ([`Addr6`]).
+pub trait Addr: Copy + Default + Eq + core::hash::Hash + core::fmt::Debug + 'static {
+    /// 32 bits of the address, for hashes and checks: the IPv4 address
+    /// itself (so IPv4 hashes are what they were before IPv6), an IPv6
+    /// address's words folded.
+    fn fold(self) -> u32;
+}
+
+impl Addr for u32 {
+    #[inline(always)]
+    fn fold(self) -> u32 {
+        self
+    }
+}
+
+/// An IPv6 address as it sits in a packet: four words, each read in native
+/// order from the packet's bytes (like an IPv4 [`addr_be`]), so the program
+/// copies and checksums them without swapping.
+pub type Addr6 = [u32; 4];
+
+impl Addr for Addr6 {
+    #[inline(always)]
+    fn fold(self) -> u32 {
+        // Rotated so that equal words in different places do not cancel
+        // (clients of one /64 differ in the last two only).
+        self[0] ^ self[1].rotate_left(8) ^ self[2].rotate_left(16) ^ self[3].rotate_left(24)
+    }
+}
+
 /// An IPv4 address as it sits in a packet.
 pub const fn addr_be(octets: [u8; 4]) -> u32 {
     u32::from_ne_bytes(octets)
+}
+
+/// An IPv6 address as it sits in a packet.
+pub const fn addr6_be(octets: [u8; 16]) -> Addr6 {
+    let o = octets;
+    [
+        u32::from_ne_bytes([o[0], o[1], o[2], o[3]]),
+        u32::from_ne_bytes([o[4], o[5], o[6], o[7]]),
+        u32::from_ne_bytes([o[8], o[9], o[10], o[11]]),
+        u32::from_ne_bytes([o[12], o[13], o[14], o[15]]),
+    ]
+}
+
+/// The octets of an IPv6 address as it sits in a packet.
+pub const fn addr6_octets(addr: Addr6) -> [u8; 16] {
+    let (a, b, c, d) = (
+        addr[0].to_ne_bytes(),
+        addr[1].to_ne_bytes(),
+        addr[2].to_ne_bytes(),
+        addr[3].to_ne_bytes(),
+    );
+    [
+        a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3], d[0], d[1], d[2],
+        d[3],
+    ]
 }
 
 /// A port as it sits in a packet.
@@ -131,15 +215,15 @@ pub const fn port_be(port: u16) -> u16 {
 /// A virtual service: destination address, port and protocol.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct ServiceKey {
-    pub addr: u32,
+pub struct ServiceKey<A = u32> {
+    pub addr: A,
     pub port: u16,
     pub proto: u8,
     pub _pad: u8,
 }
 
-impl ServiceKey {
-    pub const fn tcp(addr: u32, port: u16) -> Self {
+impl<A: Addr> ServiceKey<A> {
+    pub const fn tcp(addr: A, port: u16) -> Self {
         Self {
             addr,
             port,
@@ -223,8 +307,8 @@ impl BackendState {
 /// One backend: where its connections go, and whether new ones may.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Backend {
-    pub addr: u32,
+pub struct Backend<A = u32> {
+    pub addr: A,
     pub port: u16,
     pub _pad: u16,
     /// A [`BackendState`] as `u32`: the agent flips it with one map write.
@@ -240,14 +324,14 @@ pub struct Backend {
 /// packet (per backend, or per client) pays for the lookup.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct NextHop {
+pub struct NextHop<A = u32> {
     pub ifindex: u32,
     /// [`Config::generation`] when the entry was filled; the entry is stale
     /// once the agent moves the generation on (0 never matches).
     pub generation: u32,
     /// The destination the entry was resolved for: a backend slot that is
     /// reused for another backend must not inherit its predecessor's hop.
-    pub addr: u32,
+    pub addr: A,
     pub dst_mac: [u8; 6],
     pub src_mac: [u8; 6],
     /// The egress interface's MTU: larger packets are not redirected.
@@ -258,7 +342,7 @@ pub struct NextHop {
     pub check: u32,
 }
 
-impl NextHop {
+impl<A: Addr> NextHop<A> {
     /// The value [`NextHop::check`] must hold: a mix of every other field,
     /// never 0, so that an all-zero entry (unused, or cleared by the agent)
     /// never validates.
@@ -272,7 +356,7 @@ impl NextHop {
         // entries rarely combine into a valid check; one multiply to mix.
         let folded = self.ifindex
             ^ self.generation.rotate_left(7)
-            ^ self.addr.rotate_left(13)
+            ^ self.addr.fold().rotate_left(13)
             ^ self.mtu.rotate_left(19)
             ^ mac(self.dst_mac).rotate_left(23)
             ^ mac(self.src_mac).rotate_left(29);
@@ -304,9 +388,9 @@ pub struct Config {
 /// One direction of a TCP connection, as it arrives.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct FlowKey {
-    pub src_addr: u32,
-    pub dst_addr: u32,
+pub struct FlowKey<A = u32> {
+    pub src_addr: A,
+    pub dst_addr: A,
     pub src_port: u16,
     pub dst_port: u16,
     pub proto: u8,
@@ -316,8 +400,8 @@ pub struct FlowKey {
     pub _pad1: u16,
 }
 
-impl FlowKey {
-    pub const fn tcp(src_addr: u32, src_port: u16, dst_addr: u32, dst_port: u16) -> Self {
+impl<A: Addr> FlowKey<A> {
+    pub const fn tcp(src_addr: A, src_port: u16, dst_addr: A, dst_port: u16) -> Self {
         Self {
             src_addr,
             dst_addr,
@@ -337,8 +421,8 @@ impl FlowKey {
 /// client) rewrite the source to `addr:port` (the service).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Flow {
-    pub addr: u32,
+pub struct Flow<A = u32> {
+    pub addr: A,
     pub port: u16,
     pub _pad: u16,
     /// [`FLAG_REMOTE`] | [`FLAG_REPLY`] | [`FLAG_FIN_CLIENT`] |
@@ -363,15 +447,15 @@ pub struct Flow {
     /// real one, so the in-window test errs toward ignoring a reset.
     pub window: u32,
     /// When a packet of this entry last made sure the other direction's
-    /// entry exists ([`CLOSED_SHIFT`] units).
+    /// entry exists (the low 32 bits of the kernel's jiffies).
     pub checked: u32,
 }
 
-impl Flow {
+impl<A: Addr> Flow<A> {
     /// The other direction's key (`key` is this entry's): each entry holds
     /// what the other needs, so either can find, and restore, the other.
     #[inline(always)]
-    pub fn peer_key(&self, key: &FlowKey) -> FlowKey {
+    pub fn peer_key(&self, key: &FlowKey<A>) -> FlowKey<A> {
         if self.flags & FLAG_REPLY == 0 {
             FlowKey::tcp(self.addr, self.port, key.src_addr, key.src_port)
         } else {
@@ -381,7 +465,7 @@ impl Flow {
 
     /// [`Flow::peer_key`] and the other direction's entry.
     #[inline(always)]
-    pub fn peer(&self, key: &FlowKey) -> (FlowKey, Flow) {
+    pub fn peer(&self, key: &FlowKey<A>) -> (FlowKey<A>, Flow<A>) {
         // Forward (client -> service, rewritten to backend `addr`): the
         // reply comes from the backend to the client and gets the service
         // back. Reply (backend -> client, restored to service `addr`): the
@@ -577,14 +661,20 @@ const _: () = {
     assert!(size_of::<ServiceStats>() == 32);
     assert!(size_of::<BackendStats>() == 88);
     assert!(size_of::<Trial>() == 8);
+    assert!(size_of::<ServiceKey<Addr6>>() == 20);
+    assert!(size_of::<Backend<Addr6>>() == 28);
+    assert!(size_of::<NextHop<Addr6>>() == 44);
+    assert!(size_of::<FlowKey<Addr6>>() == 40);
+    assert!(size_of::<Flow<Addr6>>() == 52);
 };
 
 /// The hash the program spreads new connections with: MurmurHash3's 64-bit
-/// finaliser over the four-tuple. A few multiplications, and every input bit
-/// moves every output bit, which Maglev's `hash % size` needs.
+/// finaliser over the four-tuple (IPv6 addresses folded to 32 bits first).
+/// A few multiplications, and every input bit moves every output bit, which
+/// Maglev's `hash % size` needs.
 #[inline(always)]
-pub fn flow_hash(src_addr: u32, src_port: u16, dst_addr: u32, dst_port: u16) -> u64 {
-    let addrs = (u64::from(src_addr) << 32) | u64::from(dst_addr);
+pub fn flow_hash<A: Addr>(src_addr: A, src_port: u16, dst_addr: A, dst_port: u16) -> u64 {
+    let addrs = (u64::from(src_addr.fold()) << 32) | u64::from(dst_addr.fold());
     let ports = (u64::from(src_port) << 16) | u64::from(dst_port);
     mix64(addrs ^ mix64(ports ^ 0x9e37_79b9_7f4a_7c15))
 }
@@ -613,13 +703,15 @@ mod pod {
     use super::*;
     // SAFETY (all): plain #[repr(C)] integers and byte arrays with explicit
     // padding fields, so every bit pattern is valid and no byte is padding.
-    unsafe impl aya::Pod for ServiceKey {}
+    // The address types (`u32`, `[u32; 4]`) are 4-aligned words, so the
+    // layouts are the same for both (the size assertions above check it).
+    unsafe impl<A: Addr + aya::Pod> aya::Pod for ServiceKey<A> {}
     unsafe impl aya::Pod for Service {}
-    unsafe impl aya::Pod for Backend {}
-    unsafe impl aya::Pod for NextHop {}
+    unsafe impl<A: Addr + aya::Pod> aya::Pod for Backend<A> {}
+    unsafe impl<A: Addr + aya::Pod> aya::Pod for NextHop<A> {}
     unsafe impl aya::Pod for Config {}
-    unsafe impl aya::Pod for FlowKey {}
-    unsafe impl aya::Pod for Flow {}
+    unsafe impl<A: Addr + aya::Pod> aya::Pod for FlowKey<A> {}
+    unsafe impl<A: Addr + aya::Pod> aya::Pod for Flow<A> {}
     unsafe impl aya::Pod for ServiceStats {}
     unsafe impl aya::Pod for BackendStats {}
     unsafe impl aya::Pod for Trial {}

@@ -7,31 +7,177 @@
 //!
 //! Userspace types here use network-order values exactly like the program
 //! (see `balancer_common::l4`); [`ServiceKey::tcp`] with [`addr_be`] and
-//! [`port_be`] builds keys from `SocketAddrV4`s.
+//! [`port_be`] builds keys from `SocketAddrV4`s, [`Family::addr`] from any
+//! `IpAddr`.
+//!
+//! Each address family has its own services, backend addresses, next hops
+//! and connection tables ([`FamilyMaps`]); the code that reads and writes
+//! them is generic over the family's address type ([`Family`]), and the
+//! methods that take a `SocketAddr` pick the family by its address.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use aya::Ebpf;
 use aya::maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray};
 use balancer_common::l4::{
-    self as common, Backend, BackendState, BackendStats, Config, Flow, FlowKey,
+    self as common, Addr, Addr6, Backend, BackendState, BackendStats, Config, Flow, FlowKey,
     MAX_SERVICE_BACKENDS, MAX_SERVICES, NextHop, Outcome, Service, ServiceKey, ServiceStats,
-    addr_be, port_be,
+    addr_be, addr6_be, addr6_octets, port_be,
 };
 
 use crate::{DataplaneError, LoadOptions};
 
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding a map handle leaves nothing half-done on our
+    // side: the kernel applied each update fully or not at all.
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn take(ebpf: &mut Ebpf, name: &'static str) -> Result<Map, DataplaneError> {
+    ebpf.take_map(name).ok_or(DataplaneError::MissingMap(name))
+}
+
+fn map_error(map: &'static str) -> impl Fn(MapError) -> DataplaneError {
+    move |source| DataplaneError::Map { map, source }
+}
+
+macro_rules! typed {
+    ($ebpf:expr, $name:expr) => {
+        take($ebpf, $name)?.try_into().map_err(map_error($name))?
+    };
+}
+
+/// An address family as userspace sees it: its address type, the names of
+/// its maps, and where [`L4Maps`] keeps them.
+pub trait Family: Addr + aya::Pod {
+    const SERVICES: &'static str;
+    const BACKENDS: &'static str;
+    const NEXT_HOPS: &'static str;
+    const CONNS: &'static str;
+    const EMBRYONIC: &'static str;
+    /// The address as it sits in a packet, if `ip` is of this family.
+    fn addr(ip: IpAddr) -> Option<Self>;
+    fn ip(self) -> IpAddr;
+    fn maps(l4: &L4Maps) -> &FamilyMaps<Self>;
+}
+
+impl Family for u32 {
+    const SERVICES: &'static str = common::SERVICES;
+    const BACKENDS: &'static str = common::BACKENDS;
+    const NEXT_HOPS: &'static str = common::NEXT_HOPS;
+    const CONNS: &'static str = common::CONNS;
+    const EMBRYONIC: &'static str = common::EMBRYONIC;
+    fn addr(ip: IpAddr) -> Option<Self> {
+        match ip {
+            IpAddr::V4(ip) => Some(addr_be(ip.octets())),
+            IpAddr::V6(_) => None,
+        }
+    }
+    fn ip(self) -> IpAddr {
+        IpAddr::V4(Ipv4Addr::from(self.to_ne_bytes()))
+    }
+    fn maps(l4: &L4Maps) -> &FamilyMaps<Self> {
+        &l4.v4
+    }
+}
+
+impl Family for Addr6 {
+    const SERVICES: &'static str = common::SERVICES6;
+    const BACKENDS: &'static str = common::BACKENDS6;
+    const NEXT_HOPS: &'static str = common::NEXT_HOPS6;
+    const CONNS: &'static str = common::CONNS6;
+    const EMBRYONIC: &'static str = common::EMBRYONIC6;
+    fn addr(ip: IpAddr) -> Option<Self> {
+        match ip {
+            IpAddr::V6(ip) => Some(addr6_be(ip.octets())),
+            IpAddr::V4(_) => None,
+        }
+    }
+    fn ip(self) -> IpAddr {
+        IpAddr::V6(Ipv6Addr::from(addr6_octets(self)))
+    }
+    fn maps(l4: &L4Maps) -> &FamilyMaps<Self> {
+        &l4.v6
+    }
+}
+
+/// The maps of one address family.
+pub struct FamilyMaps<A: Family> {
+    services: Mutex<HashMap<MapData, ServiceKey<A>, Service>>,
+    backends: Mutex<Array<MapData, Backend<A>>>,
+    next_hops: Mutex<Array<MapData, NextHop<A>>>,
+    conns: Mutex<HashMap<MapData, FlowKey<A>, Flow<A>>>,
+    embryonic: Mutex<HashMap<MapData, FlowKey<A>, Flow<A>>>,
+}
+
+impl<A: Family> FamilyMaps<A> {
+    fn take(ebpf: &mut Ebpf) -> Result<Self, DataplaneError> {
+        Ok(Self {
+            services: Mutex::new(typed!(ebpf, A::SERVICES)),
+            backends: Mutex::new(typed!(ebpf, A::BACKENDS)),
+            next_hops: Mutex::new(typed!(ebpf, A::NEXT_HOPS)),
+            conns: Mutex::new(typed!(ebpf, A::CONNS)),
+            embryonic: Mutex::new(typed!(ebpf, A::EMBRYONIC)),
+        })
+    }
+
+    fn set_backend(&self, index: u32, backend: Backend<A>) -> Result<(), DataplaneError> {
+        lock(&self.backends)
+            .set(index, backend, 0)
+            .map_err(map_error(A::BACKENDS))
+    }
+
+    /// Live backends by slot, with their addresses.
+    fn live_backends(&self, live: &mut Vec<(u32, SocketAddr)>) -> Result<(), DataplaneError> {
+        let backends = lock(&self.backends);
+        for index in 0..common::MAX_BACKENDS {
+            let backend = backends.get(&index, 0).map_err(map_error(A::BACKENDS))?;
+            if BackendState::from_raw(backend.state) != BackendState::Unused {
+                live.push((
+                    index,
+                    SocketAddr::new(backend.addr.ip(), u16::from_be(backend.port)),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes service entries not among `kept`.
+    fn retain_services(&self, kept: &[ServiceState]) -> Result<(), DataplaneError> {
+        let mut services = lock(&self.services);
+        let stale: Vec<ServiceKey<A>> = services
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|key| kept.iter().all(|s| service_key::<A>(s.addr) != Some(*key)))
+            .collect();
+        for key in stale {
+            tracing::info!(
+                service = %SocketAddr::new(key.addr.ip(), u16::from_be(key.port)),
+                "removing a service the adopted maps had and the configuration has not"
+            );
+            services.remove(&key).map_err(map_error(A::SERVICES))?;
+        }
+        Ok(())
+    }
+
+    fn count(map: &Mutex<HashMap<MapData, FlowKey<A>, Flow<A>>>) -> usize {
+        lock(map).keys().filter(Result::is_ok).count()
+    }
+}
+
+/// The service key of `addr`, if it is of family `A`.
+fn service_key<A: Family>(addr: SocketAddr) -> Option<ServiceKey<A>> {
+    A::addr(addr.ip()).map(|a| ServiceKey::tcp(a, port_be(addr.port())))
+}
+
 /// The steering maps of a loaded object.
 pub struct L4Maps {
     options: LoadOptions,
-    services: Mutex<HashMap<MapData, ServiceKey, Service>>,
-    backends: Mutex<Array<MapData, Backend>>,
-    next_hops: Mutex<Array<MapData, NextHop>>,
+    v4: FamilyMaps<u32>,
+    v6: FamilyMaps<Addr6>,
     maglev: Mutex<Array<MapData, u32>>,
     service_backends: Mutex<Array<MapData, u32>>,
-    conns: Mutex<HashMap<MapData, FlowKey, Flow>>,
-    embryonic: Mutex<HashMap<MapData, FlowKey, Flow>>,
     ports: Mutex<Array<MapData, u32>>,
     config: Mutex<Array<MapData, Config>>,
     service_stats: PerCpuArray<MapData, ServiceStats>,
@@ -79,7 +225,7 @@ impl std::fmt::Debug for OutcomeCounts {
 /// claims what the kernel does not hold.
 #[derive(Debug, Clone)]
 pub struct ServiceState {
-    pub key: ServiceKey,
+    addr: SocketAddr,
     pub index: u32,
     pub flags: u32,
     /// Which table the map entry points at.
@@ -94,11 +240,8 @@ pub struct ServiceState {
 
 impl ServiceState {
     /// The service's address.
-    pub fn addr(&self) -> SocketAddrV4 {
-        SocketAddrV4::new(
-            Ipv4Addr::from(self.key.addr.to_ne_bytes()),
-            u16::from_be(self.key.port),
-        )
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
     }
 
     /// The table the program currently uses (empty without live
@@ -113,37 +256,14 @@ impl ServiceState {
     }
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding a map handle leaves nothing half-done on our
-    // side: the kernel applied each update fully or not at all.
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-fn take(ebpf: &mut Ebpf, name: &'static str) -> Result<Map, DataplaneError> {
-    ebpf.take_map(name).ok_or(DataplaneError::MissingMap(name))
-}
-
-fn map_error(map: &'static str) -> impl Fn(MapError) -> DataplaneError {
-    move |source| DataplaneError::Map { map, source }
-}
-
-macro_rules! typed {
-    ($ebpf:expr, $name:expr) => {
-        take($ebpf, $name)?.try_into().map_err(map_error($name))?
-    };
-}
-
 impl L4Maps {
     pub(super) fn take(ebpf: &mut Ebpf, options: LoadOptions) -> Result<Self, DataplaneError> {
         Ok(Self {
             options,
-            services: Mutex::new(typed!(ebpf, common::SERVICES)),
-            backends: Mutex::new(typed!(ebpf, common::BACKENDS)),
-            next_hops: Mutex::new(typed!(ebpf, common::NEXT_HOPS)),
+            v4: FamilyMaps::take(ebpf)?,
+            v6: FamilyMaps::take(ebpf)?,
             maglev: Mutex::new(typed!(ebpf, common::MAGLEV)),
             service_backends: Mutex::new(typed!(ebpf, common::SERVICE_BACKENDS)),
-            conns: Mutex::new(typed!(ebpf, common::CONNS)),
-            embryonic: Mutex::new(typed!(ebpf, common::EMBRYONIC)),
             ports: Mutex::new(typed!(ebpf, common::PORTS)),
             config: Mutex::new(typed!(ebpf, common::CONFIG)),
             service_stats: typed!(ebpf, common::SERVICE_STATS),
@@ -175,23 +295,18 @@ impl L4Maps {
         map.set(0, config, 0).map_err(map_error(common::CONFIG))
     }
 
-    /// Writes backend `index`. A cached next hop from an earlier backend in
-    /// the same slot is not reused: the program checks its address.
-    pub fn set_backend(&self, index: u32, backend: Backend) -> Result<(), DataplaneError> {
-        lock(&self.backends)
-            .set(index, backend, 0)
-            .map_err(map_error(common::BACKENDS))
-    }
-
     /// Flips only the state of backend `index`: one map write, which is all
     /// that stands between a breaker transition and the kernel following it.
+    /// The address picks the family's backend map (a slot is used in one
+    /// family at a time); a cached next hop from an earlier backend in the
+    /// same slot is not reused: the program checks its address.
     pub fn set_backend_state(
         &self,
         index: u32,
-        addr: SocketAddrV4,
+        addr: impl Into<SocketAddr>,
         state: BackendState,
     ) -> Result<(), DataplaneError> {
-        self.set_backend(index, backend_at(addr, state))
+        self.set_backend_share(index, addr, state, 0)
     }
 
     /// [`L4Maps::set_backend_state`] with the share a trial or degraded
@@ -199,34 +314,65 @@ impl L4Maps {
     pub fn set_backend_share(
         &self,
         index: u32,
-        addr: SocketAddrV4,
+        addr: impl Into<SocketAddr>,
         state: BackendState,
         share: u32,
     ) -> Result<(), DataplaneError> {
-        self.set_backend(
-            index,
-            Backend {
+        fn write<A: Family>(
+            maps: &L4Maps,
+            index: u32,
+            addr: A,
+            port: u16,
+            state: BackendState,
+            share: u32,
+        ) -> Result<(), DataplaneError> {
+            A::maps(maps).set_backend(
+                index,
+                Backend {
+                    addr,
+                    port: port_be(port),
+                    _pad: 0,
+                    state: state as u32,
+                    share,
+                },
+            )
+        }
+        let addr = addr.into();
+        match addr.ip() {
+            IpAddr::V4(ip) => write(self, index, addr_be(ip.octets()), addr.port(), state, share),
+            IpAddr::V6(ip) => write(
+                self,
+                index,
+                addr6_be(ip.octets()),
+                addr.port(),
+                state,
                 share,
-                ..backend_at(addr, state)
-            },
-        )
+            ),
+        }
     }
 
-    pub fn backend(&self, index: u32) -> Result<Backend, DataplaneError> {
-        lock(&self.backends)
-            .get(&index, 0)
-            .map_err(map_error(common::BACKENDS))
+    /// The state of backend `index` of `addr`'s family.
+    pub fn backend_state(
+        &self,
+        index: u32,
+        addr: SocketAddr,
+    ) -> Result<BackendState, DataplaneError> {
+        fn read<A: Family>(maps: &L4Maps, index: u32) -> Result<u32, DataplaneError> {
+            let backend = lock(&A::maps(maps).backends)
+                .get(&index, 0)
+                .map_err(map_error(A::BACKENDS))?;
+            Ok(backend.state)
+        }
+        let raw = match addr {
+            SocketAddr::V4(_) => read::<u32>(self, index)?,
+            SocketAddr::V6(_) => read::<Addr6>(self, index)?,
+        };
+        Ok(BackendState::from_raw(raw))
     }
 
-    /// Forgets the cached next hop toward backend `index`.
-    pub fn clear_next_hop(&self, index: u32) -> Result<(), DataplaneError> {
-        lock(&self.next_hops)
-            .set(index, NextHop::default(), 0)
-            .map_err(map_error(common::NEXT_HOPS))
-    }
-
+    /// The cached next hop toward IPv4 backend `index`.
     pub fn next_hop(&self, index: u32) -> Result<NextHop, DataplaneError> {
-        lock(&self.next_hops)
+        lock(&self.v4.next_hops)
             .get(&index, 0)
             .map_err(map_error(common::NEXT_HOPS))
     }
@@ -241,7 +387,20 @@ impl L4Maps {
     /// Registers service `addr` in slot `index`, with no backends yet.
     pub fn add_service(
         &self,
-        addr: SocketAddrV4,
+        addr: impl Into<SocketAddr>,
+        index: u32,
+        flags: u32,
+    ) -> Result<ServiceState, DataplaneError> {
+        let addr = addr.into();
+        match addr.ip() {
+            IpAddr::V4(_) => self.add_service_in::<u32>(addr, index, flags),
+            IpAddr::V6(_) => self.add_service_in::<Addr6>(addr, index, flags),
+        }
+    }
+
+    fn add_service_in<A: Family>(
+        &self,
+        addr: SocketAddr,
         index: u32,
         flags: u32,
     ) -> Result<ServiceState, DataplaneError> {
@@ -254,7 +413,7 @@ impl L4Maps {
                 },
             });
         }
-        let key = ServiceKey::tcp(addr_be(addr.ip().octets()), port_be(addr.port()));
+        let key = service_key::<A>(addr).expect("the caller matched the family");
         // In adopted maps the program may be using either half of the
         // service's table and list: the first rewrite must go to the other.
         let existing = self.service(&key)?.filter(|s| s.index == index);
@@ -267,7 +426,7 @@ impl L4Maps {
             None => (0, 0, 0),
         };
         let state = ServiceState {
-            key,
+            addr,
             index,
             flags,
             current,
@@ -351,47 +510,35 @@ impl L4Maps {
             flags: service.flags,
             list_offset: self.list_offset(service.index, service.current_list),
         };
-        lock(&self.services)
-            .insert(service.key, entry, 0)
-            .map_err(map_error(common::SERVICES))
+        fn insert<A: Family>(
+            maps: &L4Maps,
+            addr: SocketAddr,
+            entry: Service,
+        ) -> Result<(), DataplaneError> {
+            let key = service_key::<A>(addr).expect("matched by the caller");
+            lock(&A::maps(maps).services)
+                .insert(key, entry, 0)
+                .map_err(map_error(A::SERVICES))
+        }
+        match service.addr {
+            SocketAddr::V4(_) => insert::<u32>(self, service.addr, entry),
+            SocketAddr::V6(_) => insert::<Addr6>(self, service.addr, entry),
+        }
     }
 
     /// Removes service entries of adopted maps that are not among `kept`
     /// (their established connections still follow the connection table).
     pub fn retain_services(&self, kept: &[ServiceState]) -> Result<(), DataplaneError> {
-        let mut services = lock(&self.services);
-        let stale: Vec<ServiceKey> = services
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|key| kept.iter().all(|s| s.key != *key))
-            .collect();
-        for key in stale {
-            tracing::info!(
-                ?key,
-                "removing a service the adopted maps had and the configuration has not"
-            );
-            services.remove(&key).map_err(map_error(common::SERVICES))?;
-        }
-        Ok(())
+        self.v4.retain_services(kept)?;
+        self.v6.retain_services(kept)
     }
 
-    /// Backends in use (any state but unused) by slot: what an earlier
-    /// agent left in adopted maps.
-    pub fn live_backends(&self) -> Result<Vec<(u32, SocketAddrV4)>, DataplaneError> {
-        let backends = lock(&self.backends);
+    /// Backends in use (any state but unused) by slot, either family: what
+    /// an earlier agent left in adopted maps.
+    pub fn live_backends(&self) -> Result<Vec<(u32, SocketAddr)>, DataplaneError> {
         let mut live = Vec::new();
-        for index in 0..common::MAX_BACKENDS {
-            let backend = backends
-                .get(&index, 0)
-                .map_err(map_error(common::BACKENDS))?;
-            if BackendState::from_raw(backend.state) != BackendState::Unused {
-                let addr = SocketAddrV4::new(
-                    Ipv4Addr::from(backend.addr.to_ne_bytes()),
-                    u16::from_be(backend.port),
-                );
-                live.push((index, addr));
-            }
-        }
+        self.v4.live_backends(&mut live)?;
+        self.v6.live_backends(&mut live)?;
         Ok(live)
     }
 
@@ -403,48 +550,64 @@ impl L4Maps {
     }
 
     /// The service entry as the program sees it.
-    pub fn service(&self, key: &ServiceKey) -> Result<Option<Service>, DataplaneError> {
-        match lock(&self.services).get(key, 0) {
+    pub fn service<A: Family>(
+        &self,
+        key: &ServiceKey<A>,
+    ) -> Result<Option<Service>, DataplaneError> {
+        match lock(&A::maps(self).services).get(key, 0) {
             Ok(service) => Ok(Some(service)),
             Err(MapError::KeyNotFound) => Ok(None),
-            Err(source) => Err(map_error(common::SERVICES)(source)),
+            Err(source) => Err(map_error(A::SERVICES)(source)),
+        }
+    }
+
+    /// The entry of `service` as the program sees it.
+    pub fn service_of(&self, service: &ServiceState) -> Result<Option<Service>, DataplaneError> {
+        match service.addr {
+            SocketAddr::V4(_) => self.service(&service_key::<u32>(service.addr).expect("IPv4")),
+            SocketAddr::V6(_) => self.service(&service_key::<Addr6>(service.addr).expect("IPv6")),
         }
     }
 
     /// The connection-table entry of `key`, if any.
-    pub fn flow(&self, key: &FlowKey) -> Result<Option<Flow>, DataplaneError> {
-        match lock(&self.conns).get(key, 0) {
+    pub fn flow<A: Family>(&self, key: &FlowKey<A>) -> Result<Option<Flow<A>>, DataplaneError> {
+        match lock(&A::maps(self).conns).get(key, 0) {
             Ok(flow) => Ok(Some(flow)),
             Err(MapError::KeyNotFound) => Ok(None),
-            Err(source) => Err(map_error(common::CONNS)(source)),
+            Err(source) => Err(map_error(A::CONNS)(source)),
         }
     }
 
     /// The embryonic-table entry of `key`, if any.
-    pub fn embryonic_flow(&self, key: &FlowKey) -> Result<Option<Flow>, DataplaneError> {
-        match lock(&self.embryonic).get(key, 0) {
+    pub fn embryonic_flow<A: Family>(
+        &self,
+        key: &FlowKey<A>,
+    ) -> Result<Option<Flow<A>>, DataplaneError> {
+        match lock(&A::maps(self).embryonic).get(key, 0) {
             Ok(flow) => Ok(Some(flow)),
             Err(MapError::KeyNotFound) => Ok(None),
-            Err(source) => Err(map_error(common::EMBRYONIC)(source)),
+            Err(source) => Err(map_error(A::EMBRYONIC)(source)),
         }
     }
 
     /// Writes `flow` as the established-table entry of `key` (tests set up
     /// states with it that only time would otherwise reach).
-    pub fn set_flow(&self, key: &FlowKey, flow: Flow) -> Result<(), DataplaneError> {
-        lock(&self.conns)
+    pub fn set_flow<A: Family>(
+        &self,
+        key: &FlowKey<A>,
+        flow: Flow<A>,
+    ) -> Result<(), DataplaneError> {
+        lock(&A::maps(self).conns)
             .insert(key, flow, 0)
-            .map_err(map_error(common::CONNS))
+            .map_err(map_error(A::CONNS))
     }
 
     /// Removes `key` from both connection tables (what an LRU eviction
     /// does, for tests), returning whether it was in either.
-    pub fn evict_flow(&self, key: &FlowKey) -> Result<bool, DataplaneError> {
+    pub fn evict_flow<A: Family>(&self, key: &FlowKey<A>) -> Result<bool, DataplaneError> {
         let mut found = false;
-        for (map, name) in [
-            (&self.conns, common::CONNS),
-            (&self.embryonic, common::EMBRYONIC),
-        ] {
+        let maps = A::maps(self);
+        for (map, name) in [(&maps.conns, A::CONNS), (&maps.embryonic, A::EMBRYONIC)] {
             match lock(map).remove(key) {
                 Ok(()) => found = true,
                 Err(MapError::KeyNotFound) => {}
@@ -456,14 +619,16 @@ impl L4Maps {
         Ok(found)
     }
 
-    /// Entries in the established connection table (both directions count).
+    /// Entries in the established connection tables of both families (both
+    /// directions count).
     pub fn flow_count(&self) -> usize {
-        lock(&self.conns).keys().filter(Result::is_ok).count()
+        FamilyMaps::count(&self.v4.conns) + FamilyMaps::count(&self.v6.conns)
     }
 
-    /// Entries in the embryonic table (both directions count).
+    /// Entries in the embryonic tables of both families (both directions
+    /// count).
     pub fn embryonic_count(&self) -> usize {
-        lock(&self.embryonic).keys().filter(Result::is_ok).count()
+        FamilyMaps::count(&self.v4.embryonic) + FamilyMaps::count(&self.v6.embryonic)
     }
 
     /// Counters of service slot `index`, summed over all CPUs.
@@ -558,15 +723,4 @@ fn write_slice(
     mirror.clear();
     mirror.extend_from_slice(wanted);
     Ok(())
-}
-
-/// The map value of a backend at `addr` in `state`.
-pub fn backend_at(addr: SocketAddrV4, state: BackendState) -> Backend {
-    Backend {
-        addr: addr_be(addr.ip().octets()),
-        port: port_be(addr.port()),
-        _pad: 0,
-        state: state as u32,
-        share: 0,
-    }
 }

@@ -32,7 +32,7 @@ use aya::programs::tc::{SchedClassifierLink, SchedClassifierLinkId};
 use aya::programs::xdp::{XdpLink, XdpLinkId};
 use aya::programs::{ProgramError, SchedClassifier, TcAttachType, Xdp};
 use aya::{Ebpf, EbpfError, EbpfLoader};
-use balancer_common::l4::{self as common, EGRESS_PROGRAM_NAME, Flow, FlowKey};
+use balancer_common::l4::{self as common, Addr6, EGRESS_PROGRAM_NAME, Flow, FlowKey};
 use balancer_common::{PROGRAM_NAME, VERDICTS_MAP, Verdict};
 use balancer_core::error_chain;
 
@@ -49,7 +49,7 @@ use log::{LogReader, ebpf_log_level};
 use pin::{PINNED_MAPS, PinDir, PinError};
 pub use test_run::{TcTestRun, XdpAction, XdpTestRun};
 
-pub use l4::L4Maps;
+pub use l4::{Family, L4Maps};
 
 /// Environment variable that points the agent at a specific eBPF object.
 pub const OBJECT_ENV: &str = "BALANCER_EBPF_OBJECT";
@@ -293,15 +293,27 @@ pub struct LoadOptions {
     /// Services the Maglev map has room for (two tables each).
     pub services: u32,
     /// Entries of the connection table (each connection takes two). The
-    /// table of connections still proving themselves gets a quarter of it.
+    /// table of connections still proving themselves gets a quarter of it,
+    /// and never fewer than [`LoadOptions::EMBRYONIC_MIN`].
     pub conntrack_size: u32,
 }
 
 impl LoadOptions {
-    /// Entries of the embryonic table: a quarter of the established one,
-    /// at least 256, so a flood has room to churn without touching it.
+    /// The fewest entries of the embryonic table. Its size is about
+    /// handshakes in flight, not established connections, so it does not
+    /// shrink with a small connection table: the kernel's LRU frees entries
+    /// in batches (each CPU keeps up to 128 free ones, and taking more
+    /// evicts as many of the least recently used at once), which in a table
+    /// of a few hundred reaches handshakes that are still waiting for the
+    /// client's ACK. About 2 MiB of kernel memory at this size.
+    pub const EMBRYONIC_MIN: u32 = 16_384;
+
+    /// Entries of the embryonic table: a quarter of the established one, at
+    /// least [`LoadOptions::EMBRYONIC_MIN`], so a flood has room to churn
+    /// without touching the established table, and other connections'
+    /// handshakes do not evict a waiting one.
     pub fn embryonic_size(&self) -> u32 {
-        (self.conntrack_size / 4).max(256)
+        (self.conntrack_size / 4).max(Self::EMBRYONIC_MIN)
     }
 }
 
@@ -390,7 +402,9 @@ impl Dataplane {
             .override_global(aya_log::LEVEL, &level, false)
             .map_max_entries(common::MAGLEV, maglev)
             .map_max_entries(common::CONNS, options.conntrack_size)
-            .map_max_entries(common::EMBRYONIC, options.embryonic_size());
+            .map_max_entries(common::EMBRYONIC, options.embryonic_size())
+            .map_max_entries(common::CONNS6, options.conntrack_size)
+            .map_max_entries(common::EMBRYONIC6, options.embryonic_size());
         let maps_dir = pins.as_ref().map(|p| p.maps_dir(&options));
         if let (Some(pins), Some(dir)) = (&pins, &maps_dir) {
             pins.create()?;
@@ -482,10 +496,12 @@ impl Dataplane {
             return;
         };
         for dir in pins.other_layouts(&self.options) {
-            let old = dir.join(common::CONNS);
-            let entries = status::count_pinned_flows(&old).unwrap_or(0);
+            let entries = status::count_both(&dir, common::CONNS, common::CONNS6);
             if pin::same_types(&dir) {
-                match self.migrate_flows(&old) {
+                let copied = self
+                    .migrate_flows::<u32>(&dir)
+                    .and_then(|v4| Ok(v4 + self.migrate_flows::<Addr6>(&dir)?));
+                match copied {
                     Ok(copied) => tracing::warn!(
                         old = %dir.display(),
                         copied,
@@ -513,23 +529,23 @@ impl Dataplane {
         }
     }
 
-    /// Copies the entries of the pinned connection table at `old` into this
-    /// object's (opened through its pin: the agent holds the map itself);
-    /// returns how many were copied.
-    fn migrate_flows(&self, old: &Path) -> Result<usize, DataplaneError> {
+    /// Copies the entries of family `A`'s pinned connection table in the
+    /// map folder `old` into this object's (opened through its pin: the
+    /// agent holds the map itself); returns how many were copied.
+    fn migrate_flows<A: Family>(&self, old: &Path) -> Result<usize, DataplaneError> {
         let Some(pins) = &self.pins else {
             return Ok(0);
         };
-        let open = |path: &Path| -> Result<aya::maps::HashMap<_, FlowKey, Flow>, MapError> {
+        let open = |path: &Path| -> Result<aya::maps::HashMap<_, FlowKey<A>, Flow<A>>, MapError> {
             let map = aya::maps::Map::from_map_data(aya::maps::MapData::from_pin(path)?)?;
             aya::maps::HashMap::try_from(map)
         };
         let map_error = |source| DataplaneError::Map {
-            map: common::CONNS,
+            map: A::CONNS,
             source,
         };
-        let old = open(old).map_err(map_error)?;
-        let mut new = open(&pins.maps_dir(&self.options).join(common::CONNS)).map_err(map_error)?;
+        let old = open(&old.join(A::CONNS)).map_err(map_error)?;
+        let mut new = open(&pins.maps_dir(&self.options).join(A::CONNS)).map_err(map_error)?;
         let mut copied = 0;
         for (key, flow) in old.iter().filter_map(Result::ok) {
             if new.insert(key, flow, 0).is_ok() {

@@ -3,7 +3,9 @@
 //! changes in few slots beyond the ones of a backend that comes or goes, so
 //! that new connections of most clients keep landing where they did.
 
-use balancer_common::l4::mix64;
+use std::net::{IpAddr, SocketAddr};
+
+use balancer_common::l4::{addr_be, mix64, port_be};
 
 /// A backend as the table sees it: its index in the `BACKENDS` map, and a
 /// key that identifies it across rebuilds (its address and port), from which
@@ -14,9 +16,18 @@ pub struct Member {
     pub key: u64,
 }
 
-/// The key of a backend at `addr:port` (network order values, as in the maps).
-pub fn member_key(addr: u32, port: u16) -> u64 {
-    (u64::from(addr) << 16) | u64::from(port)
+/// The key of a backend at `addr`: for IPv4 the address and port as they
+/// sit in the maps, side by side; for IPv6 all 128 bits mixed, with the
+/// port.
+pub fn member_key(addr: SocketAddr) -> u64 {
+    let port = u64::from(port_be(addr.port()));
+    match addr.ip() {
+        IpAddr::V4(ip) => (u64::from(addr_be(ip.octets())) << 16) | port,
+        IpAddr::V6(ip) => {
+            let words = u128::from_be_bytes(ip.octets());
+            mix64((words >> 64) as u64 ^ mix64(words as u64)) ^ port
+        }
+    }
 }
 
 /// Whether `n` is prime: Maglev's table size must be, so that every skip
@@ -92,7 +103,7 @@ mod tests {
         (0..n)
             .map(|i| Member {
                 index: i,
-                key: member_key(u32::from_ne_bytes([10, 0, 0, i as u8 + 1]), 8000u16.to_be()),
+                key: member_key(SocketAddr::from(([10, 0, 0, i as u8 + 1], 8000))),
             })
             .collect()
     }
@@ -169,7 +180,7 @@ mod tests {
     #[test]
     fn two_balancers_steer_alike_whatever_order_they_learned_the_workers_in() {
         let workers: Vec<u64> = (1..=12u8)
-            .map(|i| member_key(u32::from_ne_bytes([10, 0, 1, i]), 8000u16.to_be()))
+            .map(|i| member_key(SocketAddr::from(([10, 0, 1, i], 8000))))
             .collect();
         // Balancer A learned them in order, B in reverse: slot indices differ.
         let slot_a = |k: u64| workers.iter().position(|&w| w == k).unwrap() as u32;

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use balancer_common::Verdict;
 use balancer_common::l4::{
-    self as common, Backend, BackendStats, Config, Flow, FlowKey, NextHop, Outcome, Service,
+    self as common, Addr6, Backend, BackendStats, Config, Flow, FlowKey, NextHop, Outcome, Service,
     ServiceKey, ServiceStats,
 };
 
@@ -37,7 +37,7 @@ const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
 /// The maps that are pinned (all but the log ring buffer, which belongs to
 /// one loaded program, and per-run scratch space).
-pub const PINNED_MAPS: [&str; 14] = [
+pub const PINNED_MAPS: [&str; 20] = [
     common::SERVICES,
     common::BACKENDS,
     common::NEXT_HOPS,
@@ -46,6 +46,12 @@ pub const PINNED_MAPS: [&str; 14] = [
     common::SERVICE_BACKENDS,
     common::CONNS,
     common::EMBRYONIC,
+    common::SERVICES6,
+    common::BACKENDS6,
+    common::NEXT_HOPS6,
+    common::CLIENT_HOPS6,
+    common::CONNS6,
+    common::EMBRYONIC6,
     common::PORTS,
     common::CONFIG,
     common::SERVICE_STATS,
@@ -261,6 +267,8 @@ pub fn layout_id(options: &LoadOptions) -> String {
             options.table_size as usize,
             options.services as usize,
             options.conntrack_size as usize,
+            options.embryonic_size() as usize,
+            common::CONNTRACK_MAP_FLAGS as usize,
         ])
     )
 }
@@ -275,6 +283,11 @@ pub fn types_id() -> String {
         size_of::<Config>(),
         size_of::<FlowKey>(),
         size_of::<Flow>(),
+        size_of::<ServiceKey<Addr6>>(),
+        size_of::<Backend<Addr6>>(),
+        size_of::<NextHop<Addr6>>(),
+        size_of::<FlowKey<Addr6>>(),
+        size_of::<Flow<Addr6>>(),
         size_of::<ServiceStats>(),
         size_of::<BackendStats>(),
         Outcome::COUNT,

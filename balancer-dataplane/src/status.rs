@@ -4,22 +4,29 @@
 //! and [`crate::l4`].
 
 use std::fmt::Write as _;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use aya::maps::{Array, HashMap, Map, MapData, MapError};
 use aya::programs::links::{FdLink, PinnedLink};
 use balancer_common::l4::{
-    self as common, Backend, BackendState, Config, Flow, FlowKey, Service, ServiceKey,
+    self as common, Addr6, Backend, BackendState, Config, Flow, FlowKey, Service, ServiceKey,
 };
 
+use crate::l4::Family;
 use crate::pin::{self, PinDir, PinError};
 
-/// Entries of the pinned connection table at `path`.
-pub fn count_pinned_flows(path: &Path) -> Result<usize, MapError> {
-    let map: HashMap<MapData, FlowKey, Flow> = open(path)?;
+/// Entries of the pinned connection table of family `A` at `path`.
+pub fn count_pinned_flows<A: Family>(path: &Path) -> Result<usize, MapError> {
+    let map: HashMap<MapData, FlowKey<A>, Flow<A>> = open(path)?;
     Ok(map.keys().filter(Result::is_ok).count())
+}
+
+/// Entries of both families' pinned tables named `v4` and `v6` in `maps`.
+pub fn count_both(maps: &Path, v4: &str, v6: &str) -> usize {
+    count_pinned_flows::<u32>(&maps.join(v4)).unwrap_or(0)
+        + count_pinned_flows::<Addr6>(&maps.join(v6)).unwrap_or(0)
 }
 
 fn open<T: TryFrom<Map, Error = MapError>>(path: &Path) -> Result<T, MapError> {
@@ -110,8 +117,8 @@ fn describe(out: &mut String, dir: &PinDir) {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
         let _ = writeln!(out, "  maps {layout}");
-        let flows = count_pinned_flows(&maps.join(common::CONNS)).unwrap_or(0);
-        let embryonic = count_pinned_flows(&maps.join(common::EMBRYONIC)).unwrap_or(0);
+        let flows = count_both(&maps, common::CONNS, common::CONNS6);
+        let embryonic = count_both(&maps, common::EMBRYONIC, common::EMBRYONIC6);
         let _ = writeln!(
             out,
             "    connections: {} established ({flows} entries), {} in handshake",
@@ -123,36 +130,35 @@ fn describe(out: &mut String, dir: &PinDir) {
         {
             let _ = writeln!(out, "    next-hop generation: {}", config.generation);
         }
-        if let Ok(services) =
-            open::<HashMap<MapData, ServiceKey, Service>>(&maps.join(common::SERVICES))
-        {
-            for (key, service) in services.iter().filter_map(Result::ok) {
-                let addr = SocketAddrV4::new(
-                    Ipv4Addr::from(key.addr.to_ne_bytes()),
-                    u16::from_be(key.port),
-                );
-                let _ = writeln!(
-                    out,
-                    "    service {addr}: slot {}, table of {} slots, {} routable",
-                    service.index, service.table_size, service.backend_count
-                );
-            }
+        family::<u32>(&maps, out);
+        family::<Addr6>(&maps, out);
+    }
+}
+
+/// The services and live backends of family `A` pinned in `maps`.
+fn family<A: Family>(maps: &Path, out: &mut String) {
+    if let Ok(services) = open::<HashMap<MapData, ServiceKey<A>, Service>>(&maps.join(A::SERVICES))
+    {
+        for (key, service) in services.iter().filter_map(Result::ok) {
+            let addr = SocketAddr::new(key.addr.ip(), u16::from_be(key.port));
+            let _ = writeln!(
+                out,
+                "    service {addr}: slot {}, table of {} slots, {} routable",
+                service.index, service.table_size, service.backend_count
+            );
         }
-        if let Ok(backends) = open::<Array<MapData, Backend>>(&maps.join(common::BACKENDS)) {
-            for index in 0..common::MAX_BACKENDS {
-                let Ok(backend) = backends.get(&index, 0) else {
-                    continue;
-                };
-                let state = BackendState::from_raw(backend.state);
-                if state == BackendState::Unused {
-                    continue;
-                }
-                let addr = SocketAddrV4::new(
-                    Ipv4Addr::from(backend.addr.to_ne_bytes()),
-                    u16::from_be(backend.port),
-                );
-                let _ = writeln!(out, "    backend {index}: {addr} {}", state.name());
+    }
+    if let Ok(backends) = open::<Array<MapData, Backend<A>>>(&maps.join(A::BACKENDS)) {
+        for index in 0..common::MAX_BACKENDS {
+            let Ok(backend) = backends.get(&index, 0) else {
+                continue;
+            };
+            let state = BackendState::from_raw(backend.state);
+            if state == BackendState::Unused {
+                continue;
             }
+            let addr = SocketAddr::new(backend.addr.ip(), u16::from_be(backend.port));
+            let _ = writeln!(out, "    backend {index}: {addr} {}", state.name());
         }
     }
 }

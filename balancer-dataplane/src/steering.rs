@@ -21,7 +21,7 @@
 //! their entries in the connection table carry its address.
 
 use std::collections::{HashMap, VecDeque};
-use std::net::{SocketAddr, SocketAddrV4};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
@@ -36,7 +36,7 @@ use balancer_common::l4::{
 };
 use tokio::sync::broadcast::error::RecvError;
 
-use crate::l4::{L4Maps, ServiceState, backend_at};
+use crate::l4::{L4Maps, ServiceState};
 use crate::maglev::{self, Member};
 use crate::pin::PinDir;
 use crate::{Dataplane, DataplaneError, LoadOptions, XdpMode, locate_object};
@@ -92,8 +92,9 @@ pub struct L4Config {
     pub ifaces: Vec<String>,
     pub xdp_mode: XdpMode,
     pub mode: ForwardMode,
-    /// Virtual services; each is balanced over every worker.
-    pub services: Vec<SocketAddrV4>,
+    /// Virtual services, IPv4 or IPv6; each is balanced over every worker
+    /// of its address family.
+    pub services: Vec<SocketAddr>,
     /// Slots of each Maglev table (a prime).
     pub table_size: u32,
     /// Entries of the connection table.
@@ -289,12 +290,11 @@ impl Steering {
 
     /// The state bit the kernel holds for `worker`, if it has a backend slot.
     pub fn backend_state(&self, worker: &Worker) -> Result<Option<BackendState>, DataplaneError> {
-        let index = lock(&self.shared.slots)
+        let slot = lock(&self.shared.slots)
             .by_worker
             .get(&worker.id)
-            .map(|s| s.index);
-        index
-            .map(|i| Ok(BackendState::from_raw(self.shared.maps.backend(i)?.state)))
+            .map(|s| (s.index, s.addr));
+        slot.map(|(index, addr)| self.shared.maps.backend_state(index, addr))
             .transpose()
     }
 
@@ -344,7 +344,7 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[derive(Debug, Clone)]
 struct Slot {
     index: u32,
-    addr: SocketAddrV4,
+    addr: SocketAddr,
     url: Arc<str>,
     state: BackendState,
     /// `Backend::share` as written.
@@ -397,7 +397,7 @@ struct Slots {
     by_worker: HashMap<String, Slot>,
     /// Slots an earlier agent used, by address, until a worker claims them
     /// or they are orphaned ([`Shared::orphan_unclaimed`]).
-    adopted: HashMap<SocketAddrV4, u32>,
+    adopted: HashMap<SocketAddr, u32>,
     /// When each orphan slot (id `adopted:ADDR`) started draining.
     orphans: HashMap<String, Instant>,
     /// Freed slots, reused oldest first so that a slot stays unused as long
@@ -410,7 +410,7 @@ struct Slots {
 impl Slots {
     /// A slot for a backend at `addr`: the one it had in adopted maps, else
     /// a fresh one (never one an adopted backend still holds).
-    fn allocate(&mut self, addr: SocketAddrV4) -> Option<(u32, bool)> {
+    fn allocate(&mut self, addr: SocketAddr) -> Option<(u32, bool)> {
         if let Some(index) = self.adopted.remove(&addr) {
             return Some((index, true));
         }
@@ -487,10 +487,10 @@ impl Shared {
     /// routability changed (the routable lists need rewriting) and whether
     /// anything was written.
     fn upsert(&self, worker: &Worker) -> Result<Change, DataplaneError> {
-        let Some(SocketAddr::V4(addr)) = worker.address.resolve() else {
+        let Some(addr) = worker.address.resolve() else {
             tracing::warn!(
                 worker = %worker.url,
-                "not steering L4 connections to a worker without an IPv4 address"
+                "not steering L4 connections to a worker whose address does not resolve"
             );
             return Ok(Change::default());
         };
@@ -548,7 +548,7 @@ impl Shared {
             return Ok(false);
         };
         self.maps
-            .set_backend(slot.index, backend_at(slot.addr, BackendState::Unused))?;
+            .set_backend_state(slot.index, slot.addr, BackendState::Unused)?;
         slots.free.push_back(slot.index);
         tracing::info!(worker = %worker.url, slot = slot.index, "L4 backend removed");
         Ok(true)
@@ -573,8 +573,10 @@ impl Shared {
         let mut slots = lock(&self.slots);
         for id in gone {
             if let Some(slot) = slots.by_worker.remove(&id) {
-                let unused = backend_at(slot.addr, BackendState::Unused);
-                if let Err(error) = self.maps.set_backend(slot.index, unused) {
+                if let Err(error) =
+                    self.maps
+                        .set_backend_state(slot.index, slot.addr, BackendState::Unused)
+                {
                     tracing::warn!(worker = %slot.url, error = %error_chain(&error), "L4 sync");
                 }
                 slots.free.push_back(slot.index);
@@ -645,7 +647,7 @@ impl Shared {
     /// keep flowing, and their slots are freed after [`ORPHAN_DRAIN`].
     fn orphan_unclaimed(&self) {
         let mut slots = lock(&self.slots);
-        let unclaimed: Vec<(SocketAddrV4, u32)> = slots.adopted.drain().collect();
+        let unclaimed: Vec<(SocketAddr, u32)> = slots.adopted.drain().collect();
         for (addr, index) in unclaimed {
             if let Err(error) = self
                 .maps
@@ -683,9 +685,9 @@ impl Shared {
         for id in &expired {
             slots.orphans.remove(id);
             if let Some(slot) = slots.by_worker.remove(id) {
-                if let Err(error) = self
-                    .maps
-                    .set_backend(slot.index, backend_at(slot.addr, BackendState::Unused))
+                if let Err(error) =
+                    self.maps
+                        .set_backend_state(slot.index, slot.addr, BackendState::Unused)
                 {
                     tracing::warn!(worker = %slot.url, error = %error_chain(&error), "L4 sync");
                 }
@@ -701,58 +703,84 @@ impl Shared {
     /// table over them. A slot's state bit decides whether a new connection
     /// may take it, and a mid-flow packet the connection tables lost still
     /// finds an isolated or draining backend in the table: a breaker
-    /// transition changes a state bit and the list, never the table.
+    /// transition changes a state bit and the list, never the table. A
+    /// service's list and table hold the backends of its address family
+    /// only.
     fn rebuild(&self) {
         let started = Instant::now();
-        let (mut routable, mut members): (Vec<u32>, Vec<Member>) = {
+        // Each slot with whether it is IPv6.
+        let (routable, mut members): (Vec<(u32, bool)>, Vec<Tagged>) = {
             let slots = lock(&self.slots);
-            let routable = slots
+            let mut routable: Vec<(u32, bool)> = slots
                 .by_worker
                 .values()
                 .filter(|s| admits(s.state))
-                .map(|s| s.index)
+                .map(|s| (s.index, s.addr.is_ipv6()))
                 .collect();
+            routable.sort_unstable();
             let members = slots
                 .by_worker
                 .values()
                 .map(|s| {
-                    let b = backend_at(s.addr, s.state);
-                    Member {
+                    let member = Member {
                         index: s.index,
-                        key: maglev::member_key(b.addr, b.port),
-                    }
+                        key: maglev::member_key(s.addr),
+                    };
+                    (member, s.addr.is_ipv6())
                 })
                 .collect();
             (routable, members)
         };
-        routable.sort_unstable();
-        members.sort_unstable_by_key(|m| m.index);
+        members.sort_unstable_by_key(|(m, _)| m.index);
         let mut built = lock(&self.members);
-        let table = (*built != members || !self.built.swap(true, Ordering::Relaxed))
-            .then(|| maglev::build(&members, self.maps.table_size()));
+        let all: Vec<Member> = members.iter().map(|(m, _)| *m).collect();
+        let rebuild = *built != all || !self.built.swap(true, Ordering::Relaxed);
+        // One table and one list per family, each over that family's
+        // backends.
+        let of_family = |v6: bool| {
+            let routable: Vec<u32> = routable
+                .iter()
+                .filter(|(_, f)| *f == v6)
+                .map(|(i, _)| *i)
+                .collect();
+            let table = rebuild.then(|| {
+                let members: Vec<Member> = members
+                    .iter()
+                    .filter(|(_, f)| *f == v6)
+                    .map(|(m, _)| *m)
+                    .collect();
+                maglev::build(&members, self.maps.table_size())
+            });
+            (routable, table)
+        };
+        let families = [of_family(false), of_family(true)];
         let mut services = lock(&self.services);
         for service in services.iter_mut() {
+            let (routable, table) = &families[usize::from(service.addr().is_ipv6())];
             if let Err(error) = self
                 .maps
-                .update_service(service, &routable, table.as_deref())
+                .update_service(service, routable, table.as_deref())
             {
                 // Build the table again next time: this service may lack it.
                 self.built.store(false, Ordering::Relaxed);
                 tracing::warn!(service = %service.addr(), error = %error_chain(&error), "writing the Maglev table");
             }
         }
-        if table.is_some() {
-            *built = members;
+        if rebuild {
+            *built = all;
         }
         tracing::debug!(
             live = built.len(),
             routable = routable.len(),
-            table_rebuilt = table.is_some(),
+            table_rebuilt = rebuild,
             took = ?started.elapsed(),
             "L4 backend lists written"
         );
     }
 }
+
+/// A table member and whether it is IPv6.
+type Tagged = (Member, bool);
 
 #[derive(Debug, Default, Clone, Copy)]
 struct Change {

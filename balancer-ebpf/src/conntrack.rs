@@ -18,7 +18,7 @@
 //! window as a lower bound). Segments outside any plausible window change no
 //! state at all; they are passed on, and the endpoint's stack decides.
 
-use aya_ebpf::helpers::generated::{bpf_ktime_get_coarse_ns, bpf_ktime_get_ns};
+use aya_ebpf::helpers::generated::{bpf_jiffies64, bpf_ktime_get_coarse_ns, bpf_ktime_get_ns};
 use aya_ebpf::maps::LruHashMap;
 use core::mem::MaybeUninit;
 
@@ -40,10 +40,10 @@ const MAX_AHEAD: i32 = 1 << 18;
 /// How far behind it may start (retransmissions: at most a window, and
 /// windows scale to 1 GiB).
 const MAX_BEHIND: i32 = 1 << 30;
-/// How often (in [`Flow::closed`] units, about a millisecond) a packet of an
-/// established connection checks that the other direction's entry is still
-/// there: about a second.
-const PEER_CHECK: u32 = 1_000;
+/// How often (in jiffies, [`Flow::checked`]) a packet of an established
+/// connection checks that the other direction's entry is still there: a
+/// second at the usual HZ of 250 (a quarter of one at 1000, 2.5 at 100).
+const PEER_CHECK: u32 = 250;
 
 /// A packet from client to service of an established connection: its
 /// entry, after tracking the segment. `None` when `CONNS` has none.
@@ -181,17 +181,32 @@ fn fill(found: Option<Flow>, out: &mut MaybeUninit<Flow>) -> bool {
 /// send packets whose answers nothing restores).
 ///
 /// A SYN that finds its own handshake still waiting (same initial sequence
-/// number, no SYN-ACK seen) is the client trying again: the backend's
-/// handshake timed out, which its counters record.
+/// number, nothing closed) is the client trying again: unanswered, the backend's handshake
+/// timed out, which its counters record. When the SYN went to the same
+/// backend, the entries already say everything it would write, and they
+/// stay: two lookups instead of replacing both entries, which costs an LRU
+/// node each (a retransmitted SYN is what a SYN flood of one four-tuple
+/// is made of).
 #[inline(always)]
 pub fn open(key: &FlowKey, flow: &Flow) {
-    const NO_EXIST: u64 = 1;
-    if EMBRYONIC.insert(key, flow, NO_EXIST).is_err() {
-        note_retransmission(key, flow);
-        if EMBRYONIC.insert(key, flow, 0).is_err() {
-            outcome(Outcome::ConntrackFull);
+    if let Some(entry) = EMBRYONIC.get_ptr(key) {
+        // SAFETY: a successful lookup, copied at once.
+        let old = unsafe { *entry };
+        let over = FLAG_REPLY | FLAG_RECOVERED | FLAG_FIN_CLIENT | FLAG_FIN_BACKEND;
+        if old.flags & over == 0
+            && old.closed == 0
+            && old.seq == flow.seq
+            && retransmitted(key, &old)
+            && old.backend == flow.backend
+            && old.addr == flow.addr
+            && old.port == flow.port
+        {
             return;
         }
+    }
+    if EMBRYONIC.insert(key, flow, 0).is_err() {
+        outcome(Outcome::ConntrackFull);
+        return;
     }
     let (peer_key, peer) = flow.peer(key);
     if EMBRYONIC.insert(peer_key, peer, 0).is_err() {
@@ -200,25 +215,21 @@ pub fn open(key: &FlowKey, flow: &Flow) {
     }
 }
 
+/// The client sent the SYN of `old` (its forward entry at `key`) again:
+/// counts a timeout of the backend if its SYN-ACK has not been seen.
+/// Whether the reply entry is there (if not, the entries are written anew).
 #[inline(always)]
-fn note_retransmission(key: &FlowKey, flow: &Flow) {
-    let Some(entry) = EMBRYONIC.get_ptr(key) else {
-        return;
-    };
-    // SAFETY: a successful lookup, copied at once.
-    let old = unsafe { *entry };
-    if old.flags & (FLAG_REPLY | FLAG_RECOVERED) != 0 || old.seq != flow.seq {
-        return;
-    }
+fn retransmitted(key: &FlowKey, old: &Flow) -> bool {
     let Some(reply) = EMBRYONIC.get_ptr(old.peer_key(key)) else {
-        return;
+        return false;
     };
-    // SAFETY: as above.
+    // SAFETY: a successful lookup, read at once.
     let answered = unsafe { (*reply).flags } & FLAG_SEQ != 0;
     if !answered && let Some(stats) = backend_stats(old.backend) {
         stats.timeouts += 1;
         stats.last_signal_ns = now_ns();
     }
+    true
 }
 
 /// Forgets an established connection whose four-tuple a new SYN reuses, so
@@ -250,7 +261,7 @@ fn track(table: &'static Table, key: &FlowKey, entry: *mut Flow, seg: &Segment) 
     // keeps both entries of a live connection, and only one that sat idle
     // can have lost one of them, which its first packet after the pause
     // repairs. That keeps the steady state at one hash lookup per packet.
-    let now = now_closed_units();
+    let now = now_jiffies();
     let wanted = seg.flags & (TcpHdr::FIN | TcpHdr::RST) != 0
         || own.flags & FLAG_REPLY != 0 && seg.is_syn_ack()
         || core::ptr::eq(table, &EMBRYONIC)
@@ -435,6 +446,15 @@ fn promote(key: &FlowKey, entry: *mut Flow, peer_key: &FlowKey) {
 fn now_ns() -> u64 {
     // SAFETY: a helper without arguments.
     unsafe { bpf_ktime_get_ns() }
+}
+
+/// The kernel's tick count, for [`Flow::checked`]: every packet of a
+/// connection reads a clock, and this is the one the verifier inlines into a
+/// load (`bpf_ktime_get_coarse_ns` is a helper call, about 10 ns here).
+#[inline(always)]
+fn now_jiffies() -> u32 {
+    // SAFETY: a helper without arguments.
+    unsafe { bpf_jiffies64() as u32 }
 }
 
 /// The time in [`Flow::closed`] units; never 0, which means "open".

@@ -9,9 +9,9 @@ use aya_ebpf::macros::map;
 use aya_ebpf::maps::{Array, HashMap, LruHashMap, PerCpuArray};
 use balancer_common::Verdict;
 use balancer_common::l4::{
-    Backend, BackendStats, Config, DEFAULT_CONNTRACK_SIZE, DEFAULT_TABLE_SIZE, Flow, FlowKey,
-    MAX_BACKENDS, MAX_SERVICE_BACKENDS, MAX_SERVICES, NextHop, Outcome, Service, ServiceKey,
-    ServiceStats, Trial,
+    Addr6, Backend, BackendStats, CONNTRACK_MAP_FLAGS, Config, DEFAULT_CONNTRACK_SIZE,
+    DEFAULT_TABLE_SIZE, Flow, FlowKey, MAX_BACKENDS, MAX_SERVICE_BACKENDS, MAX_SERVICES, NextHop,
+    Outcome, Service, ServiceKey, ServiceStats, Trial,
 };
 
 #[map]
@@ -47,12 +47,39 @@ pub static SERVICE_BACKENDS: Array<u32> =
 
 #[map]
 pub static CONNS: LruHashMap<FlowKey, Flow> =
-    LruHashMap::with_max_entries(DEFAULT_CONNTRACK_SIZE, 0);
+    LruHashMap::with_max_entries(DEFAULT_CONNTRACK_SIZE, CONNTRACK_MAP_FLAGS);
 
-/// Sized by the agent with the connection table (a quarter of it).
+/// Sized by the agent with the connection table (a quarter of it, with a
+/// floor: `LoadOptions::EMBRYONIC_MIN` in the dataplane crate).
 #[map]
 pub static EMBRYONIC: LruHashMap<FlowKey, Flow> =
-    LruHashMap::with_max_entries(DEFAULT_CONNTRACK_SIZE / 4, 0);
+    LruHashMap::with_max_entries(DEFAULT_CONNTRACK_SIZE / 4, CONNTRACK_MAP_FLAGS);
+
+// The IPv6 family's maps, sized like the IPv4 ones (the agent resizes the
+// connection tables to the same flags). The agent keeps them in step with
+// its workers and services; steering reads only the IPv4 ones so far.
+
+#[map]
+pub static SERVICES6: HashMap<ServiceKey<Addr6>, Service> =
+    HashMap::with_max_entries(MAX_SERVICES, 0);
+
+#[map]
+pub static BACKENDS6: Array<Backend<Addr6>> = Array::with_max_entries(MAX_BACKENDS, 0);
+
+#[map]
+pub static NEXT_HOPS6: Array<NextHop<Addr6>> = Array::with_max_entries(MAX_BACKENDS, 0);
+
+#[map]
+pub static CLIENT_HOPS6: LruHashMap<Addr6, NextHop<Addr6>> =
+    LruHashMap::with_max_entries(DEFAULT_CONNTRACK_SIZE / 2, 0);
+
+#[map]
+pub static CONNS6: LruHashMap<FlowKey<Addr6>, Flow<Addr6>> =
+    LruHashMap::with_max_entries(DEFAULT_CONNTRACK_SIZE, CONNTRACK_MAP_FLAGS);
+
+#[map]
+pub static EMBRYONIC6: LruHashMap<FlowKey<Addr6>, Flow<Addr6>> =
+    LruHashMap::with_max_entries(DEFAULT_CONNTRACK_SIZE / 4, CONNTRACK_MAP_FLAGS);
 
 #[map]
 pub static PORTS: Array<u32> = Array::with_max_entries(65_536, 0);

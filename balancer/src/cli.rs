@@ -12,7 +12,7 @@
 pub mod file;
 
 use std::ffi::OsString;
-use std::net::{IpAddr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
@@ -496,9 +496,10 @@ pub struct LaunchArgs {
     pub xdp_mode: XdpMode,
     /// VIP:PORT whose TCP connections are balanced over the workers (repeatable)
     ///
-    /// To the IPv4 address and port of each worker's URL.
+    /// Over the workers of its address family, to the address and port of
+    /// each worker's URL. IPv4 only so far: an IPv6 `[VIP]:PORT` is refused.
     #[arg(long, value_name = "VIP:PORT", help_heading = heading::L4)]
-    pub l4_service: Vec<SocketAddrV4>,
+    pub l4_service: Vec<SocketAddr>,
     /// How steered packets reach the workers (NAT both ways, no tunnel)
     ///
     /// local: workers on this host; remote: workers on hosts that route their
@@ -1758,10 +1759,7 @@ resilience = { cb_min_completion_tokens = 0 }
         assert_eq!(l4.mode, ForwardMode::Remote);
         assert_eq!(l4.xdp_mode, XdpMode::Skb);
         assert_eq!(l4.table_size, 251);
-        assert_eq!(
-            l4.services,
-            ["10.0.0.1:80".parse::<SocketAddrV4>().unwrap()]
-        );
+        assert_eq!(l4.services, ["10.0.0.1:80".parse::<SocketAddr>().unwrap()]);
         for (args, needle) in [
             (&["--xdp-iface", "eth0"][..], "--l4-service"),
             (&["--l4-service", "10.0.0.1:80"][..], "--xdp-iface"),
@@ -1788,6 +1786,10 @@ resilience = { cb_min_completion_tokens = 0 }
                 "twice",
             ),
             (&["--l4-mode", "tunnel"][..], "--l4-mode"),
+            (
+                &["--xdp-iface", "e", "--l4-service", "[2001:db8::100]:8000"][..],
+                "IPv4 services only",
+            ),
         ] {
             let err = format!("{:#}", parse(args).unwrap_err());
             assert!(err.contains(needle), "{args:?}: {err}");

@@ -388,6 +388,14 @@ fn check_l4(l4: &L4Config) -> Result<(), ConfigError> {
         ));
     }
     for (i, service) in l4.services.iter().enumerate() {
+        // The agent's maps already hold IPv6 services; the XDP program
+        // does not steer them yet, so taking one would promise nothing.
+        if service.is_ipv6() {
+            return Err(invalid(
+                "--l4-service",
+                format!("'{service}': the XDP datapath steers IPv4 services only so far"),
+            ));
+        }
         if l4.services[..i].contains(service) {
             return Err(invalid("--l4-service", format!("'{service}' given twice")));
         }

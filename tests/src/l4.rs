@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use balancer_common::l4::{
     BackendState, FLAG_REMOTE, PORT_REPLY_EGRESS, PORT_REPLY_INGRESS, PORT_SERVICE,
 };
-use balancer_dataplane::l4::{ServiceState, backend_at};
+use balancer_dataplane::l4::ServiceState;
 use balancer_dataplane::maglev::{self, Member};
 use balancer_dataplane::{Dataplane, L4Maps, LoadOptions};
 
@@ -101,12 +101,9 @@ impl Steered {
     pub fn rebuild(&mut self) -> Result<()> {
         let members: Vec<Member> = (0..self.backends.len())
             .filter(|&i| self.states[i] != BackendState::Unused)
-            .map(|i| {
-                let b = backend_at(self.backends[i], BackendState::Routable);
-                Member {
-                    index: i as u32,
-                    key: maglev::member_key(b.addr, b.port),
-                }
+            .map(|i| Member {
+                index: i as u32,
+                key: maglev::member_key(self.backends[i].into()),
             })
             .collect();
         let table = maglev::build(&members, TABLE_SIZE);

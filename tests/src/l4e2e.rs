@@ -86,7 +86,7 @@ pub fn l4_config(layout: Layout) -> L4Config {
         ifaces: layout.mode.ifaces(),
         xdp_mode: XdpMode::Auto,
         mode: layout.mode.forward(),
-        services: vec![layout.vip()],
+        services: vec![layout.vip().into()],
         table_size: 1009,
         conntrack_size: 65536,
         // Nothing pinned: the test's datapath goes with its gateway.

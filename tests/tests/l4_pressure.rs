@@ -8,6 +8,10 @@
 //!   they were on, one of them on a worker isolated by its breaker, and
 //!   their connection entries in place: the flood only churns the embryonic
 //!   table.
+//! - A churn of short connections through a tiny connection table
+//!   (`--l4-conntrack-size 256`) resets none of them: each completes on the
+//!   worker its SYN was steered to, and no handshake's entries are evicted
+//!   by the other connections' before it completes.
 //! - Resets forged far outside the sequence window of a live connection are
 //!   counted as ignored (`rst_ignored`) and close nothing: the connection
 //!   keeps working, also after the close grace period would have made its
@@ -31,7 +35,7 @@ use balancer_core::clock::ManualClock;
 use balancer_mock_worker::MockWorker;
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::http1::{self, Answer};
-use balancer_tests::l4e2e::{self, Driver, Metrics};
+use balancer_tests::l4e2e::{self, Driver, Metrics, NewConnections};
 use balancer_tests::netns;
 use balancer_tests::packet::{self, Ipv4, PROTO_TCP, TCP_SYN};
 use balancer_tests::topology::{Layout, Mode, Topology};
@@ -39,6 +43,13 @@ use balancer_tests::topology::{Layout, Mode, Topology};
 /// Entries of the established-connection table; the embryonic one gets a
 /// quarter of that.
 const CONNTRACK_SIZE: u32 = 2048;
+/// The smallest connection table the churn test runs with.
+const SMALL_TABLE: u32 = 256;
+/// Short connections of the churn, opened by `CHURN_CLIENTS` threads at once.
+const CHURN: usize = 2_000;
+const CHURN_CLIENTS: usize = 8;
+/// The longest the churn may take.
+const CHURN_TIME: Duration = Duration::from_secs(60);
 /// SYNs of the flood: four times the connection table.
 const FLOOD: usize = 4 * CONNTRACK_SIZE as usize;
 /// The longest the flood may take.
@@ -70,7 +81,8 @@ fn local_syn_flood_keeps_established_connections() {
     let Some(_) = ebpf_prerequisites() else {
         return;
     };
-    with_gateway(Mode::Local, syn_flood_keeps_connections).unwrap_or_else(|e| panic!("{e:#}"));
+    with_gateway(Mode::Local, CONNTRACK_SIZE, syn_flood_keeps_connections)
+        .unwrap_or_else(|e| panic!("{e:#}"));
 }
 
 #[test]
@@ -78,7 +90,8 @@ fn remote_syn_flood_keeps_established_connections() {
     let Some(_) = ebpf_prerequisites() else {
         return;
     };
-    with_gateway(Mode::Remote, syn_flood_keeps_connections).unwrap_or_else(|e| panic!("{e:#}"));
+    with_gateway(Mode::Remote, CONNTRACK_SIZE, syn_flood_keeps_connections)
+        .unwrap_or_else(|e| panic!("{e:#}"));
 }
 
 #[test]
@@ -86,7 +99,8 @@ fn local_out_of_window_rst_leaves_connection_open() {
     let Some(_) = ebpf_prerequisites() else {
         return;
     };
-    with_gateway(Mode::Local, out_of_window_rst_is_ignored).unwrap_or_else(|e| panic!("{e:#}"));
+    with_gateway(Mode::Local, CONNTRACK_SIZE, out_of_window_rst_is_ignored)
+        .unwrap_or_else(|e| panic!("{e:#}"));
 }
 
 #[test]
@@ -94,11 +108,30 @@ fn remote_out_of_window_rst_leaves_connection_open() {
     let Some(_) = ebpf_prerequisites() else {
         return;
     };
-    with_gateway(Mode::Remote, out_of_window_rst_is_ignored).unwrap_or_else(|e| panic!("{e:#}"));
+    with_gateway(Mode::Remote, CONNTRACK_SIZE, out_of_window_rst_is_ignored)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+}
+
+#[test]
+fn local_small_table_churn_resets_no_handshake() {
+    let Some(_) = ebpf_prerequisites() else {
+        return;
+    };
+    with_gateway(Mode::Local, SMALL_TABLE, churn_completes_every_handshake)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+}
+
+#[test]
+fn remote_small_table_churn_resets_no_handshake() {
+    let Some(_) = ebpf_prerequisites() else {
+        return;
+    };
+    with_gateway(Mode::Remote, SMALL_TABLE, churn_completes_every_handshake)
+        .unwrap_or_else(|e| panic!("{e:#}"));
 }
 
 // ---------------------------------------------------------------------------
-// The two properties.
+// The three properties.
 
 /// Property 1: established connections survive a SYN flood past the
 /// connection table's size, on their worker, isolated or not.
@@ -450,22 +483,105 @@ fn next_seq(stream: &TcpStream) -> Result<u32> {
     Ok(seq)
 }
 
+/// Property 3: with a connection table of `SMALL_TABLE` entries, `CHURN`
+/// short connections (one request each, `CHURN_CLIENTS` at a time, so the
+/// table turns over many times) all complete, each on the worker its SYN
+/// was steered to, and every worker's SYN-ACK found its handshake's entries
+/// (the kernel counted the handshake established): no handshake was
+/// evicted by the others' churn before it completed.
+fn churn_completes_every_handshake(env: &Env) -> Result<()> {
+    env.driver.ready(BOUND)?;
+    let mode = env.layout.mode;
+    let connections = NewConnections {
+        vip: env.layout.vip(),
+        connect_timeout: BOUND,
+        io_timeout: BOUND,
+    };
+    let before = env.driver.metrics()?;
+    let started = Instant::now();
+    let clients: Vec<_> = (0..CHURN_CLIENTS)
+        .map(|_| {
+            let ns = env.client_ns.to_owned();
+            std::thread::spawn(move || {
+                netns::run_in(&ns, CHURN_TIME, move || {
+                    connections.tally(CHURN / CHURN_CLIENTS, 0)
+                })
+            })
+        })
+        .collect();
+    let mut answered = vec![0.0; env.workers.len()];
+    let mut failures = Vec::new();
+    for client in clients {
+        let tally = client
+            .join()
+            .map_err(|_| anyhow::anyhow!("a client thread panicked"))??;
+        for (i, worker) in env.workers.iter().enumerate() {
+            answered[i] += tally.of(worker.name()) as f64;
+        }
+        if tally.failed > 0 {
+            failures.push(tally.to_string());
+        }
+    }
+    let took = started.elapsed();
+    let total: f64 = answered.iter().sum();
+    ensure!(
+        failures.is_empty() && total == CHURN as f64,
+        "{total} of {CHURN} connections answered; failed: {failures:?}"
+    );
+    // The handshake counters reach the metrics at the agent's next read.
+    let delta = |m: &Metrics, i: usize, counter: &dyn Fn(&Metrics, &str) -> Result<f64>| {
+        let url = env.workers[i].url();
+        Ok::<_, anyhow::Error>(counter(m, &url)? - counter(&before, &url)?)
+    };
+    let established = |m: &Metrics, url: &str| m.handshakes(url, "established");
+    let steered = |m: &Metrics, url: &str| m.worker_counter("connections", url);
+    env.wait("every handshake counted", || {
+        let m = env.driver.metrics()?;
+        let counted: Result<Vec<f64>> = (0..answered.len())
+            .map(|i| delta(&m, i, &established))
+            .collect();
+        Ok(counted?.iter().sum::<f64>() >= total)
+    })?;
+    let after = env.driver.metrics()?;
+    eprintln!(
+        "[{mode:?}] churn of {CHURN} connections through a table of {SMALL_TABLE}: \
+         answered by worker {answered:?} in {took:?}; {}",
+        after.outcomes_since(&before)?
+    );
+    for (i, &answers) in answered.iter().enumerate() {
+        let syns = delta(&after, i, &steered)?;
+        let handshakes = delta(&after, i, &established)?;
+        ensure!(
+            syns == answers && handshakes == answers,
+            "worker {i}: {answers} connections answered, {syns} SYNs steered to it, \
+             {handshakes} of its handshakes found their entries"
+        );
+    }
+    let full = after.outcome("conntrack_full")? - before.outcome("conntrack_full")?;
+    ensure!(full == 0.0, "{full} entries refused during the churn");
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------
 // The gateway, its workers and the metrics.
 
 /// Runs `test` against a gateway in `mode`, in namespaces created for it
 /// and deleted afterwards whatever happened.
-fn with_gateway(mode: Mode, test: fn(&Env) -> Result<()>) -> Result<()> {
+fn with_gateway(mode: Mode, conntrack_size: u32, test: fn(&Env) -> Result<()>) -> Result<()> {
     let (prefix, net) = match mode {
         Mode::Local => ("bt-l4prl", 87),
         Mode::Remote => ("bt-l4prr", 88),
     };
     Topology::run(prefix, Layout::new(mode, net), |topology| {
-        start_and_run(topology, test)
+        start_and_run(topology, conntrack_size, test)
     })
 }
 
-fn start_and_run(topology: &Topology, test: fn(&Env) -> Result<()>) -> Result<()> {
+fn start_and_run(
+    topology: &Topology,
+    conntrack_size: u32,
+    test: fn(&Env) -> Result<()>,
+) -> Result<()> {
     let layout = topology.layout;
     let mode = layout.mode;
     let runtimes = topology.runtimes()?;
@@ -474,7 +590,7 @@ fn start_and_run(topology: &Topology, test: fn(&Env) -> Result<()>) -> Result<()
     let urls: Vec<String> = workers.iter().map(MockWorker::url).collect();
     let mut config = l4e2e::gateway_config(&urls);
     let mut l4 = l4e2e::l4_config(layout);
-    l4.conntrack_size = CONNTRACK_SIZE;
+    l4.conntrack_size = conntrack_size;
     config.l4 = Some(l4);
     // The breaker's open timeout never passes: an isolated worker stays so.
     let clock = Arc::new(ManualClock::new());

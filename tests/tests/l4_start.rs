@@ -116,7 +116,7 @@ fn a_start_that_fails_after_pinning_removes_what_it_pinned() -> Result<()> {
         // pinned.
         xdp_mode: XdpMode::Driver,
         mode: ForwardMode::Local,
-        services: vec![SocketAddrV4::new([10, 0, 0, 1].into(), 80)],
+        services: vec![SocketAddrV4::new([10, 0, 0, 1].into(), 80).into()],
         table_size: 251,
         conntrack_size: 1024,
         bpffs_dir: Some(pins.0.clone()),

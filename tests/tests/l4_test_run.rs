@@ -7,15 +7,16 @@
 //! run inside a namespace they create, with two veths and permanent
 //! neighbour entries standing in for the client's and backends' hosts.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use balancer_common::Verdict;
 use balancer_common::l4::{BackendState, FLAG_RECOVERED, FlowKey, Outcome, addr_be, port_be};
-use balancer_dataplane::{VerdictCounts, XdpAction};
+use balancer_dataplane::maglev::{self, Member};
+use balancer_dataplane::{Dataplane, LoadOptions, VerdictCounts, XdpAction};
 use balancer_tests::ebpf_prerequisites;
-use balancer_tests::l4::{Router, Steered};
+use balancer_tests::l4::{Router, Steered, TABLE_SIZE};
 use balancer_tests::packet::{self, Ipv4};
 
 const VIP: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 99, 0, 100), 80);
@@ -177,9 +178,9 @@ fn new_flows_never_pick_an_isolated_backend_and_spread_evenly() {
     // list the backend.
     steered.set_state(1, BackendState::Isolated).unwrap();
     assert_spread(&spread(&steered, 2, None), &[1], "isolated, stale list");
-    let before = steered.maps.service(&steered.service.key).unwrap().unwrap();
+    let before = steered.maps.service_of(&steered.service).unwrap().unwrap();
     steered.rebuild().unwrap();
-    let after = steered.maps.service(&steered.service.key).unwrap().unwrap();
+    let after = steered.maps.service_of(&steered.service).unwrap().unwrap();
     assert_ne!(
         before.table_offset, after.table_offset,
         "a rebuild switches to the other table"
@@ -366,7 +367,7 @@ fn no_routable_backend_passes_to_the_local_stack_and_counts() {
     let (action, out) = xdp(&steered, &frame, None);
     assert_eq!((action, &out), (XdpAction::Pass, &frame));
     steered.rebuild().unwrap();
-    let entry = steered.maps.service(&steered.service.key).unwrap().unwrap();
+    let entry = steered.maps.service_of(&steered.service).unwrap().unwrap();
     assert_eq!(
         (entry.table_size, entry.backend_count),
         (balancer_tests::l4::TABLE_SIZE, 0),
@@ -565,4 +566,68 @@ fn remote_checks(object: &std::path::Path, net: &Router) -> Result<()> {
     ensure!(action == XdpAction::Tx, "TTL 1: {action:?}");
     ensure!(steered.maps.outcomes()?.get(Outcome::TtlExpired) == 1);
     Ok(())
+}
+
+/// The agent's side of dual stack: an IPv6 service and backend go to their
+/// family's maps, beside IPv4 ones in the shared slot spaces, and read back
+/// by address (what adoption and `balancer l4 status` rely on).
+#[test]
+fn ipv6_services_and_backends_are_kept_in_their_family_maps() {
+    let Some(object) = ebpf_prerequisites() else {
+        return;
+    };
+    let mut dataplane = Dataplane::load_with(
+        &object,
+        LoadOptions {
+            table_size: TABLE_SIZE,
+            services: 2,
+            conntrack_size: 1024,
+        },
+    )
+    .unwrap();
+    let maps = dataplane.take_l4_maps().unwrap();
+    let vip6: SocketAddr = "[fd77::100]:80".parse().unwrap();
+    let backend6: SocketAddr = "[fd77:0:0:2::11]:8000".parse().unwrap();
+    let mut v4 = maps.add_service(VIP, 0, 0).unwrap();
+    let mut v6 = maps.add_service(vip6, 1, 0).unwrap();
+    maps.set_backend_state(0, BACKENDS[0], BackendState::Routable)
+        .unwrap();
+    maps.set_backend_state(1, backend6, BackendState::Isolated)
+        .unwrap();
+    assert_eq!(
+        maps.live_backends().unwrap(),
+        [(0, SocketAddr::from(BACKENDS[0])), (1, backend6)]
+    );
+    assert_eq!(
+        maps.backend_state(1, backend6).unwrap(),
+        BackendState::Isolated
+    );
+    // Slot 1 is the IPv6 backend's: the IPv4 map has nothing there.
+    assert_eq!(
+        maps.backend_state(1, BACKENDS[1].into()).unwrap(),
+        BackendState::Unused
+    );
+
+    let member = |index, addr| Member {
+        index,
+        key: maglev::member_key(addr),
+    };
+    let table4 = maglev::build(&[member(0, BACKENDS[0].into())], TABLE_SIZE);
+    let table6 = maglev::build(&[member(1, backend6)], TABLE_SIZE);
+    maps.update_service(&mut v4, &[0], Some(&table4)).unwrap();
+    maps.update_service(&mut v6, &[], Some(&table6)).unwrap();
+    let entry = maps.service_of(&v6).unwrap().expect("the IPv6 service");
+    assert_eq!(
+        (entry.index, entry.table_size, entry.backend_count),
+        (1, TABLE_SIZE, 0)
+    );
+    assert_eq!(v6.table(), table6.as_slice());
+    let entry = maps.service_of(&v4).unwrap().expect("the IPv4 service");
+    assert_eq!((entry.index, entry.backend_count), (0, 1));
+    assert_ne!(v4.table(), v6.table(), "each family has its own table");
+
+    // Adoption's clean-up works per family too.
+    maps.retain_services(std::slice::from_ref(&v6)).unwrap();
+    assert!(maps.service_of(&v4).unwrap().is_none());
+    assert!(maps.service_of(&v6).unwrap().is_some());
 }
