@@ -13,8 +13,9 @@
 //! Owns connections, the request head's encoding, the response head's
 //! parsing (httparse, bounded in size and header count) and the body's
 //! framing (`Content-Length`, chunked, or until close). It knows nothing of
-//! breakers, retries or routes: an error is returned for the attempt loop
-//! to classify. `https://` workers take it too, over the same TLS client
+//! breakers, retries, routes or which client headers are forwarded (the
+//! proxy hands it a [`ForwardedFields`]): an error is returned for the
+//! attempt loop to classify. `https://` workers take it too, over the same TLS client
 //! configuration as hyper's (sessions resumed per worker); streamed request
 //! bodies and host names that are not resolved yet take hyper's client.
 
@@ -29,13 +30,11 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
-use http::header;
 use http::{Method, Response, StatusCode, Version};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio_util::io::poll_read_buf;
 
 use crate::bodies::BoxError;
-use crate::proxy::Forwarded;
 use crate::wire::{Field, RawFields, decimal, parse_length, put_header};
 
 pub use body::H1Body;
@@ -71,6 +70,19 @@ pub enum H1Error {
     HeadTooLarge,
 }
 
+/// The fields the fast client writes after `Host`. Which of the client's
+/// headers go to the worker is the proxy's decision (its `Forwarded`); this
+/// client only writes them, and knows nothing of the proxy.
+pub(crate) trait ForwardedFields {
+    /// How many fields the client sent: sizes the head's buffer.
+    fn count(&self) -> usize;
+    /// Whether the client sent `Authorization`: a worker URL's credentials
+    /// are added only when it did not.
+    fn has_authorization(&self) -> bool;
+    /// Writes every forwarded field into `out`, one `name: value` line each.
+    fn put(&self, out: &mut BytesMut);
+}
+
 /// The request as the proxy has it: nothing is copied into a new map.
 pub(crate) struct H1Request<'a> {
     pub method: &'a Method,
@@ -82,7 +94,7 @@ pub(crate) struct H1Request<'a> {
     pub tls: bool,
     /// The headers to forward (hop-by-hop ones, `Host` and
     /// `Content-Length` left out by it).
-    pub headers: &'a Forwarded,
+    pub headers: &'a (dyn ForwardedFields + Sync),
     /// `Authorization` to add when the headers have none.
     pub authorization: Option<&'a str>,
     pub body: Bytes,
@@ -91,17 +103,16 @@ pub(crate) struct H1Request<'a> {
 impl H1Request<'_> {
     /// The request head, into `out`.
     fn encode(&self, out: &mut BytesMut) {
-        out.reserve(256 + self.headers.client().len() * 48);
+        out.reserve(256 + self.headers.count() * 48);
         out.put_slice(self.method.as_str().as_bytes());
         out.put_u8(b' ');
         out.put_slice(self.path.as_bytes());
         out.put_slice(b" HTTP/1.1\r\nhost: ");
         out.put_slice(self.authority.as_bytes());
         out.put_slice(b"\r\n");
-        self.headers
-            .each(|name, value| put_header(out, name, value));
+        self.headers.put(out);
         if let Some(auth) = self.authorization
-            && !self.headers.client().contains(&header::AUTHORIZATION)
+            && !self.headers.has_authorization()
         {
             put_header(out, b"authorization", auth.as_bytes());
         }

@@ -2,7 +2,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::BytesMut;
-use http::{HeaderMap, HeaderValue, Method};
+use http::{HeaderMap, HeaderValue, Method, header};
 use http_body_util::BodyExt;
 use hyper::body::Body as _;
 use proptest::prelude::*;

@@ -16,7 +16,10 @@ use std::net::IpAddr;
 use http::Method;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
-use crate::wire::Headers;
+use bytes::BytesMut;
+
+use crate::h1::ForwardedFields;
+use crate::wire::{Headers, put_header};
 
 /// Headers that describe one hop, not the message.
 const HOP_BY_HOP: [HeaderName; 7] = [
@@ -381,6 +384,20 @@ impl Forwarded {
             map.append(name.clone(), value.clone());
         }
         map
+    }
+}
+
+impl ForwardedFields for Forwarded {
+    fn count(&self) -> usize {
+        self.headers.len()
+    }
+
+    fn has_authorization(&self) -> bool {
+        self.headers.contains(&header::AUTHORIZATION)
+    }
+
+    fn put(&self, out: &mut BytesMut) {
+        self.each(|name, value| put_header(out, name, value));
     }
 }
 
