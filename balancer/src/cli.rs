@@ -391,8 +391,9 @@ pub struct LaunchArgs {
     #[arg(long, default_value = "auto")]
     pub xdp_mode: XdpMode,
     /// VIP:PORT whose TCP connections are balanced over the workers of its
-    /// address family (at the address and port of their URLs). IPv4 only
-    /// so far: an IPv6 `[VIP]:PORT` is refused. Repeatable.
+    /// address family (at the address and port of their URLs): IPv4
+    /// `10.0.0.100:8000`, or IPv6 `[2001:db8::100]:8000` in local mode
+    /// only so far. Repeatable.
     #[arg(long, value_name = "VIP:PORT")]
     pub l4_service: Vec<SocketAddr>,
     /// How steered packets reach the workers (NAT both ways, no tunnel).
@@ -1333,6 +1334,22 @@ resilience = { cb_min_completion_tokens = 0 }
         assert_eq!(l4.xdp_mode, XdpMode::Skb);
         assert_eq!(l4.table_size, 251);
         assert_eq!(l4.services, ["10.0.0.1:80".parse::<SocketAddr>().unwrap()]);
+        let dual = parse(&[
+            "--xdp-iface",
+            "eth0",
+            "--l4-service",
+            "10.0.0.1:80",
+            "--l4-service",
+            "[2001:db8::100]:8000",
+        ])
+        .unwrap();
+        assert_eq!(
+            dual.to_config().unwrap().l4.unwrap().services,
+            [
+                "10.0.0.1:80".parse::<SocketAddr>().unwrap(),
+                "[2001:db8::100]:8000".parse().unwrap()
+            ]
+        );
         for (args, needle) in [
             (&["--xdp-iface", "eth0"][..], "--l4-service"),
             (&["--l4-service", "10.0.0.1:80"][..], "--xdp-iface"),
@@ -1360,8 +1377,15 @@ resilience = { cb_min_completion_tokens = 0 }
             ),
             (&["--l4-mode", "tunnel"][..], "--l4-mode"),
             (
-                &["--xdp-iface", "e", "--l4-service", "[2001:db8::100]:8000"][..],
-                "IPv4 services only",
+                &[
+                    "--xdp-iface",
+                    "e",
+                    "--l4-service",
+                    "[2001:db8::100]:8000",
+                    "--l4-mode",
+                    "remote",
+                ][..],
+                "--l4-mode local",
             ),
         ] {
             let err = format!("{:#}", parse(args).unwrap_err());

@@ -132,7 +132,11 @@ fn an_ipv6_handshake_and_its_data_stay_on_one_backend() {
     assert_eq!(packet::endpoints6(&out), (CLIENT, backend));
     assert!(packet::checksum6_verifies(&out));
     let after = steered.maps.outcomes().unwrap().since(&outcomes);
-    assert_eq!(after.get(Outcome::Established), 1, "from the connection table");
+    assert_eq!(
+        after.get(Outcome::Established),
+        1,
+        "from the connection table"
+    );
 }
 
 #[test]
