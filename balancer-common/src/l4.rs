@@ -10,17 +10,25 @@
 //! Layouts are `#[repr(C)]` with explicit padding fields: hash-map keys are
 //! compared byte by byte, so no byte of a key may be left uninitialised.
 //!
-//! Both address families use the same types, generic over the address
-//! ([`Addr`]: `u32` for IPv4, the default, and [`Addr6`] for IPv6). Each
-//! family has its own services, backend addresses, next hops and connection
-//! tables (the `*6` maps), while everything indexed by a service or backend
-//! slot (Maglev tables, routable lists, counters, trials) is shared: a slot
-//! belongs to one family. The agent keeps both families' maps; the program
-//! steers IPv4 only so far.
+//! Both families use the same types, generic over the address ([`Addr`]:
+//! `u32` for IPv4, the default, and [`Addr6`] for IPv6), and the same
+//! program code; each family has its own services, backend addresses,
+//! next hops and connection tables (the `*6` maps), while everything indexed
+//! by a service or backend slot (Maglev tables, routable lists, counters,
+//! trials) is shared: a slot belongs to one family.
 
 /// The `#[classifier]` program that restores the service address on replies
 /// that local workers send (local mode, TC egress).
 pub const EGRESS_PROGRAM_NAME: &str = "balancer_egress";
+
+/// The `#[xdp]` program that steers IPv6 TCP: the XDP program tail-calls it
+/// through [`IPV6_PROGRAM`], so that each family's steering has a program
+/// of its own to pass the verifier in (512 bytes of stack for a call chain,
+/// a million instructions walked per program).
+pub const IPV6_PROGRAM_NAME: &str = "balancer6";
+/// Program array of one entry: [`IPV6_PROGRAM_NAME`], put there by the
+/// agent once it is loaded.
+pub const IPV6_PROGRAM: &str = "IPV6_PROGRAM";
 
 /// `ServiceKey` → [`Service`] (hash).
 pub const SERVICES: &str = "SERVICES";

@@ -23,18 +23,21 @@ pub const VERDICTS_MAP: &str = "VERDICTS";
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Verdict {
-    /// Not an IPv4 frame (ARP, IPv6, stacked VLAN tags, other
+    /// Neither IPv4 nor IPv6 (ARP, stacked VLAN tags, other
     /// encapsulations, ...): the kernel's business. A single 802.1Q tag is
-    /// looked through.
+    /// looked through. (The name is older than IPv6 steering.)
     PassNotIpv4 = 0,
     /// A header the program needs runs past the end of the frame.
     PassTruncated = 1,
-    /// An IPv4 header that cannot be right (bad version, IHL below 5).
+    /// An IP header that cannot be right (IPv4: bad version, IHL below 5;
+    /// IPv6: bad version).
     PassMalformed = 2,
-    /// An IPv4 fragment: only the first one carries ports, so steering by
-    /// five-tuple is impossible and the kernel reassembles.
+    /// A fragment (IPv4, or IPv6 with a fragment header): only the first
+    /// one carries ports, so steering by five-tuple is impossible and the
+    /// kernel reassembles.
     PassFragment = 3,
-    /// IPv4 but not TCP.
+    /// IP but not TCP (ICMPv6, neighbour discovery and router
+    /// advertisements included: they pass untouched).
     PassNotTcp = 4,
     /// A TCP SYN without ACK: the first packet of a new connection, where the
     /// steering decision will be made.
@@ -44,11 +47,15 @@ pub enum Verdict {
     /// ICMP: errors quoting a steered connection are translated and sent
     /// to its endpoint, everything else passes.
     Icmp = 7,
+    /// IPv6 with an extension header (hop-by-hop, routing, destination
+    /// options, authentication, ...) before the transport header: passed
+    /// to the kernel untouched, never walked.
+    PassExtHeader = 8,
 }
 
 impl Verdict {
     /// Number of verdicts, which is also the size of the `VERDICTS` map.
-    pub const COUNT: usize = 8;
+    pub const COUNT: usize = 9;
 
     /// Every verdict, in index order.
     pub const ALL: [Self; Self::COUNT] = [
@@ -60,6 +67,7 @@ impl Verdict {
         Self::TcpSyn,
         Self::TcpOther,
         Self::Icmp,
+        Self::PassExtHeader,
     ];
 
     /// The verdict's slot in the `VERDICTS` map.
@@ -78,6 +86,7 @@ impl Verdict {
             Self::TcpSyn => "tcp_syn",
             Self::TcpOther => "tcp_other",
             Self::Icmp => "icmp",
+            Self::PassExtHeader => "pass_ext_header",
         }
     }
 }

@@ -26,13 +26,15 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
-use aya::maps::{MapError, PerCpuArray};
+use aya::maps::{MapError, PerCpuArray, ProgramArray};
 use aya::programs::links::{FdLink, PinnedLink};
 use aya::programs::tc::{SchedClassifierLink, SchedClassifierLinkId};
 use aya::programs::xdp::{XdpLink, XdpLinkId};
 use aya::programs::{ProgramError, SchedClassifier, TcAttachType, Xdp};
 use aya::{Ebpf, EbpfError, EbpfLoader};
-use balancer_common::l4::{self as common, Addr6, EGRESS_PROGRAM_NAME, Flow, FlowKey};
+use balancer_common::l4::{
+    self as common, Addr6, EGRESS_PROGRAM_NAME, Flow, FlowKey, IPV6_PROGRAM_NAME,
+};
 use balancer_common::{PROGRAM_NAME, VERDICTS_MAP, Verdict};
 use balancer_core::error_chain;
 
@@ -77,6 +79,8 @@ pub enum DataplaneError {
     MissingProgram,
     #[error("eBPF object has no TC program `{EGRESS_PROGRAM_NAME}`")]
     MissingEgressProgram,
+    #[error("eBPF object has no XDP program `{IPV6_PROGRAM_NAME}`")]
+    MissingIpv6Program,
     #[error("eBPF object has no map `{0}`")]
     MissingMap(&'static str),
     #[error(
@@ -443,6 +447,7 @@ impl Dataplane {
                 program: PROGRAM_NAME,
                 source,
             })?;
+        load_ipv6_program(&mut ebpf)?;
         egress_mut(&mut ebpf)?
             .load()
             .map_err(|source| DataplaneError::Verify {
@@ -795,6 +800,38 @@ fn program_mut(ebpf: &mut Ebpf) -> Result<&mut Xdp, DataplaneError> {
     ebpf.program_mut(PROGRAM_NAME)
         .and_then(|program| program.try_into().ok())
         .ok_or(DataplaneError::MissingProgram)
+}
+
+/// Loads the IPv6 steering program and puts it where the XDP program
+/// tail-calls it. The entry lasts while this process (or a pin) holds the
+/// program array: a kernel clears a program array when its last user
+/// reference goes.
+fn load_ipv6_program(ebpf: &mut Ebpf) -> Result<(), DataplaneError> {
+    let verify = |source| DataplaneError::Verify {
+        program: IPV6_PROGRAM_NAME,
+        source,
+    };
+    let program: &mut Xdp = ebpf
+        .program_mut(IPV6_PROGRAM_NAME)
+        .and_then(|program| program.try_into().ok())
+        .ok_or(DataplaneError::MissingIpv6Program)?;
+    program.load().map_err(verify)?;
+    let fd = program
+        .fd()
+        .map_err(verify)?
+        .try_clone()
+        .map_err(|error| verify(ProgramError::IOError(error)))?;
+    let map_error = |source| DataplaneError::Map {
+        map: common::IPV6_PROGRAM,
+        source,
+    };
+    let map = ebpf
+        .map_mut(common::IPV6_PROGRAM)
+        .ok_or(DataplaneError::MissingMap(common::IPV6_PROGRAM))?;
+    ProgramArray::try_from(map)
+        .map_err(map_error)?
+        .set(0, &fd, 0)
+        .map_err(map_error)
 }
 
 fn egress_mut(ebpf: &mut Ebpf) -> Result<&mut SchedClassifier, DataplaneError> {

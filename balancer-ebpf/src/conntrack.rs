@@ -1,6 +1,7 @@
 //! Connection tracking, shared by the XDP program (forward packets, and
 //! replies in remote mode) and the TC egress program (replies in local
-//! mode). It owns the two connection tables and the rules of moving an
+//! mode). It owns the two connection tables of each address family
+//! ([`Family::conns`], [`Family::embryonic`]) and the rules of moving an
 //! entry between them; it never rewrites a packet or picks a backend.
 //!
 //! - `EMBRYONIC` holds connections that have not proven themselves: a SYN
@@ -18,20 +19,26 @@
 //! window as a lower bound). Segments outside any plausible window change no
 //! state at all; they are passed on, and the endpoint's stack decides.
 
+// aya's map helpers take keys and values as `impl Borrow<_>`: passed by
+// value, an IPv6 key or entry is copied into the caller's frame first,
+// which the call chain's 512 bytes cannot spare; by reference it is not.
+#![allow(clippy::needless_borrows_for_generic_args)]
+
 use aya_ebpf::helpers::generated::{bpf_jiffies64, bpf_ktime_get_coarse_ns, bpf_ktime_get_ns};
 use aya_ebpf::maps::LruHashMap;
 use core::mem::MaybeUninit;
 
 use balancer_common::l4::{
-    CLOSE_GRACE, CLOSED_SHIFT, FLAG_FIN_BACKEND, FLAG_FIN_CLIENT, FLAG_RECOVERED, FLAG_REPLY,
+    Addr, CLOSE_GRACE, CLOSED_SHIFT, FLAG_FIN_BACKEND, FLAG_FIN_CLIENT, FLAG_RECOVERED, FLAG_REPLY,
     FLAG_SEQ, Flow, FlowKey, Outcome,
 };
 
 use crate::atomic;
+use crate::family::Family;
 use crate::headers::{Segment, TcpHdr};
-use crate::maps::{CONNS, EMBRYONIC, backend_stats, outcome};
+use crate::maps::{backend_stats, outcome};
 
-type Table = LruHashMap<FlowKey, Flow>;
+type Table<A> = LruHashMap<FlowKey<A>, Flow<A>>;
 
 /// How far past the furthest byte seen a segment may start and still count:
 /// everything between two packets of one sender passes through here, so
@@ -45,85 +52,51 @@ const MAX_BEHIND: i32 = 1 << 30;
 /// second at the usual HZ of 250 (a quarter of one at 1000, 2.5 at 100).
 const PEER_CHECK: u32 = 250;
 
-/// A packet from client to service of an established connection: its
-/// entry, after tracking the segment. `None` when `CONNS` has none.
-#[inline(always)]
-fn established_entry(key: &FlowKey, seg: &Segment) -> Option<Flow> {
-    let entry = CONNS.get_ptr_mut(key)?;
-    // SAFETY: a successful lookup; the copy is taken at once.
-    let flow = unsafe { *entry };
-    if flow.flags & FLAG_REPLY != 0 {
-        return None;
-    }
-    track(&CONNS, key, entry, seg);
-    Some(flow)
+/// What the sender of an entry last sent, as tracking reads it: four
+/// words copied rather than the whole entry (an IPv6 entry takes 52 bytes
+/// of the stack frame a whole call chain shares, and every copy counts).
+#[derive(Clone, Copy)]
+struct Sent {
+    flags: u32,
+    seq: u32,
+    ack: u32,
+    window: u32,
 }
 
-/// A packet from client to service of a connection still proving itself:
-/// its entry, after tracking (and promotion, if this packet completes the
-/// handshake). `None` when `EMBRYONIC` has none.
-#[inline(always)]
-fn handshaking_entry(key: &FlowKey, seg: &Segment) -> Option<Flow> {
-    let entry = EMBRYONIC.get_ptr_mut(key)?;
-    // SAFETY: as above.
-    let flow = unsafe { *entry };
-    if flow.flags & FLAG_REPLY != 0 {
-        return None;
-    }
-    let peer = track(&EMBRYONIC, key, entry, seg);
-    // The client acknowledging the backend's SYN-ACK completes the
-    // handshake: only a client that received it knows the number.
-    if let Some(peer) = peer
-        && flow.flags & FLAG_RECOVERED == 0
-        && seg.has(TcpHdr::ACK)
-        && !seg.has(TcpHdr::RST)
-        && peer.flags & FLAG_SEQ != 0
-        && seg.ack == peer.seq
-    {
-        promote(key, entry, &flow.peer_key(key));
-    }
-    Some(flow)
-}
+impl Sent {
+    /// What a missing entry counts as: nothing recorded (`FLAG_SEQ`
+    /// clear), which every check treats as "unknown". (A plain value, not
+    /// an `Option`: LLVM computes conditions on the payload of a `None`
+    /// branch-free, reading a register the verifier calls uninitialised.)
+    const NOTHING: Sent = Sent {
+        flags: 0,
+        seq: 0,
+        ack: 0,
+        window: 0,
+    };
 
-/// A packet from a backend to a client of a connection either table knows:
-/// its (reply) entry, after tracking. `None` when the packet is not a reply
-/// of a steered connection, which then passes untouched.
-#[inline(always)]
-fn reply_entry(key: &FlowKey, seg: &Segment) -> Option<Flow> {
-    if let Some(entry) = CONNS.get_ptr_mut(key) {
-        // SAFETY: a successful lookup; the copy is taken at once.
-        let flow = unsafe { *entry };
-        if flow.flags & FLAG_REPLY != 0 {
-            if !stale(&flow, seg.is_syn_ack()) {
-                track(&CONNS, key, entry, seg);
-                return Some(flow);
+    /// # Safety
+    /// `entry` points at a live map value.
+    #[inline(always)]
+    unsafe fn of<A: Addr>(entry: *const Flow<A>) -> Self {
+        // SAFETY: the caller's promise.
+        unsafe {
+            Sent {
+                flags: (*entry).flags,
+                seq: (*entry).seq,
+                ack: (*entry).ack,
+                window: (*entry).window,
             }
-            // A later connection on the same four-tuple that did not come
-            // through here: not ours to rewrite.
-            let _ = CONNS.remove(key);
         }
     }
-    let entry = EMBRYONIC.get_ptr_mut(key)?;
-    // SAFETY: as above.
-    let flow = unsafe { *entry };
-    if flow.flags & FLAG_REPLY == 0 || stale(&flow, seg.is_syn_ack()) {
-        return None;
-    }
-    let peer = track(&EMBRYONIC, key, entry, seg);
-    // A backend that answers a recovered connection with anything but a
-    // reset has it: the connection is real.
-    if peer.is_some() && flow.flags & FLAG_RECOVERED != 0 && !seg.has(TcpHdr::RST) {
-        promote(key, entry, &flow.peer_key(key));
-    }
-    Some(flow)
 }
 
 /// The entry of `key` in either table, without tracking anything: a reply
 /// entry if `reply`, else a forward one.
 #[inline(always)]
-fn find_entry(key: &FlowKey, reply: bool) -> Option<Flow> {
+fn find_entry<F: Family>(key: &FlowKey<F::Addr>, reply: bool) -> Option<Flow<F::Addr>> {
     let wanted = if reply { FLAG_REPLY } else { 0 };
-    for table in [&CONNS, &EMBRYONIC] {
+    for table in [F::conns(), F::embryonic()] {
         if let Some(entry) = table.get_ptr(key) {
             // SAFETY: a successful lookup, copied at once.
             let flow = unsafe { *entry };
@@ -141,32 +114,121 @@ fn find_entry(key: &FlowKey, reply: bool) -> Option<Flow> {
 // and the verifier refuses to read it. `out` starts uninitialised: zeroing
 // a `Flow` first costs a call to a byte-by-byte `memset` on this target.
 
-/// [`established_entry`] into `out`; whether there was one.
+/// A packet from client to service of an established connection: its
+/// entry into `out`, after tracking the segment; false when `CONNS` has
+/// none.
 #[inline(always)]
-pub fn established(key: &FlowKey, seg: &Segment, out: &mut MaybeUninit<Flow>) -> bool {
-    fill(established_entry(key, seg), out)
+pub fn established<F: Family>(
+    key: &FlowKey<F::Addr>,
+    seg: &Segment,
+    out: &mut MaybeUninit<Flow<F::Addr>>,
+) -> bool {
+    let Some(entry) = F::conns().get_ptr_mut(key) else {
+        return false;
+    };
+    let flow = copy_out(entry, out);
+    if flow.flags & FLAG_REPLY != 0 {
+        return false;
+    }
+    track::<F>(F::conns(), key, entry, seg);
+    true
 }
 
-/// [`handshaking_entry`] into `out`; whether there was one.
+/// A packet from client to service of a connection still proving itself:
+/// its entry into `out`, after tracking (and promotion, if this packet
+/// completes the handshake); false when `EMBRYONIC` has none.
 #[inline(always)]
-pub fn handshaking(key: &FlowKey, seg: &Segment, out: &mut MaybeUninit<Flow>) -> bool {
-    fill(handshaking_entry(key, seg), out)
+pub fn handshaking<F: Family>(
+    key: &FlowKey<F::Addr>,
+    seg: &Segment,
+    out: &mut MaybeUninit<Flow<F::Addr>>,
+) -> bool {
+    let Some(entry) = F::embryonic().get_ptr_mut(key) else {
+        return false;
+    };
+    let flow = copy_out(entry, out);
+    if flow.flags & FLAG_REPLY != 0 {
+        return false;
+    }
+    let peer = track::<F>(F::embryonic(), key, entry, seg);
+    // The client acknowledging the backend's SYN-ACK completes the
+    // handshake: only a client that received it knows the number.
+    if flow.flags & FLAG_RECOVERED == 0
+        && seg.has(TcpHdr::ACK)
+        && !seg.has(TcpHdr::RST)
+        && peer.flags & FLAG_SEQ != 0
+        && seg.ack == peer.seq
+    {
+        promote::<F>(key, entry, &flow.peer_key(key));
+    }
+    true
 }
 
-/// [`reply_entry`] into `out`; whether there was one.
+/// A packet from a backend to a client of a connection either table knows:
+/// its (reply) entry into `out`, after tracking; false when the packet is
+/// not a reply of a steered connection, which then passes untouched.
 #[inline(always)]
-pub fn reply(key: &FlowKey, seg: &Segment, out: &mut MaybeUninit<Flow>) -> bool {
-    fill(reply_entry(key, seg), out)
+pub fn reply<F: Family>(
+    key: &FlowKey<F::Addr>,
+    seg: &Segment,
+    out: &mut MaybeUninit<Flow<F::Addr>>,
+) -> bool {
+    if let Some(entry) = F::conns().get_ptr_mut(key) {
+        let flow = copy_out(entry, out);
+        if flow.flags & FLAG_REPLY != 0 {
+            if !stale(flow, seg.is_syn_ack()) {
+                track::<F>(F::conns(), key, entry, seg);
+                return true;
+            }
+            // A later connection on the same four-tuple that did not come
+            // through here: not ours to rewrite.
+            let _ = F::conns().remove(key);
+        }
+    }
+    let Some(entry) = F::embryonic().get_ptr_mut(key) else {
+        return false;
+    };
+    let flow = copy_out(entry, out);
+    if flow.flags & FLAG_REPLY == 0 || stale(flow, seg.is_syn_ack()) {
+        return false;
+    }
+    track::<F>(F::embryonic(), key, entry, seg);
+    // A backend that answers a recovered connection with anything but a
+    // reset has it: the connection is real. (Without the other entry,
+    // `promote` does nothing.)
+    if flow.flags & FLAG_RECOVERED != 0 && !seg.has(TcpHdr::RST) {
+        promote::<F>(key, entry, &flow.peer_key(key));
+    }
+    true
+}
+
+/// Copies a map value into `out`, which may itself lie in a map (the
+/// per-CPU scratch slot): as a copy LLVM knows does not overlap, which it
+/// unrolls into word moves, where a plain assignment between two pointers
+/// becomes a call to a byte-by-byte `memmove` loop that the verifier walks
+/// byte by byte on every path.
+#[inline(always)]
+fn copy_out<A: Addr>(entry: *const Flow<A>, out: &mut MaybeUninit<Flow<A>>) -> &mut Flow<A> {
+    // SAFETY: `entry` points at a live map value, and `out` is a different
+    // object (a local or a scratch slot, never a connection table's value).
+    unsafe {
+        core::ptr::copy_nonoverlapping(entry, out.as_mut_ptr(), 1);
+        out.assume_init_mut()
+    }
 }
 
 /// [`find_entry`] into `out`; whether there was one.
 #[inline(always)]
-pub fn find(key: &FlowKey, reply: bool, out: &mut MaybeUninit<Flow>) -> bool {
-    fill(find_entry(key, reply), out)
+pub fn find<F: Family>(
+    key: &FlowKey<F::Addr>,
+    reply: bool,
+    out: &mut MaybeUninit<Flow<F::Addr>>,
+) -> bool {
+    fill(find_entry::<F>(key, reply), out)
 }
 
 #[inline(always)]
-fn fill(found: Option<Flow>, out: &mut MaybeUninit<Flow>) -> bool {
+fn fill<A: Addr>(found: Option<Flow<A>>, out: &mut MaybeUninit<Flow<A>>) -> bool {
     match found {
         Some(flow) => {
             out.write(flow);
@@ -188,15 +250,15 @@ fn fill(found: Option<Flow>, out: &mut MaybeUninit<Flow>) -> bool {
 /// node each (a retransmitted SYN is what a SYN flood of one four-tuple
 /// is made of).
 #[inline(always)]
-pub fn open(key: &FlowKey, flow: &Flow) {
-    if let Some(entry) = EMBRYONIC.get_ptr(key) {
+pub fn open<F: Family>(key: &FlowKey<F::Addr>, flow: &Flow<F::Addr>) {
+    if let Some(entry) = F::embryonic().get_ptr(key) {
         // SAFETY: a successful lookup, copied at once.
         let old = unsafe { *entry };
         let over = FLAG_REPLY | FLAG_RECOVERED | FLAG_FIN_CLIENT | FLAG_FIN_BACKEND;
         if old.flags & over == 0
             && old.closed == 0
             && old.seq == flow.seq
-            && retransmitted(key, &old)
+            && retransmitted::<F>(key, &old)
             && old.backend == flow.backend
             && old.addr == flow.addr
             && old.port == flow.port
@@ -204,13 +266,13 @@ pub fn open(key: &FlowKey, flow: &Flow) {
             return;
         }
     }
-    if EMBRYONIC.insert(key, flow, 0).is_err() {
+    if F::embryonic().insert(key, flow, 0).is_err() {
         outcome(Outcome::ConntrackFull);
         return;
     }
     let (peer_key, peer) = flow.peer(key);
-    if EMBRYONIC.insert(peer_key, peer, 0).is_err() {
-        let _ = EMBRYONIC.remove(key);
+    if F::embryonic().insert(&peer_key, &peer, 0).is_err() {
+        let _ = F::embryonic().remove(key);
         outcome(Outcome::ConntrackFull);
     }
 }
@@ -219,8 +281,8 @@ pub fn open(key: &FlowKey, flow: &Flow) {
 /// counts a timeout of the backend if its SYN-ACK has not been seen.
 /// Whether the reply entry is there (if not, the entries are written anew).
 #[inline(always)]
-fn retransmitted(key: &FlowKey, old: &Flow) -> bool {
-    let Some(reply) = EMBRYONIC.get_ptr(old.peer_key(key)) else {
+fn retransmitted<F: Family>(key: &FlowKey<F::Addr>, old: &Flow<F::Addr>) -> bool {
+    let Some(reply) = F::embryonic().get_ptr(&old.peer_key(key)) else {
         return false;
     };
     // SAFETY: a successful lookup, read at once.
@@ -235,26 +297,34 @@ fn retransmitted(key: &FlowKey, old: &Flow) -> bool {
 /// Forgets an established connection whose four-tuple a new SYN reuses, so
 /// that the new connection's packets do not follow the old entry.
 #[inline(always)]
-pub fn forget(key: &FlowKey) {
-    if let Some(entry) = CONNS.get_ptr(key) {
+pub fn forget<F: Family>(key: &FlowKey<F::Addr>) {
+    if let Some(entry) = F::conns().get_ptr(key) {
         // SAFETY: a successful lookup, copied at once.
         let flow = unsafe { *entry };
         if flow.flags & FLAG_REPLY == 0 {
             let (peer_key, _) = flow.peer(key);
-            let _ = CONNS.remove(key);
-            let _ = CONNS.remove(peer_key);
+            let _ = F::conns().remove(key);
+            let _ = F::conns().remove(&peer_key);
         }
     }
 }
 
 /// Tracks `seg` in `entry` (key `key` of `table`) and applies its FIN or
-/// reset to both entries of the connection. Returns the other entry when it
-/// was looked at (rebuilding it first if it was missing).
+/// reset to both entries of the connection. Returns what the other entry's
+/// sender last sent when it was looked at (rebuilding it first if it was
+/// missing), else [`Sent::NOTHING`].
 #[inline(always)]
-fn track(table: &'static Table, key: &FlowKey, entry: *mut Flow, seg: &Segment) -> Option<Flow> {
-    // SAFETY: `entry` comes from a successful lookup in `table`.
-    let own = unsafe { *entry };
-    let peer_key = own.peer_key(key);
+fn track<F: Family>(
+    table: &'static Table<F::Addr>,
+    key: &FlowKey<F::Addr>,
+    entry: *mut Flow<F::Addr>,
+    seg: &Segment,
+) -> Sent {
+    // SAFETY (the reads of `entry` below): it comes from a successful
+    // lookup in `table`; map values outlive the program run.
+    let own = unsafe { Sent::of(entry) };
+    let (checked, backend) = unsafe { ((*entry).checked, (*entry).backend) };
+    let peer_key = unsafe { (*entry).peer_key(key) };
     // The other entry is looked at when this packet needs it (a FIN or a
     // reset closes both; a handshake completes against it) and otherwise
     // at most every PEER_CHECK: TCP sends packets both ways, so the LRU
@@ -264,27 +334,31 @@ fn track(table: &'static Table, key: &FlowKey, entry: *mut Flow, seg: &Segment) 
     let now = now_jiffies();
     let wanted = seg.flags & (TcpHdr::FIN | TcpHdr::RST) != 0
         || own.flags & FLAG_REPLY != 0 && seg.is_syn_ack()
-        || core::ptr::eq(table, &EMBRYONIC)
-        || now.wrapping_sub(own.checked) > PEER_CHECK;
+        || core::ptr::eq(table, F::embryonic())
+        || now.wrapping_sub(checked) > PEER_CHECK;
     let peer_entry = if !wanted {
         None
     } else {
         // SAFETY: as above.
         unsafe { (*entry).checked = now };
-        match table.get_ptr_mut(peer_key) {
+        match table.get_ptr_mut(&peer_key) {
             Some(found) => Some(found),
             None => {
                 outcome(Outcome::PeerRestored);
-                let (_, fresh) = own.peer(key);
-                if table.insert(peer_key, fresh, 0).is_err() {
+                // SAFETY: as above.
+                let (_, fresh) = unsafe { (*entry).peer(key) };
+                if table.insert(&peer_key, &fresh, 0).is_err() {
                     outcome(Outcome::ConntrackFull);
                 }
-                table.get_ptr_mut(peer_key)
+                table.get_ptr_mut(&peer_key)
             }
         }
     };
     // SAFETY: as for `entry`.
-    let found = peer_entry.map(|p| unsafe { *p });
+    let found = match peer_entry {
+        Some(p) => unsafe { Sent::of(p) },
+        None => Sent::NOTHING,
+    };
     let fin = if own.flags & FLAG_REPLY != 0 {
         FLAG_FIN_BACKEND
     } else {
@@ -299,14 +373,14 @@ fn track(table: &'static Table, key: &FlowKey, entry: *mut Flow, seg: &Segment) 
     // (`--cb-l4-signals`): only reply entries speak for the backend.
     let backend_speaks = own.flags & FLAG_REPLY != 0;
     let handshaking =
-        core::ptr::eq(table, &EMBRYONIC) && own.flags & (FLAG_SEQ | FLAG_RECOVERED) == 0;
+        core::ptr::eq(table, F::embryonic()) && own.flags & (FLAG_SEQ | FLAG_RECOVERED) == 0;
     if seg.has(TcpHdr::RST) {
-        if rst_valid(&own, found.as_ref(), seg) {
-            if backend_speaks && let Some(stats) = backend_stats(own.backend) {
+        if rst_valid(&own, &found, seg) {
+            if backend_speaks && let Some(stats) = backend_stats(backend) {
                 if handshaking {
                     stats.refused += 1;
                     stats.last_signal_ns = now_ns();
-                } else if core::ptr::eq(table, &CONNS) {
+                } else if core::ptr::eq(table, F::conns()) {
                     stats.resets += 1;
                 }
             }
@@ -320,12 +394,12 @@ fn track(table: &'static Table, key: &FlowKey, entry: *mut Flow, seg: &Segment) 
         if backend_speaks
             && handshaking
             && seg.is_syn_ack()
-            && let Some(stats) = backend_stats(own.backend)
+            && let Some(stats) = backend_stats(backend)
         {
             stats.established += 1;
             stats.last_signal_ns = now_ns();
         }
-        note(entry, &own, found.as_ref(), seg);
+        note(entry, &own, &found, seg);
         if seg.has(TcpHdr::FIN) {
             close(entry, peer_entry, fin, false);
         }
@@ -339,13 +413,10 @@ fn track(table: &'static Table, key: &FlowKey, entry: *mut Flow, seg: &Segment) 
 /// answering a SYN (no sequence of the backend known yet) must acknowledge
 /// the SYN instead.
 #[inline(always)]
-fn rst_valid(own: &Flow, peer: Option<&Flow>, seg: &Segment) -> bool {
+fn rst_valid(own: &Sent, peer: &Sent, seg: &Segment) -> bool {
     if own.flags & FLAG_SEQ != 0 && seg.seq == own.seq {
         return true;
     }
-    let Some(peer) = peer else {
-        return false;
-    };
     if peer.flags & FLAG_SEQ == 0 {
         return false;
     }
@@ -358,7 +429,7 @@ fn rst_valid(own: &Flow, peer: Option<&Flow>, seg: &Segment) -> bool {
 /// Records what the sender of a plausible segment is at. Only this
 /// direction's packets write these fields, and they arrive on one CPU.
 #[inline(always)]
-fn note(entry: *mut Flow, own: &Flow, peer: Option<&Flow>, seg: &Segment) {
+fn note<A: Addr>(entry: *mut Flow<A>, own: &Sent, peer: &Sent, seg: &Segment) {
     // SAFETY: `entry` comes from a successful lookup.
     let e = unsafe { &mut *entry };
     let end = seg.seq.wrapping_add(seg.len);
@@ -371,8 +442,7 @@ fn note(entry: *mut Flow, own: &Flow, peer: Option<&Flow>, seg: &Segment) {
         // has sent: otherwise a forged ACK could move the window resets
         // are checked against.
         let forward = own.ack == 0 || seg.ack.wrapping_sub(own.ack) as i32 >= 0;
-        let sent =
-            peer.is_none_or(|p| p.flags & FLAG_SEQ == 0 || p.seq.wrapping_sub(seg.ack) as i32 >= 0);
+        let sent = peer.flags & FLAG_SEQ == 0 || peer.seq.wrapping_sub(seg.ack) as i32 >= 0;
         if forward && sent {
             e.ack = seg.ack;
             e.window = seg.window;
@@ -390,10 +460,10 @@ fn note(entry: *mut Flow, own: &Flow, peer: Option<&Flow>, seg: &Segment) {
 /// to set its bit sees both and marks the connection closed. Two CPUs
 /// writing the close time at once write the same millisecond or so.
 #[inline(always)]
-fn close(entry: *mut Flow, peer: Option<*mut Flow>, fin: u32, rst: bool) {
+fn close<A: Addr>(entry: *mut Flow<A>, peer: Option<*mut Flow<A>>, fin: u32, rst: bool) {
     let now = now_closed_units();
     let both = FLAG_FIN_CLIENT | FLAG_FIN_BACKEND;
-    let mark = |target: *mut Flow| {
+    let mark = |target: *mut Flow<A>| {
         // SAFETY: `target` points at a live map value (a successful lookup;
         // map values outlive the program run), 4-aligned like its fields.
         unsafe {
@@ -416,27 +486,31 @@ fn close(entry: *mut Flow, peer: Option<*mut Flow>, fin: u32, rst: bool) {
 /// Moves a connection from `EMBRYONIC` to `CONNS`: both entries, as they
 /// are now, or neither.
 #[inline(always)]
-fn promote(key: &FlowKey, entry: *mut Flow, peer_key: &FlowKey) {
+fn promote<F: Family>(
+    key: &FlowKey<F::Addr>,
+    entry: *mut Flow<F::Addr>,
+    peer_key: &FlowKey<F::Addr>,
+) {
     // SAFETY: `entry` comes from a successful lookup.
     let mut own = unsafe { *entry };
-    let Some(peer) = EMBRYONIC.get_ptr(peer_key) else {
+    let Some(peer) = F::embryonic().get_ptr(peer_key) else {
         return;
     };
     // SAFETY: as above.
     let mut peer = unsafe { *peer };
     own.flags &= !FLAG_RECOVERED;
     peer.flags &= !FLAG_RECOVERED;
-    if CONNS.insert(key, own, 0).is_err() {
+    if F::conns().insert(key, &own, 0).is_err() {
         outcome(Outcome::ConntrackFull);
         return;
     }
-    if CONNS.insert(peer_key, peer, 0).is_err() {
-        let _ = CONNS.remove(key);
+    if F::conns().insert(peer_key, &peer, 0).is_err() {
+        let _ = F::conns().remove(key);
         outcome(Outcome::ConntrackFull);
         return;
     }
-    let _ = EMBRYONIC.remove(key);
-    let _ = EMBRYONIC.remove(peer_key);
+    let _ = F::embryonic().remove(key);
+    let _ = F::embryonic().remove(peer_key);
     outcome(Outcome::Promoted);
 }
 
@@ -470,6 +544,6 @@ fn now_closed_units() -> u32 {
 /// a SYN-ACK, which opens a new connection this balancer did not steer (a
 /// SYN it steered would have replaced the entry).
 #[inline(always)]
-fn stale(flow: &Flow, syn_ack: bool) -> bool {
+fn stale<A: Addr>(flow: &Flow<A>, syn_ack: bool) -> bool {
     flow.closed != 0 && (syn_ack || now_closed_units().wrapping_sub(flow.closed) > CLOSE_GRACE)
 }

@@ -1,6 +1,6 @@
 //! Local mode, TC egress: a local backend answers from its own address and
 //! port; before the answer leaves, it gets the service's back, so the client
-//! sees the address it connected to.
+//! sees the address it connected to (IPv4 and IPv6 alike).
 //!
 //! Unlike XDP, TC has checksum helpers, and they are needed: a locally sent
 //! segment usually carries a partial checksum (`CHECKSUM_PARTIAL`, the
@@ -10,13 +10,16 @@
 
 use core::mem::MaybeUninit;
 
-use aya_ebpf::bindings::{BPF_F_PSEUDO_HDR, TC_ACT_OK};
+use aya_ebpf::bindings::TC_ACT_OK;
+use aya_ebpf::helpers::generated::bpf_skb_load_bytes;
 use aya_ebpf::programs::TcContext;
-use balancer_common::l4::{Flow, FlowKey, Outcome, PORT_REPLY_EGRESS};
+use balancer_common::l4::{FlowKey, Outcome, PORT_REPLY_EGRESS};
 
 use crate::conntrack;
-use crate::headers::{EthHdr, Ipv4Hdr, TcpHdr, VlanHdr};
-use crate::maps::{backend_stats, outcome, port_has};
+use crate::family::{Family, IpHeader, V4, V6};
+use crate::headers::{EthHdr, Ipv4Hdr, Ipv6Hdr, TcpHdr, VlanHdr};
+use crate::l4::{SCRATCH_EGRESS, Scratch};
+use crate::maps::{SCRATCH6, backend_stats, outcome, port_has};
 
 pub fn restore(ctx: &TcContext) -> i32 {
     // Whatever goes wrong, the packet leaves as it is: this program only
@@ -29,63 +32,103 @@ fn try_restore(ctx: &TcContext) -> Result<(), i64> {
     let eth: EthHdr = ctx.load(0)?;
     // A VLAN tag is in the frame only without transmit VLAN offload;
     // with it, the tag is metadata and the frame looks untagged.
-    let l3 = match eth.ether_type() {
-        EthHdr::ETHER_TYPE_IPV4 => EthHdr::LEN,
+    let (l3, ether_type) = match eth.ether_type() {
         EthHdr::ETHER_TYPE_VLAN => {
             let vlan: VlanHdr = ctx.load(EthHdr::LEN)?;
-            if u16::from_be_bytes(vlan.ether_type) != EthHdr::ETHER_TYPE_IPV4 {
+            (
+                EthHdr::LEN + VlanHdr::LEN,
+                u16::from_be_bytes(vlan.ether_type),
+            )
+        }
+        other => (EthHdr::LEN, other),
+    };
+    match ether_type {
+        EthHdr::ETHER_TYPE_IPV4 => {
+            let ip: Ipv4Hdr = ctx.load(l3)?;
+            let header_len = ip.header_len();
+            if ip.version() != 4
+                || header_len < Ipv4Hdr::MIN_LEN
+                || ip.is_fragment()
+                || ip.protocol != Ipv4Hdr::PROTO_TCP
+            {
                 return Ok(());
             }
-            EthHdr::LEN + VlanHdr::LEN
+            restore_family::<V4>(ctx, l3, &ip, l3 + header_len)
         }
-        _ => return Ok(()),
+        EthHdr::ETHER_TYPE_IPV6 => restore_ipv6(ctx, l3),
+        _ => Ok(()),
+    }
+}
+
+/// An IPv6 packet at `l3`: its header read into this CPU's scratch slot,
+/// not onto the stack (every call chain shares 512 bytes, and the header
+/// and its copies would take a third of them). Extension headers (and
+/// fragments) are left alone, as on ingress.
+#[inline(never)]
+fn restore_ipv6(ctx: &TcContext, l3: usize) -> Result<(), i64> {
+    let scratch = SCRATCH6.get_ptr_mut(SCRATCH_EGRESS).ok_or(0)?;
+    // SAFETY: this CPU's slot, which nothing else uses while this program
+    // runs here; the helper writes exactly the header's size into it.
+    let ip = unsafe {
+        let ip = Scratch::ipv6(scratch);
+        let rc = bpf_skb_load_bytes(
+            ctx.skb.skb.cast(),
+            l3 as u32,
+            ip.as_mut_ptr().cast(),
+            size_of::<Ipv6Hdr>() as u32,
+        );
+        if rc != 0 {
+            return Err(rc);
+        }
+        ip.assume_init_ref()
     };
-    let ip: Ipv4Hdr = ctx.load(l3)?;
-    let header_len = ip.header_len();
-    if ip.version() != 4
-        || header_len < Ipv4Hdr::MIN_LEN
-        || ip.is_fragment()
-        || ip.protocol != Ipv4Hdr::PROTO_TCP
-    {
+    if ip.version() != 6 || ip.next_header != Ipv4Hdr::PROTO_TCP {
         return Ok(());
     }
-    let tcp_offset = l3 + header_len;
+    restore_family::<V6>(ctx, l3, ip, l3 + Ipv6Hdr::LEN)
+}
+
+/// Restores the service address on a TCP segment of family `F` whose IP
+/// header `ip` is at `l3` and TCP header at `tcp_offset`, if it is the
+/// reply of a steered connection. A subprogram per family, so that the
+/// two families' frames do not add up (a call chain's frames share 512
+/// bytes).
+#[inline(never)]
+fn restore_family<F: Family>(
+    ctx: &TcContext,
+    l3: usize,
+    ip: &F::Hdr,
+    tcp_offset: usize,
+) -> Result<(), i64> {
     let tcp: TcpHdr = ctx.load(tcp_offset)?;
     if !port_has(u16::from_be_bytes(tcp.source), PORT_REPLY_EGRESS) {
         return Ok(());
     }
-    let src_addr = u32::from_ne_bytes(ip.saddr);
+    let src_addr = ip.src();
     let src_port = u16::from_ne_bytes(tcp.source);
-    let key = FlowKey::tcp(
-        src_addr,
-        src_port,
-        u32::from_ne_bytes(ip.daddr),
-        u16::from_ne_bytes(tcp.dest),
-    );
-    let payload = u32::from(ip.total_len()).saturating_sub(header_len as u32);
-    let mut found = MaybeUninit::<Flow>::uninit();
-    if !conntrack::reply(&key, &tcp.segment(payload), &mut found) {
+    let mut local = MaybeUninit::<Scratch<F::Addr>>::uninit();
+    let scratch = match F::scratch() {
+        None => local.as_mut_ptr(),
+        Some(map) => map.get_ptr_mut(SCRATCH_EGRESS).ok_or(0)?,
+    };
+    // SAFETY: as in `l4::steer`.
+    let (key, seg, found) = unsafe {
+        Scratch::init(
+            scratch,
+            FlowKey::tcp(src_addr, src_port, ip.dst(), u16::from_ne_bytes(tcp.dest)),
+            tcp.segment(ip.l4_len()),
+        )
+    };
+    if !conntrack::reply::<F>(key, seg, found) {
         return Ok(());
     }
     // SAFETY: `reply` wrote it.
-    let flow = unsafe { found.assume_init() };
+    let flow = unsafe { found.assume_init_ref() };
 
     let tcp_check = tcp_offset + TcpHdr::CHECK_OFFSET;
-    let pseudo = u64::from(BPF_F_PSEUDO_HDR);
-    ctx.l4_csum_replace(
-        tcp_check,
-        u64::from(src_addr),
-        u64::from(flow.addr),
-        pseudo | 4,
-    )?;
+    F::Hdr::tc_csum(ctx, l3, tcp_check, src_addr, flow.addr)?;
     ctx.l4_csum_replace(tcp_check, u64::from(src_port), u64::from(flow.port), 2)?;
-    ctx.l3_csum_replace(
-        l3 + Ipv4Hdr::CHECK_OFFSET,
-        u64::from(src_addr),
-        u64::from(flow.addr),
-        4,
-    )?;
-    ctx.store(l3 + Ipv4Hdr::SADDR_OFFSET, &flow.addr, 0)?;
+    ctx.store(l3 + F::Hdr::SADDR_OFFSET, &flow.addr, 0)?;
     ctx.store(tcp_offset, &flow.port, 0)?;
 
     outcome(Outcome::Reply);

@@ -2,8 +2,8 @@
 //!
 //! Multi-byte fields are kept as big-endian byte arrays: the structs then
 //! have alignment 1, so they can sit at any offset in the frame (IPv4
-//! options move the TCP header), and the NAT rewrite can patch bytes and
-//! checksums without swapping.
+//! options move the TCP header, a VLAN tag the IPv6 addresses), and the NAT
+//! rewrite can patch bytes and checksums without swapping.
 
 #[repr(C)]
 pub struct EthHdr {
@@ -15,6 +15,7 @@ pub struct EthHdr {
 impl EthHdr {
     pub const LEN: usize = size_of::<Self>();
     pub const ETHER_TYPE_IPV4: u16 = 0x0800;
+    pub const ETHER_TYPE_IPV6: u16 = 0x86dd;
     /// 802.1Q: one VLAN tag follows, then the real EtherType.
     pub const ETHER_TYPE_VLAN: u16 = 0x8100;
 
@@ -87,6 +88,35 @@ impl Ipv4Hdr {
 }
 
 #[repr(C)]
+pub struct Ipv6Hdr {
+    /// Version, traffic class and flow label.
+    pub vtc_flow: [u8; 4],
+    pub payload_len: [u8; 2],
+    pub next_header: u8,
+    pub hop_limit: u8,
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+}
+
+impl Ipv6Hdr {
+    pub const LEN: usize = size_of::<Self>();
+    pub const NEXT_FRAGMENT: u8 = 44;
+
+    #[inline(always)]
+    pub fn version(&self) -> u8 {
+        self.vtc_flow[0] >> 4
+    }
+
+    /// Whether `next` is an extension header (RFC 8200 and the IANA
+    /// list: hop-by-hop, routing, destination options, ESP, AH, mobility,
+    /// HIP, shim6, experiments), the fragment header aside.
+    #[inline(always)]
+    pub fn is_extension(next: u8) -> bool {
+        matches!(next, 0 | 43 | 50 | 51 | 60 | 135 | 139 | 140 | 253 | 254)
+    }
+}
+
+#[repr(C)]
 pub struct TcpHdr {
     pub source: [u8; 2],
     pub dest: [u8; 2],
@@ -108,7 +138,7 @@ impl TcpHdr {
     pub const CHECK_OFFSET: usize = 16;
 
     /// What connection tracking needs of the segment; `ip_payload` is the
-    /// IPv4 total length minus the IPv4 header.
+    /// segment's length (what follows the IP header).
     #[inline(always)]
     pub fn segment(&self, ip_payload: u32) -> Segment {
         let header = u32::from(self.data_offset >> 4) * 4;
@@ -203,5 +233,6 @@ const _: () = {
     assert!(IcmpHdr::LEN == 8);
     assert!(size_of::<TcpPorts>() == 8);
     assert!(Ipv4Hdr::MIN_LEN == 20);
+    assert!(Ipv6Hdr::LEN == 40);
     assert!(size_of::<TcpHdr>() == 20);
 };

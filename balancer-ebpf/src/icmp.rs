@@ -28,6 +28,7 @@ use balancer_common::l4::{FLAG_REMOTE, Flow, FlowKey, Outcome, PORT_REPLY_INGRES
 
 use crate::conntrack;
 use crate::csum;
+use crate::family::V4;
 use crate::header;
 use crate::headers::{EthHdr, IcmpHdr, Ipv4Hdr, TcpPorts, VlanHdr};
 use crate::l4::{HopCache, emit, next_hop};
@@ -76,7 +77,7 @@ pub fn steer(ctx: &XdpContext, l3: usize, tagged: bool) -> u32 {
 
     let mut found = MaybeUninit::<Flow>::uninit();
     if port_has(u16::from_be_bytes(ports.source), PORT_SERVICE)
-        && conntrack::find(&key, false, &mut found)
+        && conntrack::find::<V4>(&key, false, &mut found)
     {
         // SAFETY: `find` wrote it.
         let flow = unsafe { found.assume_init() };
@@ -92,7 +93,7 @@ pub fn steer(ctx: &XdpContext, l3: usize, tagged: bool) -> u32 {
         return relay(ctx, ip, flow.addr, HopCache::Backend(flow.backend), tagged);
     }
     if port_has(u16::from_be_bytes(ports.dest), PORT_REPLY_INGRESS)
-        && conntrack::find(&key, true, &mut found)
+        && conntrack::find::<V4>(&key, true, &mut found)
     {
         // SAFETY: `find` wrote it.
         let flow = unsafe { found.assume_init() };
@@ -157,11 +158,11 @@ fn requote(
 /// answered with another one: whatever cannot be forwarded here (no next
 /// hop, TTL, size, a VLAN tag) goes to the kernel.
 #[inline(always)]
-fn relay(ctx: &XdpContext, ip: &mut Ipv4Hdr, dst: u32, cache: HopCache, tagged: bool) -> u32 {
+fn relay(ctx: &XdpContext, ip: &mut Ipv4Hdr, dst: u32, cache: HopCache<u32>, tagged: bool) -> u32 {
     if tagged || ip.ttl <= 1 {
         return xdp_action::XDP_PASS;
     }
-    match next_hop(ctx, ip, dst, cache) {
+    match next_hop::<V4>(ctx, ip, dst, cache) {
         Some(hop) if u32::from(ip.total_len()) <= hop.mtu => emit(ctx, ip, &hop),
         _ => xdp_action::XDP_PASS,
     }

@@ -17,7 +17,9 @@
 use core::mem::MaybeUninit;
 
 use aya_ebpf::EbpfContext as _;
-use aya_ebpf::bindings::{BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup as FibParams, xdp_action};
+use aya_ebpf::bindings::{
+    BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup as FibParams, xdp_action, xdp_md,
+};
 use aya_ebpf::helpers::generated::{
     bpf_check_mtu, bpf_fib_lookup, bpf_ktime_get_coarse_ns, bpf_redirect,
 };
@@ -31,56 +33,80 @@ use balancer_common::l4::{
 use crate::atomic;
 use crate::conntrack;
 use crate::csum;
-use crate::headers::{EthHdr, Ipv4Hdr, Segment, TcpHdr};
-use crate::icmp;
+use crate::family::{Family, IpHeader};
+use crate::headers::{EthHdr, Ipv6Hdr, Segment, TcpHdr};
 use crate::maps::{
-    BACKENDS, CLIENT_HOPS, CONFIG, FIB_SCRATCH, MAGLEV, NEXT_HOPS, SERVICE_BACKENDS, SERVICES,
-    TRIALS, backend_stats, outcome, service_stats,
+    CONFIG, FIB_SCRATCH, MAGLEV, SERVICE_BACKENDS, TRIALS, backend_stats, outcome, service_stats,
 };
 
-/// A parsed IPv4/TCP packet, bounds-checked by the parser.
-pub struct TcpPacket {
-    pub ip: *mut Ipv4Hdr,
+/// A parsed IP/TCP packet of family `F`, bounds-checked by the parser.
+pub struct TcpPacket<F: Family> {
+    pub ip: *mut F::Hdr,
     pub tcp: *mut TcpHdr,
-    /// SYN without ACK: the client opens a connection.
-    pub syn: bool,
-    /// Where the IPv4 header starts (after an 802.1Q tag, if any).
+    /// Where the IP header starts (after an 802.1Q tag, if any).
     pub l3: usize,
-    /// The frame carries an 802.1Q tag.
-    pub tagged: bool,
-    /// The destination port has `PORT_SERVICE` set.
-    pub to_service: bool,
-    /// The source port has `PORT_REPLY_INGRESS` set.
-    pub from_backend: bool,
+    /// What the parser found out: the `TcpPacket::*` mark bits, and `l3`
+    /// above them. (One word, so that [`steer`] takes the packet as four
+    /// scalar arguments and the parser keeps few values across its map
+    /// lookups: a struct passed by reference, or spilled registers, would
+    /// sit in the parser's stack frame, which counts toward the 512 bytes
+    /// of the call chain.)
+    pub marks: u32,
 }
 
-const AF_INET: u8 = 2;
+impl<F: Family> TcpPacket<F> {
+    /// SYN without ACK: the client opens a connection.
+    pub const SYN: u32 = 1;
+    /// The frame carries an 802.1Q tag.
+    pub const TAGGED: u32 = 2;
+    /// The destination port has `PORT_SERVICE` set.
+    pub const TO_SERVICE: u32 = 4;
+    /// The source port has `PORT_REPLY_INGRESS` set.
+    pub const FROM_BACKEND: u32 = 8;
 
-/// Where [`transmit`] finds and keeps the next hop toward the destination.
+    /// The marks word with `l3` (at most a few dozen bytes) above the bits.
+    #[inline(always)]
+    pub fn with_l3(l3: usize) -> u32 {
+        (l3 as u32 & 0xff) << 8
+    }
+
+    /// `l3` from a marks word; masked, so the verifier knows its bounds.
+    #[inline(always)]
+    fn l3_of(marks: u32) -> usize {
+        ((marks >> 8) & 0xff) as usize
+    }
+
+    #[inline(always)]
+    fn has(&self, mark: u32) -> bool {
+        self.marks & mark != 0
+    }
+}
+
+/// Where [`next_hop`] finds and keeps the next hop toward the destination.
 #[derive(Clone, Copy)]
-pub enum HopCache {
+pub enum HopCache<A> {
     /// Toward backend slot `index` (`NEXT_HOPS`).
     Backend(u32),
     /// Toward a client (`CLIENT_HOPS`, keyed by its address).
-    Client(u32),
+    Client(A),
 }
 
 /// How a steered packet leaves: [`send`]'s instructions (one argument, as
 /// BPF functions take at most five).
 #[derive(Clone, Copy)]
-struct Delivery {
-    rewrite: Rewrite,
+struct Delivery<A> {
+    rewrite: Rewrite<A>,
     /// The entry's or service's flags ([`FLAG_REMOTE`]).
     flags: u32,
-    cache: HopCache,
+    cache: HopCache<A>,
     /// Whose counters a forwarding failure goes on.
     backend: u32,
 }
 
-impl Delivery {
+impl<A: Copy> Delivery<A> {
     /// Client to service, rewritten to `flow`'s backend.
     #[inline(always)]
-    fn forward(flow: &Flow, backend: u32, flags: u32) -> Self {
+    fn forward(flow: &Flow<A>, backend: u32, flags: u32) -> Self {
         Self {
             rewrite: Rewrite::Dst(flow.addr, flow.port),
             flags,
@@ -90,10 +116,10 @@ impl Delivery {
     }
 }
 
-impl Default for Delivery {
+impl<A: Default> Default for Delivery<A> {
     fn default() -> Self {
         Self {
-            rewrite: Rewrite::Dst(0, 0),
+            rewrite: Rewrite::Dst(A::default(), 0),
             flags: 0,
             cache: HopCache::Backend(0),
             backend: 0,
@@ -101,84 +127,144 @@ impl Default for Delivery {
     }
 }
 
+/// The largest per-packet locals of steering, kept in this CPU's slot of a
+/// per-CPU array instead of on the stack for a family whose addresses make
+/// them too large ([`Family::scratch`]). A program run owns the slot from
+/// start to end: nothing else runs on its CPU meanwhile.
+pub struct Scratch<A> {
+    key: FlowKey<A>,
+    seg: Segment,
+    found: MaybeUninit<Flow<A>>,
+    /// The TC program's copy of an IPv6 header.
+    ipv6: MaybeUninit<Ipv6Hdr>,
+}
+
+/// The scratch slot of the XDP program; the TC program has its own, in
+/// case one ever runs inside the other on a CPU.
+pub const SCRATCH_XDP: u32 = 0;
+pub const SCRATCH_EGRESS: u32 = 1;
+
+impl<A: Copy> Scratch<A> {
+    /// Room for an IPv6 header.
+    ///
+    /// # Safety
+    /// As for [`Scratch::init`].
+    #[inline(always)]
+    pub unsafe fn ipv6<'a>(scratch: *mut Self) -> &'a mut MaybeUninit<Ipv6Hdr> {
+        // SAFETY: the caller's promise.
+        unsafe { &mut (*scratch).ipv6 }
+    }
+
+    /// Writes `key` and `seg` into `scratch` and returns them with the
+    /// slot for the entry found.
+    ///
+    /// # Safety
+    /// `scratch` is valid for writes and used by nothing else until the
+    /// references are dropped: a local, or this CPU's slot of a per-CPU
+    /// map during one program run (nothing else runs on the CPU meanwhile).
+    #[inline(always)]
+    pub unsafe fn init<'a>(
+        scratch: *mut Self,
+        key: FlowKey<A>,
+        seg: Segment,
+    ) -> (&'a FlowKey<A>, &'a Segment, &'a mut MaybeUninit<Flow<A>>) {
+        // SAFETY: the caller's promise; both are written before the
+        // references to them are taken.
+        unsafe {
+            (&raw mut (*scratch).key).write(key);
+            (&raw mut (*scratch).seg).write(seg);
+            (&(*scratch).key, &(*scratch).seg, &mut (*scratch).found)
+        }
+    }
+}
+
 /// The NAT rewrite a packet gets.
 #[derive(Clone, Copy)]
-enum Rewrite {
+enum Rewrite<A> {
     /// Client to service: the destination becomes the backend.
-    Dst(u32, u16),
+    Dst(A, u16),
     /// Backend to client: the source becomes the service.
-    Src(u32, u16),
+    Src(A, u16),
 }
 
 // A subprogram of its own, like `icmp::steer`, so that the parser's frame
 // and the two steering frames do not add up (a call chain's frames share
 // 512 bytes).
 #[inline(never)]
-pub fn steer(ctx: &XdpContext, packet: &TcpPacket) -> u32 {
+pub fn steer<F: Family>(ctx: *mut xdp_md, ip: *mut F::Hdr, tcp: *mut TcpHdr, marks: u32) -> u32 {
+    let ctx = &XdpContext::new(ctx);
+    let packet = &TcpPacket::<F> {
+        ip,
+        tcp,
+        l3: TcpPacket::<F>::l3_of(marks),
+        marks,
+    };
     // SAFETY: the parser checked that both headers lie inside the frame, and
     // nothing in this program run resizes it before the last use.
     let (ip, tcp) = unsafe { (&mut *packet.ip, &mut *packet.tcp) };
-    let key = || {
-        FlowKey::tcp(
-            u32::from_ne_bytes(ip.saddr),
-            u16::from_ne_bytes(tcp.source),
-            u32::from_ne_bytes(ip.daddr),
-            u16::from_ne_bytes(tcp.dest),
+    let mut local = MaybeUninit::<Scratch<F::Addr>>::uninit();
+    let scratch = match F::scratch() {
+        None => local.as_mut_ptr(),
+        Some(map) => match map.get_ptr_mut(SCRATCH_XDP) {
+            Some(slot) => slot,
+            None => return xdp_action::XDP_PASS,
+        },
+    };
+    // SAFETY: `scratch` is this function's local or this CPU's map slot.
+    let (key, seg, found) = unsafe {
+        Scratch::init(
+            scratch,
+            FlowKey::tcp(
+                ip.src(),
+                u16::from_ne_bytes(tcp.source),
+                ip.dst(),
+                u16::from_ne_bytes(tcp.dest),
+            ),
+            tcp.segment(ip.l4_len()),
         )
     };
-    let segment = |ip: &Ipv4Hdr, tcp: &TcpHdr| {
-        let payload = u32::from(ip.total_len()).saturating_sub(ip.header_len() as u32);
-        tcp.segment(payload)
-    };
 
-    if packet.to_service {
-        let key = key();
-        let seg = segment(ip, tcp);
+    if packet.has(TcpPacket::<F>::TO_SERVICE) {
         // A SYN always gets a fresh decision: a client reusing a port for a
         // new connection must not inherit a backend that has been isolated
         // since.
-        let mut found = MaybeUninit::<Flow>::uninit();
-        if !packet.syn && conntrack::established(&key, &seg, &mut found) {
+        if !packet.has(TcpPacket::<F>::SYN) && conntrack::established::<F>(key, seg, found) {
             // SAFETY: `established` wrote it.
             return known(ctx, packet, unsafe { found.assume_init_ref() });
         }
         // The service before the embryonic table: traffic to the service
         // port of another address pays one lookup less.
-        if let Some(service) = SERVICES.get_ptr(ServiceKey::tcp(key.dst_addr, key.dst_port)) {
+        if let Some(service) = F::services().get_ptr(ServiceKey::tcp(key.dst_addr, key.dst_port)) {
             // SAFETY: a successful lookup, copied at once.
             let service = unsafe { *service };
-            if !packet.syn && conntrack::handshaking(&key, &seg, &mut found) {
+            if !packet.has(TcpPacket::<F>::SYN) && conntrack::handshaking::<F>(key, seg, found) {
                 // SAFETY: `handshaking` wrote it.
                 return known(ctx, packet, unsafe { found.assume_init_ref() });
             }
             let mut how = Delivery::default();
-            if !admit(ctx, &key, &service, &seg, &mut how) {
+            if !admit::<F>(ctx, key, &service, seg, &mut how) {
                 return xdp_action::XDP_PASS;
             }
             return send(ctx, packet, &how);
         }
     }
-    if packet.from_backend {
-        let key = key();
-        let mut found = MaybeUninit::<Flow>::uninit();
-        if conntrack::reply(&key, &segment(ip, tcp), &mut found) {
-            // SAFETY: `reply` wrote it.
-            let flow = unsafe { found.assume_init() };
-            // A backend's answer gets the service as its source and goes
-            // on to the client.
-            outcome(Outcome::Reply);
-            if let Some(stats) = backend_stats(flow.backend) {
-                stats.reply_packets += 1;
-                stats.reply_bytes += frame_len(ctx);
-            }
-            let how = Delivery {
-                rewrite: Rewrite::Src(flow.addr, flow.port),
-                flags: flow.flags,
-                cache: HopCache::Client(key.dst_addr),
-                backend: flow.backend,
-            };
-            return send(ctx, packet, &how);
+    if packet.has(TcpPacket::<F>::FROM_BACKEND) && conntrack::reply::<F>(key, seg, found) {
+        // SAFETY: `reply` wrote it.
+        let flow = unsafe { found.assume_init_ref() };
+        // A backend's answer gets the service as its source and goes on to
+        // the client.
+        outcome(Outcome::Reply);
+        if let Some(stats) = backend_stats(flow.backend) {
+            stats.reply_packets += 1;
+            stats.reply_bytes += frame_len(ctx);
         }
+        let how = Delivery {
+            rewrite: Rewrite::Src(flow.addr, flow.port),
+            flags: flow.flags,
+            cache: HopCache::Client(key.dst_addr),
+            backend: flow.backend,
+        };
+        return send(ctx, packet, &how);
     }
     outcome(Outcome::NotService);
     xdp_action::XDP_PASS
@@ -186,7 +272,7 @@ pub fn steer(ctx: &XdpContext, packet: &TcpPacket) -> u32 {
 
 /// A client packet of a connection a table knows: to its backend.
 #[inline(always)]
-fn known(ctx: &XdpContext, packet: &TcpPacket, flow: &Flow) -> u32 {
+fn known<F: Family>(ctx: &XdpContext, packet: &TcpPacket<F>, flow: &Flow<F::Addr>) -> u32 {
     outcome(Outcome::Established);
     count_forward(ctx, flow.service, flow.backend, false);
     send(
@@ -197,8 +283,8 @@ fn known(ctx: &XdpContext, packet: &TcpPacket, flow: &Flow) -> u32 {
 }
 
 /// A backend for a packet to `service` that no connection entry covers,
-/// its entries, and how it leaves (in `how`); false when the service has no
-/// backend for it (counted, the packet passes).
+/// its entries, and how it leaves (in `how`); false when the
+/// service has no backend for it (counted, the packet passes).
 ///
 /// - A SYN opens a new connection: a routable backend, embryonic entries.
 /// - Any other packet belongs to a connection neither table knows (evicted,
@@ -207,23 +293,20 @@ fn known(ctx: &XdpContext, packet: &TcpPacket, flow: &Flow) -> u32 {
 ///   while the table was as it is (a routable one if that slot is empty).
 ///   Resets get no entries; everything else embryonic ones that the
 ///   backend's answer confirms.
-///
-/// A subprogram of its own, so that its entries are not on the stack frame
-/// `send` is called from (a call chain's frames share 512 bytes).
 #[inline(always)]
-fn admit(
+fn admit<F: Family>(
     ctx: &XdpContext,
-    key: &FlowKey,
+    key: &FlowKey<F::Addr>,
     service: &Service,
     seg: &Segment,
-    how: &mut Delivery,
+    how: &mut Delivery<F::Addr>,
 ) -> bool {
     let hash = flow_hash(key.src_addr, key.src_port, key.dst_addr, key.dst_port);
     let syn = seg.has(TcpHdr::SYN) && !seg.has(TcpHdr::ACK);
     let chosen = if syn {
-        pick(service, hash)
+        pick::<F>(service, hash)
     } else {
-        live_at(service, hash).or_else(|| pick(service, hash))
+        live_at::<F>(service, hash).or_else(|| pick::<F>(service, hash))
     };
     let Some((index, backend)) = chosen else {
         outcome(Outcome::NoBackend);
@@ -247,14 +330,14 @@ fn admit(
         checked: 0,
     };
     if syn {
-        conntrack::forget(key);
-        conntrack::open(key, &flow);
+        conntrack::forget::<F>(key);
+        conntrack::open::<F>(key, &flow);
         outcome(Outcome::NewFlow);
     } else {
         if !seg.has(TcpHdr::RST) {
             flow.flags |= FLAG_RECOVERED;
             flow.ack = seg.ack;
-            conntrack::open(key, &flow);
+            conntrack::open::<F>(key, &flow);
         }
         outcome(Outcome::Recovered);
     }
@@ -288,13 +371,13 @@ fn count_forward(ctx: &XdpContext, service: u32, backend: u32, connection: bool)
 /// used, so a routable backend is found whenever one exists (once the agent
 /// has rewritten the list after the last transition).
 #[inline(always)]
-fn pick(service: &Service, hash: u64) -> Option<(u32, Backend)> {
+fn pick<F: Family>(service: &Service, hash: u64) -> Option<(u32, Backend<F::Addr>)> {
     if service.table_size != 0 {
         let size = u64::from(service.table_size);
         for probe in 0..MAX_PROBES {
             let slot = (probe_hash(hash, probe) % size) as u32;
             if let Some(&index) = MAGLEV.get(service.table_offset.wrapping_add(slot))
-                && let Some(backend) = backend(index, hash, true)
+                && let Some(backend) = backend::<F>(index, hash, true)
             {
                 return Some((index, backend));
             }
@@ -308,7 +391,7 @@ fn pick(service: &Service, hash: u64) -> Option<(u32, Backend)> {
     for i in 0..LIST_TRIES {
         let position = ((start + u64::from(i)) % u64::from(count)) as u32;
         if let Some(&index) = SERVICE_BACKENDS.get(service.list_offset.wrapping_add(position))
-            && let Some(backend) = backend(index, hash, true)
+            && let Some(backend) = backend::<F>(index, hash, true)
         {
             return Some((index, backend));
         }
@@ -318,13 +401,13 @@ fn pick(service: &Service, hash: u64) -> Option<(u32, Backend)> {
 
 /// The live backend at the flow's first table slot, if any.
 #[inline(always)]
-fn live_at(service: &Service, hash: u64) -> Option<(u32, Backend)> {
+fn live_at<F: Family>(service: &Service, hash: u64) -> Option<(u32, Backend<F::Addr>)> {
     if service.table_size == 0 {
         return None;
     }
     let slot = (hash % u64::from(service.table_size)) as u32;
     let index = *MAGLEV.get(service.table_offset.wrapping_add(slot))?;
-    backend(index, hash, false).map(|b| (index, b))
+    backend::<F>(index, hash, false).map(|b| (index, b))
 }
 
 /// Backend `index` if it may take a new connection with flow hash `hash`
@@ -334,8 +417,8 @@ fn live_at(service: &Service, hash: u64) -> Option<(u32, Backend)> {
 /// connections that pick it (by the hash, so a retransmitted SYN gets the
 /// same answer); a half-open one takes a few trial connections per second.
 #[inline(always)]
-fn backend(index: u32, hash: u64, routable: bool) -> Option<Backend> {
-    let backend = BACKENDS.get(index)?;
+fn backend<F: Family>(index: u32, hash: u64, routable: bool) -> Option<Backend<F::Addr>> {
+    let backend = F::backends().get(index)?;
     let state = backend.state;
     let usable = if !routable {
         state != BackendState::Unused as u32
@@ -384,15 +467,14 @@ fn trial(index: u32, per_second: u32) -> bool {
 /// remote mode forwards it to the next hop toward its new destination.
 ///
 /// Remote mode decides before rewriting, so that what it answers itself
-/// quotes the packet as it was sent: a TTL about to expire gets ICMP time
-/// exceeded, a packet larger than the next hop's MTU with DF set gets ICMP
-/// fragmentation needed (without DF the kernel fragments it). Without a
-/// usable next hop, or for a VLAN-tagged frame, the rewritten packet goes to
-/// the kernel to forward.
-// A function of its own (a BPF subprogram), not inlined into its four
-// callers: the verifier then walks its paths far fewer times.
+/// quotes the packet as it was sent: an IPv4 TTL about to expire gets ICMP
+/// time exceeded, a packet larger than the next hop's MTU with DF set gets
+/// ICMP fragmentation needed (without DF the kernel fragments it). Without
+/// a usable next hop, for a VLAN-tagged frame, and for what the family does
+/// not answer itself (IPv6: a hop limit about to expire, a packet too big),
+/// the rewritten packet goes to the kernel to forward.
 #[inline(always)]
-fn send(ctx: &XdpContext, packet: &TcpPacket, how: &Delivery) -> u32 {
+fn send<F: Family>(ctx: &XdpContext, packet: &TcpPacket<F>, how: &Delivery<F::Addr>) -> u32 {
     let Delivery {
         rewrite,
         flags,
@@ -403,37 +485,44 @@ fn send(ctx: &XdpContext, packet: &TcpPacket, how: &Delivery) -> u32 {
     // returns without touching these again.
     let (ip, tcp) = unsafe { (&mut *packet.ip, &mut *packet.tcp) };
     if flags & FLAG_REMOTE == 0 {
-        apply(ip, tcp, rewrite);
+        apply::<F>(ip, tcp, rewrite);
         return xdp_action::XDP_PASS;
     }
-    if ip.ttl <= 1 {
-        outcome(Outcome::TtlExpired);
-        return icmp::answer(ctx, packet.l3, icmp::TIME_EXCEEDED, 0);
+    if ip.hops() <= 1 {
+        if let Some(action) = F::Hdr::answer(ctx, packet.l3, 0) {
+            outcome(Outcome::TtlExpired);
+            return action;
+        }
+        apply::<F>(ip, tcp, rewrite);
+        unresolved(backend);
+        return xdp_action::XDP_PASS;
     }
     let dst = match rewrite {
         Rewrite::Dst(addr, _) => addr,
-        Rewrite::Src(..) => u32::from_ne_bytes(ip.daddr),
+        Rewrite::Src(..) => ip.dst(),
     };
-    let hop = if packet.tagged {
+    let hop = if packet.has(TcpPacket::<F>::TAGGED) {
         None
     } else {
-        next_hop(ctx, ip, dst, cache)
+        next_hop::<F>(ctx, ip, dst, cache)
     };
     let Some(hop) = hop else {
-        apply(ip, tcp, rewrite);
+        apply::<F>(ip, tcp, rewrite);
         unresolved(backend);
         return xdp_action::XDP_PASS;
     };
-    if u32::from(ip.total_len()) > hop.mtu {
-        if ip.dont_fragment() {
+    if ip.l3_len() > hop.mtu {
+        if !ip.may_fragment()
+            && let Some(action) = F::Hdr::answer(ctx, packet.l3, hop.mtu)
+        {
             outcome(Outcome::FragNeeded);
-            return icmp::answer(ctx, packet.l3, icmp::FRAG_NEEDED, hop.mtu);
+            return action;
         }
-        apply(ip, tcp, rewrite);
+        apply::<F>(ip, tcp, rewrite);
         unresolved(backend);
         return xdp_action::XDP_PASS;
     }
-    apply(ip, tcp, rewrite);
+    apply::<F>(ip, tcp, rewrite);
     emit(ctx, ip, &hop)
 }
 
@@ -444,20 +533,13 @@ fn unresolved(backend: u32) {
     }
 }
 
-/// Decrements the TTL (unless configured not to), sets the MACs of `hop`
-/// and sends the frame there.
+/// Decrements the TTL or hop limit (unless configured not to), sets the
+/// MACs of `hop` and sends the frame there.
 #[inline(always)]
-pub fn emit(ctx: &XdpContext, ip: &mut Ipv4Hdr, hop: &NextHop) -> u32 {
+pub fn emit<H: IpHeader>(ctx: &XdpContext, ip: &mut H, hop: &NextHop<H::Addr>) -> u32 {
     let keep_ttl = CONFIG.get(0).is_some_and(|c| c.keep_ttl != 0);
     if !keep_ttl {
-        let word = u16::from_ne_bytes([ip.ttl, ip.protocol]);
-        ip.ttl -= 1;
-        let check = csum::replace2(
-            u16::from_ne_bytes(ip.check),
-            word,
-            u16::from_ne_bytes([ip.ttl, ip.protocol]),
-        );
-        ip.check = check.to_ne_bytes();
+        ip.decrement_hops();
     }
 
     let start = ctx.data();
@@ -486,14 +568,19 @@ pub fn emit(ctx: &XdpContext, ip: &mut Ipv4Hdr, hop: &NextHop) -> u32 {
 /// so a reader copies the entry and checks its `check` field: a torn copy
 /// fails it and counts as a miss.
 #[inline(always)]
-pub fn next_hop(ctx: &XdpContext, ip: &Ipv4Hdr, dst: u32, cache: HopCache) -> Option<NextHop> {
+pub fn next_hop<F: Family>(
+    ctx: &XdpContext,
+    ip: &F::Hdr,
+    dst: F::Addr,
+    cache: HopCache<F::Addr>,
+) -> Option<NextHop<F::Addr>> {
     let generation = CONFIG.get(0).map_or(0, |c| c.generation);
     // A raw pointer (null for none) rather than an `Option` kept across the
     // lookup below: LLVM spills the payload of a `None` as an undefined
     // register, which the verifier refuses to read.
     let slot = match cache {
-        HopCache::Backend(index) => NEXT_HOPS.get_ptr_mut(index),
-        HopCache::Client(addr) => CLIENT_HOPS.get_ptr_mut(addr),
+        HopCache::Backend(index) => F::next_hops().get_ptr_mut(index),
+        HopCache::Client(addr) => F::client_hops().get_ptr_mut(addr),
     }
     .unwrap_or(core::ptr::null_mut());
     if !slot.is_null() {
@@ -522,7 +609,7 @@ pub fn next_hop(ctx: &XdpContext, ip: &Ipv4Hdr, dst: u32, cache: HopCache) -> Op
     } else if let HopCache::Client(addr) = cache {
         // A full table evicts its least recently used client; if even that
         // fails, the next reply looks up again.
-        let _ = CLIENT_HOPS.insert(addr, hop, 0);
+        let _ = F::client_hops().insert(addr, hop, 0);
     }
     Some(hop)
 }
@@ -532,7 +619,12 @@ pub fn next_hop(ctx: &XdpContext, ip: &Ipv4Hdr, dst: u32, cache: HopCache) -> Op
 /// hence the out-parameter: a subprogram may not return a pointer into its
 /// caller's stack, which is how LLVM returns a struct.
 #[inline(never)]
-fn fib_lookup(ctx: &XdpContext, ip: &Ipv4Hdr, dst: u32, hop: &mut NextHop) -> bool {
+fn fib_lookup<H: IpHeader>(
+    ctx: &XdpContext,
+    ip: &H,
+    dst: H::Addr,
+    hop: &mut NextHop<H::Addr>,
+) -> bool {
     let Some(params) = FIB_SCRATCH.get_ptr_mut(0) else {
         return false;
     };
@@ -541,13 +633,10 @@ fn fib_lookup(ctx: &XdpContext, ip: &Ipv4Hdr, dst: u32, hop: &mut NextHop) -> bo
     let params = unsafe { &mut *params };
     // SAFETY: an all-zero `bpf_fib_lookup` is its documented empty input.
     *params = unsafe { core::mem::zeroed() };
-    params.family = AF_INET;
     params.l4_protocol = PROTO_TCP;
     // No length: the MTU is checked per packet against the cached hop, so
     // the lookup must not fail on this packet's size.
-    params.__bindgen_anon_2.tos = ip.tos;
-    params.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(ip.saddr);
-    params.__bindgen_anon_4.ipv4_dst = dst;
+    ip.fib(params, dst);
     params.ifindex = ctx.ingress_ifindex() as u32;
     // SAFETY: `params` is a valid, initialised struct of the size passed.
     let rc = unsafe { bpf_fib_lookup(ctx.as_ptr(), params, size_of::<FibParams>() as i32, 0) };
@@ -568,31 +657,30 @@ fn fib_lookup(ctx: &XdpContext, ip: &Ipv4Hdr, dst: u32, hop: &mut NextHop) -> bo
     true
 }
 
+/// Rewrites the address (the IP header updates its own checksum, if it has
+/// one) and the port, and updates the TCP checksum, which covers the
+/// addresses through the pseudo-header.
 #[inline(always)]
-fn apply(ip: &mut Ipv4Hdr, tcp: &mut TcpHdr, rewrite: Rewrite) {
+fn apply<F: Family>(ip: &mut F::Hdr, tcp: &mut TcpHdr, rewrite: Rewrite<F::Addr>) {
     match rewrite {
         Rewrite::Dst(addr, port) => {
-            let (old_addr, old_port) = (u32::from_ne_bytes(ip.daddr), u16::from_ne_bytes(tcp.dest));
-            patch(ip, tcp, old_addr, addr, old_port, port);
-            ip.daddr = addr.to_ne_bytes();
+            let (old_addr, old_port) = (ip.dst(), u16::from_ne_bytes(tcp.dest));
+            patch::<F>(tcp, old_addr, addr, old_port, port);
+            ip.set_dst(addr);
             tcp.dest = port.to_ne_bytes();
         }
         Rewrite::Src(addr, port) => {
-            let (old_addr, old_port) =
-                (u32::from_ne_bytes(ip.saddr), u16::from_ne_bytes(tcp.source));
-            patch(ip, tcp, old_addr, addr, old_port, port);
-            ip.saddr = addr.to_ne_bytes();
+            let (old_addr, old_port) = (ip.src(), u16::from_ne_bytes(tcp.source));
+            patch::<F>(tcp, old_addr, addr, old_port, port);
+            ip.set_src(addr);
             tcp.source = port.to_ne_bytes();
         }
     }
 }
 
-/// Updates both checksums for an address and port change; the TCP one
-/// covers the addresses through the pseudo-header.
 #[inline(always)]
-fn patch(ip: &mut Ipv4Hdr, tcp: &mut TcpHdr, old_addr: u32, addr: u32, old_port: u16, port: u16) {
-    ip.check = csum::replace4(u16::from_ne_bytes(ip.check), old_addr, addr).to_ne_bytes();
-    let check = csum::replace4(u16::from_ne_bytes(tcp.check), old_addr, addr);
+fn patch<F: Family>(tcp: &mut TcpHdr, old_addr: F::Addr, addr: F::Addr, old_port: u16, port: u16) {
+    let check = F::Hdr::csum_addr(u16::from_ne_bytes(tcp.check), old_addr, addr);
     tcp.check = csum::replace2(check, old_port, port).to_ne_bytes();
 }
 

@@ -1,9 +1,13 @@
-//! The balancer's XDP program, and the TC program that goes with it.
+//! The balancer's XDP programs, and the TC program that goes with them.
 //!
-//! `balancer` (XDP) parses Ethernet (with at most one 802.1Q tag) / IPv4 /
-//! TCP or ICMP and counts every packet under one [`Verdict`] in the per-CPU
-//! `VERDICTS` array; a TCP packet then goes through L4 steering ([`l4`]), an
-//! ICMP one through [`icmp`], which count what they did under an `Outcome`.
+//! `balancer` (XDP) parses Ethernet (with at most one 802.1Q tag) / IPv4 or
+//! IPv6 / TCP (or ICMP, IPv4) and counts every packet under one [`Verdict`]
+//! in the per-CPU `VERDICTS` array; a TCP packet then goes through L4
+//! steering ([`l4`]), an ICMP one through [`icmp`], which count what they
+//! did under an `Outcome`. IPv6 TCP is steered by `balancer6`, which
+//! `balancer` tail-calls: one program could not hold both families within
+//! the verifier's limits (measured: 512 bytes of stack for a call chain,
+//! a million instructions walked per program).
 //! `balancer_egress` (TC egress, local mode) restores the service address on
 //! the replies of local backends ([`egress`]). Connection state is
 //! [`conntrack`]'s.
@@ -21,6 +25,7 @@ mod atomic;
 mod conntrack;
 mod csum;
 mod egress;
+mod family;
 mod headers;
 mod icmp;
 mod l4;
@@ -34,14 +39,24 @@ use aya_ebpf::{
 use aya_log_ebpf::debug;
 use balancer_common::Verdict;
 use balancer_common::l4::{Outcome, PORT_REPLY_INGRESS, PORT_SERVICE};
-use headers::{EthHdr, Ipv4Hdr, TcpHdr, VlanHdr};
+use family::{Family, V4, V6};
+use headers::{EthHdr, Ipv4Hdr, Ipv6Hdr, TcpHdr, VlanHdr};
 use l4::TcpPacket;
 
 #[xdp]
 pub fn balancer(ctx: XdpContext) -> u32 {
     // Fail open: when this program cannot do its job the packet still gets
     // to the kernel, which is where it would have gone without us.
-    dispatch(&ctx)
+    dispatch::<false>(&ctx)
+}
+
+/// IPv6 TCP, tail-called by `balancer`: the same parser, in a program of
+/// its own, because the verifier's limits (512 bytes of stack for a call
+/// chain, a million instructions walked) do not hold both families'
+/// steering in one.
+#[xdp]
+pub fn balancer6(ctx: XdpContext) -> u32 {
+    dispatch::<true>(&ctx)
 }
 
 #[classifier]
@@ -49,40 +64,58 @@ pub fn balancer_egress(ctx: TcContext) -> i32 {
     egress::restore(&ctx)
 }
 
-/// Counts the packet under its verdict and hands TCP and ICMP to steering.
+/// Counts the packet under its verdict and hands TCP and ICMP to steering;
+/// IPv6 TCP to `balancer6` unless this is it (`IPV6_HERE`).
 /// (It dispatches itself rather than returning what it parsed: LLVM turns
 /// an enum of parsed headers into code the verifier rejects.)
-fn dispatch(ctx: &XdpContext) -> u32 {
-    let pass = |verdict: Verdict| {
-        maps::bump(&maps::VERDICTS, verdict.index());
-        xdp_action::XDP_PASS
-    };
+#[inline(always)]
+fn dispatch<const IPV6_HERE: bool>(ctx: &XdpContext) -> u32 {
     // SAFETY (the dereferences below): `header` checked that each header
     // lies inside the frame, and nothing writes the frame during parsing.
     let Some(eth) = header::<EthHdr>(ctx, 0).map(|p| unsafe { &*p }) else {
         debug!(ctx, "frame shorter than an Ethernet header");
         return pass(Verdict::PassTruncated);
     };
-    let (l3, tagged) = match eth.ether_type() {
-        EthHdr::ETHER_TYPE_IPV4 => (EthHdr::LEN, false),
+    let (l3, tagged, ether_type) = match eth.ether_type() {
         // One 802.1Q tag (GPU nodes often sit on VLANs); stacked tags and
         // other encapsulations are the kernel's.
         EthHdr::ETHER_TYPE_VLAN => {
             let Some(vlan) = header::<VlanHdr>(ctx, EthHdr::LEN).map(|p| unsafe { &*p }) else {
                 return pass(Verdict::PassTruncated);
             };
-            if u16::from_be_bytes(vlan.ether_type) != EthHdr::ETHER_TYPE_IPV4 {
-                return pass(Verdict::PassNotIpv4);
-            }
-            (EthHdr::LEN + VlanHdr::LEN, true)
+            (
+                EthHdr::LEN + VlanHdr::LEN,
+                true,
+                u16::from_be_bytes(vlan.ether_type),
+            )
         }
-        _ => return pass(Verdict::PassNotIpv4),
+        other => (EthHdr::LEN, false, other),
     };
+    match ether_type {
+        // `balancer6` only ever gets IPv6 TCP; without this arm its
+        // verification would walk the IPv4 paths too.
+        _ if IPV6_HERE && ether_type != EthHdr::ETHER_TYPE_IPV6 => xdp_action::XDP_PASS,
+        EthHdr::ETHER_TYPE_IPV4 => ipv4(ctx, l3, tagged),
+        EthHdr::ETHER_TYPE_IPV6 => ipv6::<IPV6_HERE>(ctx, l3, tagged),
+        _ => pass(Verdict::PassNotIpv4),
+    }
+}
 
+/// Counts `verdict` and lets the packet through.
+#[inline(always)]
+fn pass(verdict: Verdict) -> u32 {
+    maps::bump(&maps::VERDICTS, verdict.index());
+    xdp_action::XDP_PASS
+}
+
+/// An IPv4 packet at `l3`.
+#[inline(always)]
+fn ipv4(ctx: &XdpContext, l3: usize, tagged: bool) -> u32 {
     let Some(ip_ptr) = header::<Ipv4Hdr>(ctx, l3) else {
         debug!(ctx, "IPv4 header runs past the frame");
         return pass(Verdict::PassTruncated);
     };
+    // SAFETY: as in `dispatch`.
     let ip = unsafe { &*ip_ptr };
     let header_len = ip.header_len();
     if ip.version() != 4 || header_len < Ipv4Hdr::MIN_LEN {
@@ -106,15 +139,65 @@ fn dispatch(ctx: &XdpContext) -> u32 {
     if ip.protocol != Ipv4Hdr::PROTO_TCP {
         return pass(Verdict::PassNotTcp);
     }
+    tcp::<V4>(ctx, ip_ptr, l3, l3 + header_len, tagged)
+}
 
-    let Some(tcp_ptr) = header::<TcpHdr>(ctx, l3 + header_len) else {
+/// An IPv6 packet at `l3`. Extension headers are not walked: a packet with
+/// any (hop-by-hop, routing, destination options, ...) is the kernel's, and
+/// so is a fragment. ICMPv6 (neighbour discovery and router advertisements
+/// among it) passes untouched.
+#[inline(always)]
+fn ipv6<const HERE: bool>(ctx: &XdpContext, l3: usize, tagged: bool) -> u32 {
+    let Some(ip_ptr) = header::<Ipv6Hdr>(ctx, l3) else {
+        debug!(ctx, "IPv6 header runs past the frame");
+        return pass(Verdict::PassTruncated);
+    };
+    // SAFETY: as in `dispatch`.
+    let ip = unsafe { &*ip_ptr };
+    if ip.version() != 6 {
+        return pass(Verdict::PassMalformed);
+    }
+    match ip.next_header {
+        Ipv4Hdr::PROTO_TCP if HERE => tcp::<V6>(ctx, ip_ptr, l3, l3 + Ipv6Hdr::LEN, tagged),
+        Ipv4Hdr::PROTO_TCP => {
+            // SAFETY: a tail call with this program's own context; it
+            // returns only when it did not happen.
+            unsafe { maps::IPV6_PROGRAM.tail_call(ctx, 0) };
+            // No IPv6 program (the agent puts it in after loading): the
+            // packet is not steered.
+            maps::outcome(Outcome::NotService);
+            xdp_action::XDP_PASS
+        }
+        Ipv6Hdr::NEXT_FRAGMENT => pass(Verdict::PassFragment),
+        next if Ipv6Hdr::is_extension(next) => pass(Verdict::PassExtHeader),
+        _ => pass(Verdict::PassNotTcp),
+    }
+}
+
+/// A TCP segment at `l4` of an IP packet of family `F` at `l3`: counted as
+/// a SYN or not, then steered if its ports say it may be a service's.
+#[inline(always)]
+fn tcp<F: Family>(ctx: &XdpContext, ip: *mut F::Hdr, l3: usize, l4: usize, tagged: bool) -> u32 {
+    let Some(tcp_ptr) = header::<TcpHdr>(ctx, l4) else {
         debug!(ctx, "TCP header runs past the frame");
         return pass(Verdict::PassTruncated);
     };
+    // SAFETY: as in `dispatch`.
     let tcp = unsafe { &*tcp_ptr };
     // A SYN-ACK answers a connection someone else opened, so it is not
     // where a new steering decision belongs.
     let syn = tcp.flags & TcpHdr::SYN != 0 && tcp.flags & TcpHdr::ACK == 0;
+    // What is learnt goes into one word at once: across the three map
+    // lookups below, the context, both header pointers and this word fit
+    // the four registers a call preserves, so this frame spills nothing
+    // (it counts toward the 512 bytes of the chain into steering).
+    let mut marks = TcpPacket::<F>::with_l3(l3);
+    if syn {
+        marks |= TcpPacket::<F>::SYN;
+    }
+    if tagged {
+        marks |= TcpPacket::<F>::TAGGED;
+    }
     let verdict = if syn {
         Verdict::TcpSyn
     } else {
@@ -123,22 +206,17 @@ fn dispatch(ctx: &XdpContext) -> u32 {
     maps::bump(&maps::VERDICTS, verdict.index());
     // Most TCP is for nothing steered: two array reads decide that here,
     // before the call into steering.
-    let to_service = maps::port_has(u16::from_be_bytes(tcp.dest), PORT_SERVICE);
-    let from_backend = maps::port_has(u16::from_be_bytes(tcp.source), PORT_REPLY_INGRESS);
-    if !to_service && !from_backend {
+    if maps::port_has(u16::from_be_bytes(tcp.dest), PORT_SERVICE) {
+        marks |= TcpPacket::<F>::TO_SERVICE;
+    }
+    if maps::port_has(u16::from_be_bytes(tcp.source), PORT_REPLY_INGRESS) {
+        marks |= TcpPacket::<F>::FROM_BACKEND;
+    }
+    if marks & (TcpPacket::<F>::TO_SERVICE | TcpPacket::<F>::FROM_BACKEND) == 0 {
         maps::outcome(Outcome::NotService);
         return xdp_action::XDP_PASS;
     }
-    let packet = TcpPacket {
-        ip: ip_ptr,
-        tcp: tcp_ptr,
-        syn,
-        l3,
-        tagged,
-        to_service,
-        from_backend,
-    };
-    l4::steer(ctx, &packet)
+    l4::steer::<F>(ctx.ctx, ip, tcp_ptr, marks)
 }
 
 /// A pointer to the `T` at `offset` bytes into the frame, if all of it lies

@@ -4,9 +4,10 @@
 //! load time to what its flags ask for. What the connection tables mean is
 //! [`crate::conntrack`]'s business.
 
+use crate::l4::Scratch;
 use aya_ebpf::bindings::bpf_fib_lookup as FibParams;
 use aya_ebpf::macros::map;
-use aya_ebpf::maps::{Array, HashMap, LruHashMap, PerCpuArray};
+use aya_ebpf::maps::{Array, HashMap, LruHashMap, PerCpuArray, ProgramArray};
 use balancer_common::Verdict;
 use balancer_common::l4::{
     Addr6, Backend, BackendStats, CONNTRACK_MAP_FLAGS, Config, DEFAULT_CONNTRACK_SIZE,
@@ -57,7 +58,7 @@ pub static EMBRYONIC: LruHashMap<FlowKey, Flow> =
 
 // The IPv6 family's maps, sized like the IPv4 ones (the agent resizes the
 // connection tables to the same flags). The agent keeps them in step with
-// its workers and services; steering reads only the IPv4 ones so far.
+// its workers and services.
 
 #[map]
 pub static SERVICES6: HashMap<ServiceKey<Addr6>, Service> =
@@ -81,6 +82,11 @@ pub static CONNS6: LruHashMap<FlowKey<Addr6>, Flow<Addr6>> =
 pub static EMBRYONIC6: LruHashMap<FlowKey<Addr6>, Flow<Addr6>> =
     LruHashMap::with_max_entries(DEFAULT_CONNTRACK_SIZE / 4, CONNTRACK_MAP_FLAGS);
 
+/// The IPv6 steering program, tail-called by the XDP program
+/// (`balancer_common::l4::IPV6_PROGRAM`).
+#[map]
+pub static IPV6_PROGRAM: ProgramArray = ProgramArray::with_max_entries(1, 0);
+
 #[map]
 pub static PORTS: Array<u32> = Array::with_max_entries(65_536, 0);
 
@@ -102,6 +108,11 @@ pub static TRIALS: Array<Trial> = Array::with_max_entries(MAX_BACKENDS, 0);
 /// program's stack (512 bytes for a whole call chain) cannot spare.
 #[map]
 pub static FIB_SCRATCH: PerCpuArray<FibParams> = PerCpuArray::with_max_entries(1, 0);
+
+/// Where IPv6 steering keeps its largest locals (see [`Scratch`]): on the
+/// stack they would take bytes the call chain's 512 cannot spare.
+#[map]
+pub static SCRATCH6: PerCpuArray<Scratch<Addr6>> = PerCpuArray::with_max_entries(2, 0);
 
 /// Adds one to a per-CPU `u64` counter.
 #[inline(always)]

@@ -497,7 +497,8 @@ pub struct LaunchArgs {
     /// VIP:PORT whose TCP connections are balanced over the workers (repeatable)
     ///
     /// Over the workers of its address family, to the address and port of
-    /// each worker's URL. IPv4 only so far: an IPv6 `[VIP]:PORT` is refused.
+    /// each worker's URL: IPv4 `10.0.0.100:8000`, or IPv6
+    /// `[2001:db8::100]:8000` in local mode only so far.
     #[arg(long, value_name = "VIP:PORT", help_heading = heading::L4)]
     pub l4_service: Vec<SocketAddr>,
     /// How steered packets reach the workers (NAT both ways, no tunnel)
@@ -1760,6 +1761,22 @@ resilience = { cb_min_completion_tokens = 0 }
         assert_eq!(l4.xdp_mode, XdpMode::Skb);
         assert_eq!(l4.table_size, 251);
         assert_eq!(l4.services, ["10.0.0.1:80".parse::<SocketAddr>().unwrap()]);
+        let dual = parse(&[
+            "--xdp-iface",
+            "eth0",
+            "--l4-service",
+            "10.0.0.1:80",
+            "--l4-service",
+            "[2001:db8::100]:8000",
+        ])
+        .unwrap();
+        assert_eq!(
+            dual.to_config().unwrap().l4.unwrap().services,
+            [
+                "10.0.0.1:80".parse::<SocketAddr>().unwrap(),
+                "[2001:db8::100]:8000".parse().unwrap()
+            ]
+        );
         for (args, needle) in [
             (&["--xdp-iface", "eth0"][..], "--l4-service"),
             (&["--l4-service", "10.0.0.1:80"][..], "--xdp-iface"),
@@ -1787,8 +1804,15 @@ resilience = { cb_min_completion_tokens = 0 }
             ),
             (&["--l4-mode", "tunnel"][..], "--l4-mode"),
             (
-                &["--xdp-iface", "e", "--l4-service", "[2001:db8::100]:8000"][..],
-                "IPv4 services only",
+                &[
+                    "--xdp-iface",
+                    "e",
+                    "--l4-service",
+                    "[2001:db8::100]:8000",
+                    "--l4-mode",
+                    "remote",
+                ][..],
+                "--l4-mode local",
             ),
         ] {
             let err = format!("{:#}", parse(args).unwrap_err());

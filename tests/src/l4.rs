@@ -2,7 +2,7 @@
 //! would, for tests and benchmarks that drive the programs through
 //! `BPF_PROG_TEST_RUN` without a registry.
 
-use std::net::SocketAddrV4;
+use std::net::{SocketAddr, SocketAddrV4};
 use std::path::Path;
 
 use std::net::Ipv4Addr;
@@ -21,30 +21,26 @@ use crate::netns::{self, Namespaces, run};
 /// still within a few percent for a handful of backends.
 pub const TABLE_SIZE: u32 = 1009;
 
-/// One service at `vip` over `backends` (backend `i` in slot `i`).
-pub struct Steered {
+/// One service at `vip` over `backends` (backend `i` in slot `i`), of
+/// either family (`A` is `SocketAddrV4` or `SocketAddrV6`).
+pub struct Steered<A = SocketAddrV4> {
     pub dataplane: Dataplane,
     pub maps: L4Maps,
     pub service: ServiceState,
-    pub backends: Vec<SocketAddrV4>,
+    pub backends: Vec<A>,
     states: Vec<BackendState>,
 }
 
-impl Steered {
-    pub fn load(
-        object: &Path,
-        vip: SocketAddrV4,
-        backends: &[SocketAddrV4],
-        remote: bool,
-    ) -> Result<Self> {
+impl<A: Copy + PartialEq + Into<SocketAddr>> Steered<A> {
+    pub fn load(object: &Path, vip: A, backends: &[A], remote: bool) -> Result<Self> {
         Self::load_sized(object, vip, backends, remote, 1 << 16)
     }
 
     /// [`Steered::load`] with a connection table of `conntrack_size`.
     pub fn load_sized(
         object: &Path,
-        vip: SocketAddrV4,
-        backends: &[SocketAddrV4],
+        vip: A,
+        backends: &[A],
         remote: bool,
         conntrack_size: u32,
     ) -> Result<Self> {
@@ -60,7 +56,8 @@ impl Steered {
         let maps = dataplane.take_l4_maps()?;
         maps.set_generation(1)?;
         let service = maps.add_service(vip, 0, if remote { FLAG_REMOTE } else { 0 })?;
-        maps.set_port_bits(vip.port(), PORT_SERVICE)?;
+        let port = |addr: A| addr.into().port();
+        maps.set_port_bits(port(vip), PORT_SERVICE)?;
         let reply = if remote {
             PORT_REPLY_INGRESS
         } else {
@@ -68,12 +65,12 @@ impl Steered {
         };
         for (i, backend) in backends.iter().enumerate() {
             // A backend on the service's port shares its bits.
-            let bits = if backend.port() == vip.port() {
+            let bits = if port(*backend) == port(vip) {
                 PORT_SERVICE | reply
             } else {
                 reply
             };
-            maps.set_port_bits(backend.port(), bits)?;
+            maps.set_port_bits(port(*backend), bits)?;
             maps.set_backend_state(i as u32, *backend, BackendState::Routable)?;
         }
         let mut steered = Self {
@@ -117,7 +114,7 @@ impl Steered {
     }
 
     /// Which backend `addr` is.
-    pub fn backend_of(&self, addr: SocketAddrV4) -> Option<usize> {
+    pub fn backend_of(&self, addr: A) -> Option<usize> {
         self.backends.iter().position(|b| *b == addr)
     }
 }

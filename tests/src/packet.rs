@@ -3,7 +3,7 @@
 //! Checksums are computed properly even where the current program does not
 //! look at them, so the same frames keep working once it rewrites packets.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddrV4, SocketAddrV6};
 
 pub const ETHERTYPE_IPV4: u16 = 0x0800;
 pub const ETHERTYPE_ARP: u16 = 0x0806;
@@ -15,6 +15,15 @@ pub const TCP_SYN: u8 = 0x02;
 pub const TCP_RST: u8 = 0x04;
 pub const TCP_ACK: u8 = 0x10;
 pub const PROTO_ICMP: u8 = 1;
+pub const PROTO_ICMPV6: u8 = 58;
+/// IPv6 next header: hop-by-hop options.
+pub const IPV6_HOP_BY_HOP: u8 = 0;
+/// ICMPv6 neighbour solicitation.
+pub const ICMPV6_NEIGHBOR_SOLICITATION: u8 = 135;
+/// Where the IPv6 header starts in an untagged frame.
+pub const IPV6_OFFSET: usize = 14;
+/// The fixed IPv6 header's length.
+pub const IPV6_HEADER_LEN: usize = 40;
 pub const ETHERTYPE_VLAN: u16 = 0x8100;
 pub const ETHERTYPE_QINQ: u16 = 0x88a8;
 /// IPv4 "don't fragment" flag.
@@ -132,7 +141,12 @@ impl Tcp {
         segment.extend_from_slice(&self.window.to_be_bytes());
         segment.extend_from_slice(&[0, 0, 0, 0]);
         segment.extend_from_slice(&self.payload);
-        let checksum = transport_checksum(*self.src.ip(), *self.dst.ip(), PROTO_TCP, &segment);
+        let checksum = transport_checksum(
+            (*self.src.ip()).into(),
+            (*self.dst.ip()).into(),
+            PROTO_TCP,
+            &segment,
+        );
         segment[16..18].copy_from_slice(&checksum.to_be_bytes());
         segment
     }
@@ -146,6 +160,93 @@ impl Tcp {
     pub fn frame(&self) -> Vec<u8> {
         ethernet(ETHERTYPE_IPV4, &self.ip())
     }
+}
+
+/// An IPv6 packet: the fixed header with `next_header`, then `payload`
+/// (extension headers, if any, and the upper layer's data).
+pub fn ipv6_packet(src: Ipv6Addr, dst: Ipv6Addr, next_header: u8, payload: &[u8]) -> Vec<u8> {
+    let payload_len = u16::try_from(payload.len()).expect("payload fits IPv6");
+    let mut packet = Vec::with_capacity(IPV6_HEADER_LEN + payload.len());
+    packet.extend_from_slice(&[0x60, 0, 0, 0]);
+    packet.extend_from_slice(&payload_len.to_be_bytes());
+    packet.push(next_header);
+    packet.push(64);
+    packet.extend_from_slice(&src.octets());
+    packet.extend_from_slice(&dst.octets());
+    packet.extend_from_slice(payload);
+    packet
+}
+
+/// A TCP segment between IPv6 endpoints (no options), its checksum over
+/// the IPv6 pseudo-header.
+pub fn tcp6(
+    src: SocketAddrV6,
+    dst: SocketAddrV6,
+    flags: u8,
+    seq: u32,
+    ack: u32,
+    payload: &[u8],
+) -> Vec<u8> {
+    let mut segment = Vec::with_capacity(20 + payload.len());
+    segment.extend_from_slice(&src.port().to_be_bytes());
+    segment.extend_from_slice(&dst.port().to_be_bytes());
+    segment.extend_from_slice(&seq.to_be_bytes());
+    segment.extend_from_slice(&ack.to_be_bytes());
+    segment.push(5 << 4);
+    segment.push(flags);
+    segment.extend_from_slice(&64240u16.to_be_bytes());
+    segment.extend_from_slice(&[0, 0, 0, 0]);
+    segment.extend_from_slice(payload);
+    let checksum = transport_checksum((*src.ip()).into(), (*dst.ip()).into(), PROTO_TCP, &segment);
+    segment[16..18].copy_from_slice(&checksum.to_be_bytes());
+    segment
+}
+
+/// The Ethernet frame of [`tcp6`].
+pub fn tcp6_frame(
+    src: SocketAddrV6,
+    dst: SocketAddrV6,
+    flags: u8,
+    seq: u32,
+    ack: u32,
+    payload: &[u8],
+) -> Vec<u8> {
+    let segment = tcp6(src, dst, flags, seq, ack, payload);
+    ethernet(
+        ETHERTYPE_IPV6,
+        &ipv6_packet(*src.ip(), *dst.ip(), PROTO_TCP, &segment),
+    )
+}
+
+/// The TCP endpoints of an untagged IPv6 frame without extension headers,
+/// as (source, destination).
+pub fn endpoints6(frame: &[u8]) -> (SocketAddrV6, SocketAddrV6) {
+    let ip = &frame[IPV6_OFFSET..];
+    let l4 = &ip[IPV6_HEADER_LEN..];
+    let port = |at: usize| u16::from_be_bytes([l4[at], l4[at + 1]]);
+    (
+        SocketAddrV6::new(ipv6_at(ip, 8), port(0), 0, 0),
+        SocketAddrV6::new(ipv6_at(ip, 24), port(2), 0, 0),
+    )
+}
+
+/// Whether the TCP checksum of an untagged IPv6 frame without extension
+/// headers verifies (IPv6 has no header checksum).
+pub fn checksum6_verifies(frame: &[u8]) -> bool {
+    let ip = &frame[IPV6_OFFSET..];
+    let payload_len = usize::from(u16::from_be_bytes([ip[4], ip[5]]));
+    let segment = &ip[IPV6_HEADER_LEN..IPV6_HEADER_LEN + payload_len];
+    transport_checksum(
+        ipv6_at(ip, 8).into(),
+        ipv6_at(ip, 24).into(),
+        ip[6],
+        segment,
+    ) == 0
+}
+
+fn ipv6_at(ip: &[u8], at: usize) -> Ipv6Addr {
+    let octets: [u8; 16] = ip[at..at + 16].try_into().expect("16 bytes");
+    Ipv6Addr::from(octets)
 }
 
 /// An ICMP error message of `kind` and `code` quoting `quoted` (an IPv4
@@ -182,7 +283,7 @@ pub fn tcp(src: SocketAddrV4, dst: SocketAddrV4, flags: u8) -> Vec<u8> {
     segment.push(flags);
     segment.extend_from_slice(&64240u16.to_be_bytes());
     segment.extend_from_slice(&[0, 0, 0, 0]);
-    let checksum = transport_checksum(*src.ip(), *dst.ip(), PROTO_TCP, &segment);
+    let checksum = transport_checksum((*src.ip()).into(), (*dst.ip()).into(), PROTO_TCP, &segment);
     segment[16..18].copy_from_slice(&checksum.to_be_bytes());
     segment
 }
@@ -195,7 +296,7 @@ pub fn udp(src: SocketAddrV4, dst: SocketAddrV4, payload: &[u8]) -> Vec<u8> {
     datagram.extend_from_slice(&len.to_be_bytes());
     datagram.extend_from_slice(&[0, 0]);
     datagram.extend_from_slice(payload);
-    let checksum = transport_checksum(*src.ip(), *dst.ip(), PROTO_UDP, &datagram);
+    let checksum = transport_checksum((*src.ip()).into(), (*dst.ip()).into(), PROTO_UDP, &datagram);
     datagram[6..8].copy_from_slice(&checksum.to_be_bytes());
     datagram
 }
@@ -243,17 +344,23 @@ pub fn checksums_verify_at(frame: &[u8], l3: usize) -> bool {
     let src = Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]);
     let dst = Ipv4Addr::new(ip[16], ip[17], ip[18], ip[19]);
     internet_checksum(&ip[..header_len], 0) == 0
-        && transport_checksum(src, dst, ip[9], &ip[header_len..total_len]) == 0
+        && transport_checksum(src.into(), dst.into(), ip[9], &ip[header_len..total_len]) == 0
 }
 
-fn transport_checksum(src: Ipv4Addr, dst: Ipv4Addr, protocol: u8, segment: &[u8]) -> u16 {
-    let mut pseudo = Vec::with_capacity(12);
-    pseudo.extend_from_slice(&src.octets());
-    pseudo.extend_from_slice(&dst.octets());
-    pseudo.push(0);
-    pseudo.push(protocol);
-    let len = u16::try_from(segment.len()).expect("segment fits IPv4");
+/// The TCP/UDP checksum of `segment` between `src` and `dst`, over the
+/// pseudo-header of their family (RFC 793, RFC 8200: the same words but
+/// for the addresses' length).
+fn transport_checksum(src: IpAddr, dst: IpAddr, protocol: u8, segment: &[u8]) -> u16 {
+    let mut pseudo = Vec::with_capacity(40);
+    for addr in [src, dst] {
+        match addr {
+            IpAddr::V4(ip) => pseudo.extend_from_slice(&ip.octets()),
+            IpAddr::V6(ip) => pseudo.extend_from_slice(&ip.octets()),
+        }
+    }
+    let len = u32::try_from(segment.len()).expect("segment fits");
     pseudo.extend_from_slice(&len.to_be_bytes());
+    pseudo.extend_from_slice(&[0, 0, 0, protocol]);
     internet_checksum(segment, sum_words(&pseudo))
 }
 
@@ -294,7 +401,7 @@ mod tests {
         let dst = SocketAddrV4::new(Ipv4Addr::new(192, 0, 2, 2), 80);
         let segment = tcp(src, dst, TCP_SYN);
         assert_eq!(
-            transport_checksum(*src.ip(), *dst.ip(), PROTO_TCP, &segment),
+            transport_checksum((*src.ip()).into(), (*dst.ip()).into(), PROTO_TCP, &segment),
             0
         );
     }

@@ -73,9 +73,10 @@ fn cases() -> Vec<(&'static str, Vec<u8>, Verdict)> {
             Verdict::PassNotIpv4,
         ),
         (
-            "IPv6 ethertype",
+            // Next header 0x60: no protocol steering knows.
+            "IPv6, unknown next header",
             packet::ethernet(packet::ETHERTYPE_IPV6, &[0x60; 40]),
-            Verdict::PassNotIpv4,
+            Verdict::PassNotTcp,
         ),
         (
             "first fragment",

@@ -1,0 +1,189 @@
+//! IPv6 L4 steering (local mode) run on crafted frames through
+//! BPF_PROG_TEST_RUN: the XDP program tail-calls its IPv6 program, which
+//! sends a SYN to the backend Maglev gives its flow, keeps the connection
+//! there through the handshake and its data (the TC program restoring the
+//! service address on the backend's answer), with valid TCP checksums; and
+//! what IPv6 steering leaves to the kernel (extension headers, ICMPv6
+//! neighbour discovery, anything but TCP) passes untouched and counted.
+
+use std::net::{Ipv6Addr, SocketAddrV6};
+
+use balancer_common::Verdict;
+use balancer_common::l4::{Addr6, FlowKey, Outcome, addr6_be, flow_hash, port_be};
+use balancer_dataplane::XdpAction;
+use balancer_tests::ebpf_prerequisites;
+use balancer_tests::l4::{Steered, TABLE_SIZE};
+use balancer_tests::packet::{self, IPV6_HEADER_LEN, IPV6_OFFSET};
+
+const fn v6(segments: [u16; 8], port: u16) -> SocketAddrV6 {
+    let [a, b, c, d, e, f, g, h] = segments;
+    SocketAddrV6::new(Ipv6Addr::new(a, b, c, d, e, f, g, h), port, 0, 0)
+}
+
+const VIP: SocketAddrV6 = v6([0x2001, 0xdb8, 0x99, 0, 0, 0, 0, 0x100], 80);
+const CLIENT: SocketAddrV6 = v6([0x2001, 0xdb8, 1, 0, 0, 0, 0, 2], 40_000);
+const BACKENDS: [SocketAddrV6; 3] = [
+    v6([0x2001, 0xdb8, 2, 0, 0, 0, 0, 0x11], 8000),
+    v6([0x2001, 0xdb8, 2, 0, 0, 0, 0, 0x12], 8001),
+    v6([0x2001, 0xdb8, 2, 0, 0, 0, 0, 0x13], 8002),
+];
+
+fn local() -> Option<Steered<SocketAddrV6>> {
+    let object = ebpf_prerequisites()?;
+    Some(Steered::load(&object, VIP, &BACKENDS, false).expect("programming the service"))
+}
+
+fn key(src: SocketAddrV6, dst: SocketAddrV6) -> FlowKey<Addr6> {
+    FlowKey::tcp(
+        addr6_be(src.ip().octets()),
+        port_be(src.port()),
+        addr6_be(dst.ip().octets()),
+        port_be(dst.port()),
+    )
+}
+
+/// The backend a SYN from `client` gets while every backend is routable:
+/// the table slot of its flow hash.
+fn chosen(steered: &Steered<SocketAddrV6>, client: SocketAddrV6) -> SocketAddrV6 {
+    let k = key(client, VIP);
+    let hash = flow_hash(k.src_addr, k.src_port, k.dst_addr, k.dst_port);
+    let index = steered.service.table()[(hash % u64::from(TABLE_SIZE)) as usize];
+    steered.backends[index as usize]
+}
+
+fn xdp(steered: &Steered<SocketAddrV6>, frame: &[u8]) -> (XdpAction, Vec<u8>) {
+    let run = steered
+        .dataplane
+        .test_run(frame, 1, None)
+        .expect("test run");
+    (run.action, run.packet)
+}
+
+#[test]
+fn syn_to_an_ipv6_service_goes_to_its_maglev_backend_with_a_valid_checksum() {
+    let Some(steered) = local() else { return };
+    let outcomes = steered.maps.outcomes().unwrap();
+    let frame = packet::tcp6_frame(CLIENT, VIP, packet::TCP_SYN, 1000, 0, &[]);
+
+    let (action, out) = xdp(&steered, &frame);
+
+    assert_eq!(action, XdpAction::Pass, "local mode hands the packet up");
+    assert_eq!(out.len(), frame.len());
+    let (src, dst) = packet::endpoints6(&out);
+    assert_eq!(src, CLIENT);
+    assert_eq!(dst, chosen(&steered, CLIENT), "the flow's Maglev backend");
+    assert!(
+        packet::checksum6_verifies(&out),
+        "TCP checksum after rewrite"
+    );
+    // Only the destination address and port and the TCP checksum changed.
+    let l4 = IPV6_OFFSET + IPV6_HEADER_LEN;
+    let differing: Vec<usize> = (0..frame.len()).filter(|&i| frame[i] != out[i]).collect();
+    assert!(
+        differing
+            .iter()
+            .all(|&i| (IPV6_OFFSET + 24..IPV6_OFFSET + 40).contains(&i)
+                || (l4 + 2..l4 + 4).contains(&i)
+                || (l4 + 16..l4 + 18).contains(&i)),
+        "bytes {differing:?} changed"
+    );
+    let after = steered.maps.outcomes().unwrap().since(&outcomes);
+    assert_eq!(after.get(Outcome::NewFlow), 1);
+}
+
+#[test]
+fn an_ipv6_handshake_and_its_data_stay_on_one_backend() {
+    let Some(steered) = local() else { return };
+    let backend = chosen(&steered, CLIENT);
+    let syn = packet::tcp6_frame(CLIENT, VIP, packet::TCP_SYN, 1000, 0, &[]);
+    let (_, out) = xdp(&steered, &syn);
+    assert_eq!(packet::endpoints6(&out).1, backend);
+
+    // The backend answers from its own address; TC egress gives the
+    // answer the service's back.
+    let syn_ack = packet::tcp6_frame(
+        backend,
+        CLIENT,
+        packet::TCP_SYN | packet::TCP_ACK,
+        5000,
+        1001,
+        &[],
+    );
+    let reply = steered.dataplane.test_run_egress(&syn_ack).unwrap();
+    assert_eq!(packet::endpoints6(&reply.packet), (VIP, CLIENT));
+    assert!(packet::checksum6_verifies(&reply.packet));
+
+    let outcomes = steered.maps.outcomes().unwrap();
+    let ack = packet::tcp6_frame(CLIENT, VIP, packet::TCP_ACK, 1001, 5001, &[]);
+    let (action, out) = xdp(&steered, &ack);
+    assert_eq!(action, XdpAction::Pass);
+    assert_eq!(packet::endpoints6(&out), (CLIENT, backend));
+    assert!(packet::checksum6_verifies(&out));
+    let after = steered.maps.outcomes().unwrap().since(&outcomes);
+    assert_eq!(after.get(Outcome::Promoted), 1, "the ACK completes it");
+    assert!(
+        steered.maps.flow(&key(CLIENT, VIP)).unwrap().is_some(),
+        "the connection is established"
+    );
+
+    let outcomes = steered.maps.outcomes().unwrap();
+    let data = packet::tcp6_frame(CLIENT, VIP, packet::TCP_ACK, 1001, 5001, b"hello");
+    let (_, out) = xdp(&steered, &data);
+    assert_eq!(packet::endpoints6(&out), (CLIENT, backend));
+    assert!(packet::checksum6_verifies(&out));
+    let after = steered.maps.outcomes().unwrap().since(&outcomes);
+    assert_eq!(
+        after.get(Outcome::Established),
+        1,
+        "from the connection table"
+    );
+}
+
+#[test]
+fn extension_headers_neighbour_discovery_and_non_tcp_pass_untouched() {
+    let Some(steered) = local() else { return };
+    let segment = packet::tcp6(CLIENT, VIP, packet::TCP_SYN, 1000, 0, &[]);
+    // Hop-by-hop options (next: TCP, 8 bytes: one PadN of 4) before TCP.
+    let mut hop_by_hop = vec![packet::PROTO_TCP, 0, 1, 4, 0, 0, 0, 0];
+    hop_by_hop.extend_from_slice(&segment);
+    // A neighbour solicitation for the service's address.
+    let mut solicitation = vec![packet::ICMPV6_NEIGHBOR_SOLICITATION, 0, 0, 0, 0, 0, 0, 0];
+    solicitation.extend_from_slice(&VIP.ip().octets());
+    let udp = [0x9c, 0x40, 0, 80, 0, 12, 0, 0, b'p', b'i', b'n', b'g'];
+    let frame = |next_header: u8, payload: &[u8]| {
+        packet::ethernet(
+            packet::ETHERTYPE_IPV6,
+            &packet::ipv6_packet(*CLIENT.ip(), *VIP.ip(), next_header, payload),
+        )
+    };
+    for (what, input, verdict) in [
+        (
+            "hop-by-hop options",
+            frame(packet::IPV6_HOP_BY_HOP, &hop_by_hop),
+            Verdict::PassExtHeader,
+        ),
+        (
+            "neighbour solicitation",
+            frame(packet::PROTO_ICMPV6, &solicitation),
+            Verdict::PassNotTcp,
+        ),
+        ("UDP", frame(packet::PROTO_UDP, &udp), Verdict::PassNotTcp),
+    ] {
+        let before = steered.dataplane.verdict_counts().unwrap();
+        let outcomes = steered.maps.outcomes().unwrap();
+        let (action, out) = xdp(&steered, &input);
+        assert_eq!(action, XdpAction::Pass, "{what}");
+        assert_eq!(out, input, "{what} must pass untouched");
+        let counted = steered.dataplane.verdict_counts().unwrap().since(&before);
+        assert_eq!(
+            counted.iter().filter(|&(_, n)| n != 0).collect::<Vec<_>>(),
+            [(verdict, 1)],
+            "{what}"
+        );
+        let steered_any = steered.maps.outcomes().unwrap().since(&outcomes);
+        assert!(
+            steered_any.iter().all(|(_, n)| n == 0),
+            "{what} reached steering: {steered_any:?}"
+        );
+    }
+}
