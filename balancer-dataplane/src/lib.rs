@@ -803,9 +803,10 @@ fn program_mut(ebpf: &mut Ebpf) -> Result<&mut Xdp, DataplaneError> {
 }
 
 /// Loads the IPv6 steering program and puts it where the XDP program
-/// tail-calls it. The entry lasts while this process (or a pin) holds the
-/// program array: a kernel clears a program array when its last user
-/// reference goes.
+/// tail-calls it, replacing the program an earlier agent left in a pinned
+/// array. The entry lasts while this process or a pin holds the program
+/// array: a kernel clears a program array when its last user reference
+/// goes.
 fn load_ipv6_program(ebpf: &mut Ebpf) -> Result<(), DataplaneError> {
     let verify = |source| DataplaneError::Verify {
         program: IPV6_PROGRAM_NAME,

@@ -64,6 +64,27 @@ fn flow() -> (FlowKey, Flow) {
     (key, flow)
 }
 
+/// How many programs the pinned IPv6 program array holds.
+fn ipv6_programs(pins: &Pins) -> usize {
+    let path = pins
+        .state()
+        .maps_dir(&options(1024))
+        .join(balancer_common::l4::IPV6_PROGRAM);
+    let out = std::process::Command::new("bpftool")
+        .args(["--json", "map", "dump", "pinned"])
+        .arg(&path)
+        .output()
+        .expect("bpftool runs");
+    assert!(
+        out.status.success(),
+        "bpftool map dump pinned {}: {}",
+        path.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let entries: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bpftool's JSON");
+    entries.as_array().expect("a list of entries").len()
+}
+
 fn load(object: &Path, pins: &Pins, conntrack_size: u32) -> Dataplane {
     Dataplane::load_pinned(object, options(conntrack_size), Some(pins.state()))
         .expect("loading with pinned maps")
@@ -85,6 +106,10 @@ fn a_second_load_adopts_the_connection_table() {
         pins.state().maps_dir(&options(1024)).join("CONNS").exists(),
         "the maps must stay pinned after the first load goes"
     );
+    // The IPv6 program stays where the pinned XDP program tail-calls it:
+    // the pin holds the program array, which a kernel would otherwise
+    // empty when the first load's process let go of it.
+    assert_eq!(ipv6_programs(&pins), 1, "the IPv6 program's entry is gone");
     let mut second = load(&object, &pins, 1024);
     let maps = second.take_l4_maps().unwrap();
     assert_eq!(
