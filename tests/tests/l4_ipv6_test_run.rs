@@ -9,7 +9,7 @@
 use std::net::{Ipv6Addr, SocketAddrV6};
 
 use balancer_common::Verdict;
-use balancer_common::l4::{Addr6, FlowKey, Outcome, addr6_be, flow_hash, port_be};
+use balancer_common::l4::{Addr6, BackendState, FlowKey, Outcome, addr6_be, flow_hash, port_be};
 use balancer_dataplane::XdpAction;
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::l4::{Steered, TABLE_SIZE};
@@ -89,6 +89,35 @@ fn syn_to_an_ipv6_service_goes_to_its_maglev_backend_with_a_valid_checksum() {
     );
     let after = steered.maps.outcomes().unwrap().since(&outcomes);
     assert_eq!(after.get(Outcome::NewFlow), 1);
+}
+
+/// An isolated IPv6 backend gets no new connection: SYNs whose slot is
+/// its go to routable backends, and it is chosen again once routable.
+#[test]
+fn an_isolated_ipv6_backend_gets_no_new_connection() {
+    let Some(mut steered) = local() else { return };
+    let clients: Vec<SocketAddrV6> = (0..60u16)
+        .map(|i| v6([0x2001, 0xdb8, 1, 0, 0, 0, 0, 2 + i], 40_000 + i))
+        .collect();
+    let isolated = chosen(&steered, clients[0]);
+    let i = BACKENDS.iter().position(|b| *b == isolated).unwrap();
+    steered.set_state(i, BackendState::Isolated).unwrap();
+    steered.rebuild().unwrap();
+    // clients[0]'s slot is the isolated backend's: at least one SYN is moved.
+    for client in &clients {
+        let syn = packet::tcp6_frame(*client, VIP, packet::TCP_SYN, 1000, 0, &[]);
+        let (action, out) = xdp(&steered, &syn);
+        assert_eq!(action, XdpAction::Pass);
+        let to = packet::endpoints6(&out).1;
+        assert_ne!(to, isolated, "a new connection from {client} reached it");
+        assert!(BACKENDS.contains(&to));
+    }
+    steered.set_state(i, BackendState::Routable).unwrap();
+    steered.rebuild().unwrap();
+    let fresh = v6([0x2001, 0xdb8, 1, 0, 0, 0, 1, 2], 50_000);
+    let syn = packet::tcp6_frame(fresh, VIP, packet::TCP_SYN, 1000, 0, &[]);
+    let expected = chosen(&steered, fresh);
+    assert_eq!(packet::endpoints6(&xdp(&steered, &syn).1).1, expected);
 }
 
 #[test]
