@@ -25,7 +25,7 @@
 //! medians are also written there as `name<TAB>nanoseconds` lines.
 
 use std::fmt::Write as _;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
@@ -39,6 +39,82 @@ const REPEAT: u32 = 1_000_000;
 const ROUNDS: usize = 5;
 const CLIENT: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 99, 1, 2), 40_000);
 const BACKEND: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 99, 2, 11), 8000);
+
+/// What the cases need of an address family: its endpoints and frames.
+trait Family: Copy + PartialEq + Into<SocketAddr> + 'static {
+    /// Before the case's name in a row ("local{ROW}, known flow").
+    const ROW: &'static str;
+    const CLIENT: Self;
+    const BACKEND: Self;
+    /// A host beside the backend, on `port`.
+    fn elsewhere(port: u16) -> Self;
+    /// The `i`th client of the new-flow case, each four-tuple distinct.
+    fn fresh_client(i: u32) -> Self;
+    fn tcp(src: Self, dst: Self, flags: u8, seq: u32, ack: u32) -> Vec<u8>;
+    fn udp(src: Self, dst: Self, payload: &[u8]) -> Vec<u8>;
+}
+
+impl Family for SocketAddrV4 {
+    const ROW: &'static str = "";
+    const CLIENT: Self = CLIENT;
+    const BACKEND: Self = BACKEND;
+    fn elsewhere(port: u16) -> Self {
+        SocketAddrV4::new(Ipv4Addr::new(10, 99, 2, 50), port)
+    }
+    fn fresh_client(i: u32) -> Self {
+        SocketAddrV4::new(
+            Ipv4Addr::new(10, 98, (i >> 8) as u8, i as u8),
+            1024 + (i % 60_000) as u16,
+        )
+    }
+    fn tcp(src: Self, dst: Self, flags: u8, seq: u32, ack: u32) -> Vec<u8> {
+        Tcp::new(src, dst, flags, seq, ack).frame()
+    }
+    fn udp(src: Self, dst: Self, payload: &[u8]) -> Vec<u8> {
+        packet::udp_frame(src, dst, payload)
+    }
+}
+
+const fn v6(last: u16, port: u16) -> SocketAddrV6 {
+    SocketAddrV6::new(Ipv6Addr::new(0xfd99, 0, 0, 0, 0, 0, 2, last), port, 0, 0)
+}
+
+impl Family for SocketAddrV6 {
+    const ROW: &'static str = " v6";
+    const CLIENT: Self =
+        SocketAddrV6::new(Ipv6Addr::new(0xfd99, 0, 0, 0, 0, 0, 1, 2), 40_000, 0, 0);
+    const BACKEND: Self = v6(0x11, 8000);
+    fn elsewhere(port: u16) -> Self {
+        v6(0x50, port)
+    }
+    fn fresh_client(i: u32) -> Self {
+        SocketAddrV6::new(
+            Ipv6Addr::new(0xfd98, 0, 0, 0, 0, 0, (i >> 16) as u16, i as u16),
+            1024 + (i % 60_000) as u16,
+            0,
+            0,
+        )
+    }
+    fn tcp(src: Self, dst: Self, flags: u8, seq: u32, ack: u32) -> Vec<u8> {
+        packet::tcp6_frame(src, dst, flags, seq, ack, &[])
+    }
+    fn udp(src: Self, dst: Self, payload: &[u8]) -> Vec<u8> {
+        let mut segment = Vec::with_capacity(8 + payload.len());
+        segment.extend_from_slice(&src.port().to_be_bytes());
+        segment.extend_from_slice(&dst.port().to_be_bytes());
+        segment.extend_from_slice(&(8 + payload.len() as u16).to_be_bytes());
+        // A zero checksum: the program passes UDP without reading it.
+        segment.extend_from_slice(&[0, 0]);
+        segment.extend_from_slice(payload);
+        packet::ethernet(
+            ETHERTYPE_IPV6,
+            &packet::ipv6_packet(*src.ip(), *dst.ip(), PROTO_UDP, &segment),
+        )
+    }
+}
+
+const ETHERTYPE_IPV6: u16 = 0x86dd;
+const PROTO_UDP: u8 = 17;
 
 struct Case {
     name: &'static str,
@@ -56,42 +132,43 @@ struct Case {
 const HARNESS_FLOOR: &str = "harness floor (ARP frame: the program's first exit)";
 const ETHER_TYPE_ARP: u16 = 0x0806;
 
-fn cases(remote: bool) -> Vec<Case> {
+fn cases<F: Family>(remote: bool) -> Vec<Case> {
     let forwarded = if remote {
         XdpAction::Redirect
     } else {
         XdpAction::Pass
     };
-    let elsewhere = SocketAddrV4::new(Ipv4Addr::new(10, 99, 2, 50), 9999);
-    let service_port_elsewhere = SocketAddrV4::new(Ipv4Addr::new(10, 99, 2, 50), BACKEND.port());
+    let elsewhere = F::elsewhere(9999);
+    let service_port_elsewhere = F::elsewhere(F::BACKEND.into().port());
+    let ack = |to| F::tcp(F::CLIENT, to, packet::TCP_ACK, 0, 0);
     vec![
         Case {
             name: "known flow",
-            frame: handshake()[2].clone(),
+            frame: handshake::<F>()[2].clone(),
             outcome: Some(Outcome::Established),
             action: forwarded,
         },
         Case {
             name: "retransmitted SYN",
-            frame: handshake()[0].clone(),
+            frame: handshake::<F>()[0].clone(),
             outcome: Some(Outcome::NewFlow),
             action: forwarded,
         },
         Case {
             name: "pass-through (TCP, other port)",
-            frame: packet::tcp_frame(CLIENT, elsewhere, packet::TCP_ACK),
+            frame: ack(elsewhere),
             outcome: Some(Outcome::NotService),
             action: XdpAction::Pass,
         },
         Case {
             name: "pass-through (TCP, service port, other host)",
-            frame: packet::tcp_frame(CLIENT, service_port_elsewhere, packet::TCP_ACK),
+            frame: ack(service_port_elsewhere),
             outcome: Some(Outcome::NotService),
             action: XdpAction::Pass,
         },
         Case {
             name: "pass-through (UDP)",
-            frame: packet::udp_frame(CLIENT, elsewhere, b"0123456789"),
+            frame: F::udp(F::CLIENT, elsewhere, b"0123456789"),
             outcome: None,
             action: XdpAction::Pass,
         },
@@ -106,23 +183,23 @@ fn cases(remote: bool) -> Vec<Case> {
 
 /// SYN, SYN-ACK, ACK of one connection (the service is the backend's own
 /// address, so every frame is a fixed point of the rewrite).
-fn handshake() -> [Vec<u8>; 3] {
-    let frame = |src, dst, flags, seq, ack| Tcp::new(src, dst, flags, seq, ack).frame();
+fn handshake<F: Family>() -> [Vec<u8>; 3] {
+    let (client, backend) = (F::CLIENT, F::BACKEND);
     [
-        frame(CLIENT, BACKEND, packet::TCP_SYN, 1, 0),
-        frame(BACKEND, CLIENT, packet::TCP_SYN | packet::TCP_ACK, 100, 2),
-        frame(CLIENT, BACKEND, packet::TCP_ACK, 2, 101),
+        F::tcp(client, backend, packet::TCP_SYN, 1, 0),
+        F::tcp(backend, client, packet::TCP_SYN | packet::TCP_ACK, 100, 2),
+        F::tcp(client, backend, packet::TCP_ACK, 2, 101),
     ]
 }
 
 /// Runs the handshake so that the connection is established.
-fn establish(
-    steered: &Steered,
+fn establish<F: Family>(
+    steered: &Steered<F>,
     from_client: Option<u32>,
     from_backend: Option<u32>,
     remote: bool,
 ) -> Result<()> {
-    let [syn, syn_ack, ack] = handshake();
+    let [syn, syn_ack, ack] = handshake::<F>();
     steered.dataplane.test_run(&syn, 1, from_client)?;
     if remote {
         steered.dataplane.test_run(&syn_ack, 1, from_backend)?;
@@ -148,12 +225,8 @@ const FRESH: u32 = 100_000;
 /// itself), which a million repetitions spread thin. That overhead is
 /// measured on a pass-through frame the same way, one run at a time, against
 /// the same frame's million-run average, and taken off.
-fn first_syn(steered: &Steered, ifindex: Option<u32>) -> Result<f64> {
-    let udp = packet::udp_frame(
-        CLIENT,
-        SocketAddrV4::new(*BACKEND.ip(), 9999),
-        b"0123456789",
-    );
+fn first_syn<F: Family>(steered: &Steered<F>, ifindex: Option<u32>) -> Result<f64> {
+    let udp = F::udp(F::CLIENT, F::elsewhere(9999), b"0123456789");
     let mut single = Duration::ZERO;
     for _ in 0..FRESH {
         single += steered.dataplane.test_run(&udp, 1, ifindex)?.duration;
@@ -170,11 +243,7 @@ fn first_syn(steered: &Steered, ifindex: Option<u32>) -> Result<f64> {
     let before = steered.maps.outcomes()?;
     let mut total = Duration::ZERO;
     for i in 0..FRESH {
-        let client = SocketAddrV4::new(
-            Ipv4Addr::new(10, 98, (i >> 8) as u8, i as u8),
-            1024 + (i % 60_000) as u16,
-        );
-        let frame = Tcp::new(client, BACKEND, packet::TCP_SYN, i, 0).frame();
+        let frame = F::tcp(F::fresh_client(i), F::BACKEND, packet::TCP_SYN, i, 0);
         total += steered.dataplane.test_run(&frame, 1, ifindex)?.duration;
     }
     let moved = steered.maps.outcomes()?.since(&before);
@@ -196,7 +265,11 @@ fn median(mut values: Vec<f64>) -> f64 {
 }
 
 /// Median nanoseconds per run of each case.
-fn measure(steered: &Steered, cases: &[Case], ifindex: Option<u32>) -> Result<Vec<f64>> {
+fn measure<F: Family>(
+    steered: &Steered<F>,
+    cases: &[Case],
+    ifindex: Option<u32>,
+) -> Result<Vec<f64>> {
     let mut medians = Vec::new();
     for case in cases {
         let mut rounds = Vec::new();
@@ -247,6 +320,31 @@ fn report(rows: &[(String, f64)]) -> Result<()> {
     Ok(())
 }
 
+/// Local mode's rows of family `F`: its first `count` cases (the forwarded
+/// ones, and with IPv6 the pass-through that walks the IPv6 program), and a
+/// new flow.
+fn local<F: Family>(
+    object: &std::path::Path,
+    from_client: Option<u32>,
+    count: usize,
+    rows: &mut Vec<(String, f64)>,
+) -> Result<()> {
+    let local = Steered::load_sized(object, F::BACKEND, &[F::BACKEND], false, 1 << 20)?;
+    establish(&local, from_client, None, false)?;
+    let cases = cases::<F>(false);
+    for (case, ns) in cases
+        .iter()
+        .zip(measure(&local, &cases[..count], from_client)?)
+    {
+        rows.push((format!("local{}, {}", F::ROW, case.name), ns));
+    }
+    rows.push((
+        format!("local{}, new flow", F::ROW),
+        first_syn(&local, from_client)?,
+    ));
+    Ok(())
+}
+
 #[test]
 #[ignore = "a benchmark: run by `cargo xtask bench l4`"]
 fn per_packet_cost() {
@@ -266,7 +364,7 @@ fn per_packet_cost() {
             let remote = Steered::load_sized(&object, BACKEND, &[BACKEND], true, 1 << 20)?;
             remote.maps.set_keep_ttl(true)?;
             establish(&remote, from_client, from_backend, true)?;
-            let remote_cases = cases(true);
+            let remote_cases = cases::<SocketAddrV4>(true);
             for (case, ns) in remote_cases
                 .iter()
                 .zip(measure(&remote, &remote_cases, from_client)?)
@@ -302,20 +400,10 @@ fn per_packet_cost() {
             ));
             drop(remote);
 
-            let local = Steered::load_sized(&object, BACKEND, &[BACKEND], false, 1 << 20)?;
-            establish(&local, from_client, None, false)?;
-            let local_cases = cases(false);
-            for (case, ns) in
-                local_cases
-                    .iter()
-                    .zip(measure(&local, &local_cases[..2], from_client)?)
-            {
-                rows.push((format!("local, {}", case.name), ns));
-            }
-            rows.push((
-                "local, new flow".to_owned(),
-                first_syn(&local, from_client)?,
-            ));
+            local::<SocketAddrV4>(&object, from_client, 2, &mut rows)?;
+            // IPv6 is steered in local mode only so far; its cases are the
+            // same, through the tail-called IPv6 program.
+            local::<SocketAddrV6>(&object, from_client, 3, &mut rows)?;
             Ok(rows)
         },
     );
