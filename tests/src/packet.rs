@@ -3,7 +3,7 @@
 //! Checksums are computed properly even where the current program does not
 //! look at them, so the same frames keep working once it rewrites packets.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddrV4, SocketAddrV6};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 
 pub const ETHERTYPE_IPV4: u16 = 0x0800;
 pub const ETHERTYPE_ARP: u16 = 0x0806;
@@ -288,7 +288,10 @@ pub fn tcp(src: SocketAddrV4, dst: SocketAddrV4, flags: u8) -> Vec<u8> {
     segment
 }
 
-pub fn udp(src: SocketAddrV4, dst: SocketAddrV4, payload: &[u8]) -> Vec<u8> {
+/// A UDP datagram between endpoints of either family, its checksum over
+/// that family's pseudo-header.
+pub fn udp<A: Into<SocketAddr>>(src: A, dst: A, payload: &[u8]) -> Vec<u8> {
+    let (src, dst): (SocketAddr, SocketAddr) = (src.into(), dst.into());
     let len = u16::try_from(8 + payload.len()).expect("datagram fits UDP");
     let mut datagram = Vec::with_capacity(usize::from(len));
     datagram.extend_from_slice(&src.port().to_be_bytes());
@@ -296,9 +299,18 @@ pub fn udp(src: SocketAddrV4, dst: SocketAddrV4, payload: &[u8]) -> Vec<u8> {
     datagram.extend_from_slice(&len.to_be_bytes());
     datagram.extend_from_slice(&[0, 0]);
     datagram.extend_from_slice(payload);
-    let checksum = transport_checksum((*src.ip()).into(), (*dst.ip()).into(), PROTO_UDP, &datagram);
+    let checksum = transport_checksum(src.ip(), dst.ip(), PROTO_UDP, &datagram);
     datagram[6..8].copy_from_slice(&checksum.to_be_bytes());
     datagram
+}
+
+/// A whole Ethernet + IPv6 + UDP frame.
+pub fn udp6_frame(src: SocketAddrV6, dst: SocketAddrV6, payload: &[u8]) -> Vec<u8> {
+    let datagram = udp(src, dst, payload);
+    ethernet(
+        ETHERTYPE_IPV6,
+        &ipv6_packet(*src.ip(), *dst.ip(), PROTO_UDP, &datagram),
+    )
 }
 
 /// A whole Ethernet + IPv4 + TCP frame.
