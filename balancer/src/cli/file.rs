@@ -36,12 +36,21 @@ const WORKERS: &str = "workers";
 pub struct ConfigFile {
     /// The file's path as given, for errors.
     path: PathBuf,
-    /// Per key the file sets: the key as written and its flag's long name.
-    keys: Vec<(String, String)>,
-    /// Per flag the file sets (its clap id), its arguments for the parser.
-    settings: Vec<(String, Vec<OsString>)>,
+    /// The keys the file sets, in its order.
+    settings: Vec<Setting>,
     /// The `[[workers]]` tables, each validated.
     pub workers: Vec<WorkerSpec>,
+}
+
+/// One key of the file.
+#[derive(Debug)]
+struct Setting {
+    /// As the file spells it.
+    key: String,
+    /// Its flag's clap id.
+    id: String,
+    /// Its arguments for the parser (none: a switch set to false).
+    args: Vec<OsString>,
 }
 
 impl ConfigFile {
@@ -66,9 +75,7 @@ impl ConfigFile {
             });
             anyhow!("{name}{at}: {}", e.message().trim().replace('\n', "; "))
         })?;
-        let mut settings: Vec<(String, Vec<OsString>)> = Vec::new();
-        let mut keys: Vec<(&str, &str)> = Vec::new();
-        let mut longs = Vec::new();
+        let mut settings: Vec<Setting> = Vec::new();
         let mut workers = Vec::new();
         for (key, value) in &table {
             if key == WORKERS {
@@ -79,34 +86,32 @@ impl ConfigFile {
                 .find(|a| names(a).any(|n| n == key.replace('_', "-")))
                 .ok_or_else(|| unknown_key(command, key, path))?;
             let id = arg.get_id().as_str();
-            if let Some((other, _)) = keys.iter().find(|(_, i)| *i == id) {
-                bail!("{name}: key '{key}': '{other}' sets it too");
+            if let Some(other) = settings.iter().find(|s| s.id == id) {
+                bail!("{name}: key '{key}': '{}' sets it too", other.key);
             }
-            keys.push((key, id));
-            longs.push((key.clone(), arg.get_long().unwrap_or_default().to_owned()));
+            // Two keys whose flags exclude each other: said here, as the
+            // file's, rather than by clap as two flags nobody typed.
             let args = arguments(command, arg, value)
                 .map_err(|why| anyhow!("{name}: key '{key}': {why}"))?;
-            settings.push((id.to_owned(), args));
-        }
-        // Two keys whose flags exclude each other: said here, as the file's,
-        // rather than by clap as two flags nobody typed.
-        let arg_of = |id: &str| command.get_arguments().find(|a| a.get_id() == id);
-        let set = |id: &str| settings.iter().any(|(i, args)| i == id && !args.is_empty());
-        for (i, (key, id)) in keys.iter().enumerate() {
-            for (other, other_id) in &keys[..i] {
-                let (Some(a), Some(b)) = (arg_of(id), arg_of(other_id)) else {
-                    continue;
-                };
-                let conflict = command.get_arg_conflicts_with(a).contains(&b)
-                    || command.get_arg_conflicts_with(b).contains(&a);
-                if conflict && set(id) && set(other_id) {
-                    bail!("{name}: keys '{other}' and '{key}' cannot be used together");
-                }
+            if !args.is_empty()
+                && let Some(other) = settings.iter().find(|s| {
+                    !s.args.is_empty()
+                        && arg_of(command, &s.id).is_some_and(|o| conflict(command, arg, o))
+                })
+            {
+                bail!(
+                    "{name}: keys '{}' and '{key}' cannot be used together",
+                    other.key
+                );
             }
+            settings.push(Setting {
+                key: key.clone(),
+                id: id.to_owned(),
+                args,
+            });
         }
         Ok(Self {
             path: path.to_owned(),
-            keys: longs,
             settings,
             workers,
         })
@@ -128,22 +133,18 @@ impl ConfigFile {
             let end = name
                 .find(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
                 .unwrap_or(name.len());
-            (end > 0).then(|| &name[..end])
-        });
-        let on_command_line = |long: &str| {
-            let arg = command
+            let long = &name[..end];
+            command
                 .get_arguments()
-                .find(|a| names(a).any(|n| n == long));
-            given.zip(arg).is_some_and(|(m, arg)| {
-                m.value_source(arg.get_id().as_str()) == Some(ValueSource::CommandLine)
-            })
-        };
-        for long in mentioned {
-            if on_command_line(long) {
+                .find(|a| names(a).any(|n| n == long))
+        });
+        for arg in mentioned {
+            let id = arg.get_id().as_str();
+            if given_elsewhere(given, id) {
                 break;
             }
-            if let Some((key, _)) = self.keys.iter().find(|(_, l)| l == long) {
-                return anyhow!("{}: key '{key}': {text}", self.path.display());
+            if let Some(setting) = self.settings.iter().find(|s| s.id == id) {
+                return anyhow!("{}: key '{}': {text}", self.path.display(), setting.key);
             }
         }
         error
@@ -153,31 +154,42 @@ impl ConfigFile {
     /// alone) leaves to it: neither given there nor in conflict with one
     /// that is.
     pub fn args_under(&self, command: &Command, given: Option<&ArgMatches>) -> Vec<OsString> {
-        let on_command_line = |id: &str| {
-            given.is_some_and(|m| {
-                matches!(
-                    m.value_source(id),
-                    Some(ValueSource::CommandLine | ValueSource::EnvVariable)
-                )
-            })
-        };
-        let arg = |id: &str| command.get_arguments().find(|a| a.get_id() == id);
-        let conflict = |a: &Arg, b: &Arg| {
-            command.get_arg_conflicts_with(a).contains(&b)
-                || command.get_arg_conflicts_with(b).contains(&a)
-        };
         self.settings
             .iter()
-            .filter(|(id, _)| {
-                let Some(this) = arg(id) else { return false };
-                !on_command_line(id)
+            .filter(|s| {
+                let Some(this) = arg_of(command, &s.id) else {
+                    return false;
+                };
+                !given_elsewhere(given, &s.id)
                     && !command.get_arguments().any(|other| {
-                        on_command_line(other.get_id().as_str()) && conflict(this, other)
+                        given_elsewhere(given, other.get_id().as_str())
+                            && conflict(command, this, other)
                     })
             })
-            .flat_map(|(_, args)| args.iter().cloned())
+            .flat_map(|s| s.args.iter().cloned())
             .collect()
     }
+}
+
+/// Whether the command line (or an environment variable), parsed alone as
+/// `given`, set the flag `id`: then the file's key gives way.
+fn given_elsewhere(given: Option<&ArgMatches>, id: &str) -> bool {
+    given.is_some_and(|m| {
+        matches!(
+            m.value_source(id),
+            Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+        )
+    })
+}
+
+/// The flag of clap id `id`.
+fn arg_of<'c>(command: &'c Command, id: &str) -> Option<&'c Arg> {
+    command.get_arguments().find(|a| a.get_id() == id)
+}
+
+/// Whether flags `a` and `b` exclude each other (either way round).
+fn conflict(command: &Command, a: &Arg, b: &Arg) -> bool {
+    command.get_arg_conflicts_with(a).contains(&b) || command.get_arg_conflicts_with(b).contains(&a)
 }
 
 /// The flags a file may set: those taking values or switched on, but not
