@@ -168,17 +168,31 @@ fn an_ipv6_handshake_and_its_data_stay_on_one_backend() {
     );
 }
 
+/// IPv6 next-header values of the extension headers below (RFC 8200).
+const IPV6_ROUTING: u8 = 43;
+const IPV6_FRAGMENT: u8 = 44;
+const IPV6_DESTINATION_OPTIONS: u8 = 60;
+
 #[test]
 fn extension_headers_neighbour_discovery_and_non_tcp_pass_untouched() {
     let Some(steered) = local() else { return };
     let segment = packet::tcp6(CLIENT, VIP, packet::TCP_SYN, 1000, 0, &[]);
-    // Hop-by-hop options (next: TCP, 8 bytes: one PadN of 4) before TCP.
-    let mut hop_by_hop = vec![packet::PROTO_TCP, 0, 1, 4, 0, 0, 0, 0];
-    hop_by_hop.extend_from_slice(&segment);
+    // An 8-byte extension header before TCP: hop-by-hop and destination
+    // options (one PadN of 4), a routing header (type 4, no segments
+    // left), a fragment header (the first fragment, more to come).
+    let before_tcp = |header: [u8; 7]| {
+        let mut extended = vec![packet::PROTO_TCP];
+        extended.extend_from_slice(&header);
+        extended.extend_from_slice(&segment);
+        extended
+    };
+    let options = before_tcp([0, 1, 4, 0, 0, 0, 0]);
+    let routing = before_tcp([0, 4, 0, 0, 0, 0, 0]);
+    let fragment = before_tcp([0, 0, 1, 0, 0, 0, 7]);
     // A neighbour solicitation for the service's address.
     let mut solicitation = vec![packet::ICMPV6_NEIGHBOR_SOLICITATION, 0, 0, 0, 0, 0, 0, 0];
     solicitation.extend_from_slice(&VIP.ip().octets());
-    let udp = [0x9c, 0x40, 0, 80, 0, 12, 0, 0, b'p', b'i', b'n', b'g'];
+    let udp = packet::udp(CLIENT, VIP, b"ping");
     let frame = |next_header: u8, payload: &[u8]| {
         packet::ethernet(
             packet::ETHERTYPE_IPV6,
@@ -188,8 +202,23 @@ fn extension_headers_neighbour_discovery_and_non_tcp_pass_untouched() {
     for (what, input, verdict) in [
         (
             "hop-by-hop options",
-            frame(packet::IPV6_HOP_BY_HOP, &hop_by_hop),
+            frame(packet::IPV6_HOP_BY_HOP, &options),
             Verdict::PassExtHeader,
+        ),
+        (
+            "destination options",
+            frame(IPV6_DESTINATION_OPTIONS, &options),
+            Verdict::PassExtHeader,
+        ),
+        (
+            "routing header",
+            frame(IPV6_ROUTING, &routing),
+            Verdict::PassExtHeader,
+        ),
+        (
+            "fragment header",
+            frame(IPV6_FRAGMENT, &fragment),
+            Verdict::PassFragment,
         ),
         (
             "neighbour solicitation",
