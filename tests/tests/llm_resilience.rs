@@ -401,11 +401,14 @@ async fn min_completion_tokens_spares_small_asks_and_full_answers_and_is_per_wor
     assert_eq!(a.failures[FailureReason::Quality as usize], 1);
     h.stop().await;
 
-    // Off by flag, on for one worker through the admin API.
+    // Off by flag, on for one worker through the admin API. Round robin:
+    // both workers get some of the six chats (the default policy may send
+    // all of them to one).
     let h = harness(&["a", "b"], |c| {
         quiet(c);
         c.breaker.settings.failure_threshold = 1;
         c.proxy.retry.max_attempts = 1;
+        c.policy = Policy::RoundRobin;
     })
     .await;
     let list = h.admin(Method::GET, "/workers", "").await.json();
