@@ -238,34 +238,39 @@ fn fill<A: Addr>(found: Option<Flow<A>>, out: &mut MaybeUninit<Flow<A>>) -> bool
     }
 }
 
-/// Stores both entries of a connection that has not proven itself yet. On
-/// failure neither is left behind (a forward entry without its reply would
-/// send packets whose answers nothing restores).
+/// Stores the entry a SYN needs: the reply direction's, which the
+/// backend's SYN-ACK must find to get the service back as its source. The
+/// forward entry is made from it when the backend answers (see [`track`]),
+/// so a SYN pays one insert, and a SYN flood one per packet: the reply
+/// entry carries the client's next sequence number in its `ack` (what the
+/// backend's SYN-ACK must acknowledge), which is what the forward entry
+/// needs to start from.
 ///
 /// A SYN that finds its own handshake still waiting (same initial sequence
-/// number, nothing closed) is the client trying again: unanswered, the backend's handshake
-/// timed out, which its counters record. When the SYN went to the same
-/// backend, the entries already say everything it would write, and they
-/// stay: two lookups instead of replacing both entries, which costs an LRU
-/// node each (a retransmitted SYN is what a SYN flood of one four-tuple
-/// is made of).
+/// number, same backend, nothing closed) is the client trying again:
+/// unanswered, the backend's handshake timed out, which its counters
+/// record, and the entries stay (one lookup instead of an insert, which
+/// costs an LRU node; a retransmitted SYN is what a SYN flood of one
+/// four-tuple is made of). A forward entry an earlier connection on the
+/// four-tuple left is replaced when the backend answers ([`track`]).
 #[inline(always)]
 pub fn open<F: Family>(key: &FlowKey<F::Addr>, flow: &Flow<F::Addr>) {
-    if let Some(entry) = F::embryonic().get_ptr(key) {
-        // SAFETY: a successful lookup, copied at once.
-        let old = unsafe { *entry };
-        let over = FLAG_REPLY | FLAG_RECOVERED | FLAG_FIN_CLIENT | FLAG_FIN_BACKEND;
-        if old.flags & over == 0
-            && old.closed == 0
-            && old.seq == flow.seq
-            && retransmitted::<F>(key, &old)
-            && old.backend == flow.backend
-            && old.addr == flow.addr
-            && old.port == flow.port
-        {
-            return;
-        }
+    let (peer_key, mut peer) = flow.peer(key);
+    peer.ack = flow.seq;
+    if retransmitted::<F>(&peer_key, &peer) {
+        return;
     }
+    if F::embryonic().insert(&peer_key, &peer, 0).is_err() {
+        outcome(Outcome::ConntrackFull);
+    }
+}
+
+/// Stores both entries of a connection a mid-flow packet recovers (its
+/// forward entry `flow` carries what the client sent). On failure neither
+/// is left behind (a forward entry without its reply would send packets
+/// whose answers nothing restores).
+#[inline(always)]
+pub fn recover<F: Family>(key: &FlowKey<F::Addr>, flow: &Flow<F::Addr>) {
     if F::embryonic().insert(key, flow, 0).is_err() {
         outcome(Outcome::ConntrackFull);
         return;
@@ -277,17 +282,32 @@ pub fn open<F: Family>(key: &FlowKey<F::Addr>, flow: &Flow<F::Addr>) {
     }
 }
 
-/// The client sent the SYN of `old` (its forward entry at `key`) again:
-/// counts a timeout of the backend if its SYN-ACK has not been seen.
-/// Whether the reply entry is there (if not, the entries are written anew).
+/// Whether the reply entry at `reply_key` is the handshake of a SYN that
+/// would make `fresh` there (the same backend and service, the same
+/// client's next sequence number, nothing closed): the SYN was sent
+/// again. If the backend has not answered it, counts a timeout of the
+/// backend. (Answered, the entry's `ack` is what the backend acknowledged,
+/// which for the SYN's own handshake is that same number.)
 #[inline(always)]
-fn retransmitted<F: Family>(key: &FlowKey<F::Addr>, old: &Flow<F::Addr>) -> bool {
-    let Some(reply) = F::embryonic().get_ptr(&old.peer_key(key)) else {
+fn retransmitted<F: Family>(reply_key: &FlowKey<F::Addr>, fresh: &Flow<F::Addr>) -> bool {
+    let Some(reply) = F::embryonic().get_ptr(reply_key) else {
         return false;
     };
-    // SAFETY: a successful lookup, read at once.
-    let answered = unsafe { (*reply).flags } & FLAG_SEQ != 0;
-    if !answered && let Some(stats) = backend_stats(old.backend) {
+    // SAFETY: a successful lookup, copied at once.
+    let reply = unsafe { *reply };
+    let over = FLAG_RECOVERED | FLAG_FIN_CLIENT | FLAG_FIN_BACKEND;
+    if reply.flags & (over | FLAG_REPLY) != FLAG_REPLY
+        || reply.closed != 0
+        || reply.ack != fresh.ack
+        || reply.backend != fresh.backend
+        || reply.addr != fresh.addr
+        || reply.port != fresh.port
+    {
+        return false;
+    }
+    if reply.flags & FLAG_SEQ == 0
+        && let Some(stats) = backend_stats(reply.backend)
+    {
         stats.timeouts += 1;
         stats.last_signal_ns = now_ns();
     }
@@ -341,17 +361,32 @@ fn track<F: Family>(
     } else {
         // SAFETY: as above.
         unsafe { (*entry).checked = now };
-        match table.get_ptr_mut(&peer_key) {
-            Some(found) => Some(found),
-            None => {
+        let awaited = awaits_forward::<F>(table, &own);
+        let found = table.get_ptr_mut(&peer_key);
+        let usable = match found {
+            // SAFETY: a successful lookup.
+            Some(peer) => !awaited || unsafe { starts_at(peer, own.ack, backend) },
+            None => false,
+        };
+        if usable {
+            found
+        } else {
+            // SAFETY: as above.
+            let (_, mut fresh) = unsafe { (*entry).peer(key) };
+            if awaited {
+                // The backend answers a SYN: the forward entry starts at
+                // the client's next sequence number, which the SYN left in
+                // this entry (see `open`); one found there belongs to an
+                // earlier connection on the four-tuple and is replaced.
+                fresh.seq = own.ack;
+                fresh.flags |= FLAG_SEQ;
+            } else {
                 outcome(Outcome::PeerRestored);
-                // SAFETY: as above.
-                let (_, fresh) = unsafe { (*entry).peer(key) };
-                if table.insert(&peer_key, &fresh, 0).is_err() {
-                    outcome(Outcome::ConntrackFull);
-                }
-                table.get_ptr_mut(&peer_key)
             }
+            if table.insert(&peer_key, &fresh, 0).is_err() {
+                outcome(Outcome::ConntrackFull);
+            }
+            table.get_ptr_mut(&peer_key)
         }
     };
     // SAFETY: as for `entry`.
@@ -405,6 +440,29 @@ fn track<F: Family>(
         }
     }
     found
+}
+
+/// Whether `own` is a reply entry of a SYN's handshake the backend has not
+/// answered yet, whose forward entry is made when it answers ([`open`]).
+#[inline(always)]
+fn awaits_forward<F: Family>(table: &'static Table<F::Addr>, own: &Sent) -> bool {
+    core::ptr::eq(table, F::embryonic())
+        && own.flags & (FLAG_REPLY | FLAG_SEQ | FLAG_RECOVERED) == FLAG_REPLY
+}
+
+/// Whether the forward entry `entry` is the one a handshake's SYN would
+/// make: open, to `backend`, starting at the client's next sequence number
+/// `next`.
+///
+/// # Safety
+/// `entry` points at a live map value.
+#[inline(always)]
+unsafe fn starts_at<A: Addr>(entry: *const Flow<A>, next: u32, backend: u32) -> bool {
+    let over = FLAG_REPLY | FLAG_RECOVERED | FLAG_FIN_CLIENT | FLAG_FIN_BACKEND;
+    // SAFETY: the caller's promise.
+    let own = unsafe { Sent::of(entry) };
+    let (closed, to) = unsafe { ((*entry).closed, (*entry).backend) };
+    own.flags & (over | FLAG_SEQ) == FLAG_SEQ && own.seq == next && closed == 0 && to == backend
 }
 
 /// Whether a reset is the connection's own: it carries exactly the next

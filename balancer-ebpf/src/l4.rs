@@ -337,7 +337,7 @@ fn admit<F: Family>(
         if !seg.has(TcpHdr::RST) {
             flow.flags |= FLAG_RECOVERED;
             flow.ack = seg.ack;
-            conntrack::open::<F>(key, &flow);
+            conntrack::recover::<F>(key, &flow);
         }
         outcome(Outcome::Recovered);
     }

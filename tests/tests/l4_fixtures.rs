@@ -489,7 +489,8 @@ fn a_syn_flood_churns_only_the_embryonic_table() {
         return;
     };
     // 1024 established entries; the embryonic table at its floor, which
-    // the flood fills twice over (two entries per SYN).
+    // the flood fills (one entry per SYN: at least one CPU's share of
+    // the entries, whichever CPUs the runs land on).
     const CONNTRACK: u32 = 1024;
     let embryonic = LoadOptions {
         conntrack_size: CONNTRACK,

@@ -60,6 +60,18 @@ impl Iterator for Clients {
     }
 }
 
+/// The backend's SYN-ACK to `CLIENT` through the TC egress program, which
+/// restores the service as its source.
+fn answer(steered: &Steered, backend: SocketAddrV4) {
+    let syn_ack = packet::tcp_frame(backend, CLIENT, packet::TCP_SYN | packet::TCP_ACK);
+    let run = steered.dataplane.test_run_egress(&syn_ack).unwrap();
+    assert_eq!(
+        packet::endpoints(&run.packet),
+        (VIP, CLIENT),
+        "SYN-ACK restored"
+    );
+}
+
 /// Runs the XDP program once and returns its action and the frame after.
 fn xdp(steered: &Steered, frame: &[u8], ifindex: Option<u32>) -> (XdpAction, Vec<u8>) {
     let run = steered
@@ -149,14 +161,15 @@ fn syn_to_service_is_rewritten_to_a_routable_backend_with_valid_checksums() {
     let stats = steered.maps.backend_stats(backend as u32).unwrap();
     assert_eq!((stats.connections, stats.packets), (1, 1));
 
-    // A SYN's entries wait in the embryonic table for the handshake.
+    // A SYN's entry waits in the embryonic table for the handshake: the
+    // reply direction's, which restores the service on the backend's
+    // SYN-ACK and holds the client's next sequence number; the forward
+    // entry is made from it when the backend answers.
     assert_eq!(steered.maps.flow(&flow_key(CLIENT, VIP)).unwrap(), None);
-    let forward = steered
-        .maps
-        .embryonic_flow(&flow_key(CLIENT, VIP))
-        .unwrap()
-        .expect("forward entry");
-    assert_eq!(forward.backend, backend as u32);
+    assert_eq!(
+        steered.maps.embryonic_flow(&flow_key(CLIENT, VIP)).unwrap(),
+        None
+    );
     let reply = steered
         .maps
         .embryonic_flow(&flow_key(dst, CLIENT))
@@ -167,6 +180,19 @@ fn syn_to_service_is_rewritten_to_a_routable_backend_with_valid_checksums() {
         (addr_be(VIP.ip().octets()), port_be(VIP.port())),
         "the reply entry restores the service"
     );
+    let syn_seq = u32::from_be_bytes(frame[packet::IPV4_OFFSET + 24..][..4].try_into().unwrap());
+    assert_eq!(reply.ack, syn_seq.wrapping_add(1));
+
+    answer(&steered, dst);
+    let forward = steered
+        .maps
+        .embryonic_flow(&flow_key(CLIENT, VIP))
+        .unwrap()
+        .expect("forward entry, once the backend answered");
+    assert_eq!(forward.backend, backend as u32);
+    assert_eq!(forward.seq, syn_seq.wrapping_add(1));
+    let moved = steered.maps.outcomes().unwrap().since(&outcomes);
+    assert_eq!(moved.get(Outcome::PeerRestored), 0, "{moved:?}");
 }
 
 #[test]
@@ -213,6 +239,7 @@ fn established_flow_keeps_its_backend_after_isolation() {
     let (_, out) = xdp(&steered, &syn(CLIENT), None);
     let (_, first) = packet::endpoints(&out);
     let chosen = steered.backend_of(first).unwrap();
+    answer(&steered, first);
 
     steered.set_state(chosen, BackendState::Isolated).unwrap();
     steered.rebuild().unwrap();
@@ -235,6 +262,7 @@ fn established_flow_keeps_its_backend_after_isolation() {
         "a new connection went to the isolated backend"
     );
     // ... and from then on the flow follows its new backend.
+    answer(&steered, again);
     let (_, out) = xdp(&steered, &ack(CLIENT), None);
     assert_eq!(packet::endpoints(&out).1, again);
 }
@@ -304,7 +332,9 @@ fn closed_connection_stops_restoring_replies() {
     let Some(steered) = local() else { return };
     let open = |steered: &Steered| {
         let (_, out) = xdp(steered, &syn(CLIENT), None);
-        packet::endpoints(&out).1
+        let backend = packet::endpoints(&out).1;
+        answer(steered, backend);
+        backend
     };
     let close = |steered: &Steered, backend: SocketAddrV4| {
         let fin_ack = packet::TCP_FIN | packet::TCP_ACK;
