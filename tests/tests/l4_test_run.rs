@@ -268,6 +268,52 @@ fn established_flow_keeps_its_backend_after_isolation() {
 }
 
 #[test]
+fn a_new_handshake_replaces_what_an_abandoned_one_left() {
+    let Some(mut steered) = local() else { return };
+    let tcp = |src, dst, flags, seq, ack| packet::Tcp::new(src, dst, flags, seq, ack).frame();
+    let syn_ack = packet::TCP_SYN | packet::TCP_ACK;
+    // A handshake the backend answered and the client abandoned: its
+    // forward entry stays in the embryonic table.
+    let (_, out) = xdp(&steered, &tcp(CLIENT, VIP, packet::TCP_SYN, 1_000, 0), None);
+    let first = packet::endpoints(&out).1;
+    steered
+        .dataplane
+        .test_run_egress(&tcp(first, CLIENT, syn_ack, 5_000, 1_001))
+        .unwrap();
+    // A new connection on the four-tuple goes elsewhere (the first backend
+    // isolated since) and its backend answers: the client's ACK must
+    // follow the new handshake, not the entry the old one left.
+    steered
+        .set_state(steered.backend_of(first).unwrap(), BackendState::Isolated)
+        .unwrap();
+    steered.rebuild().unwrap();
+    let (_, out) = xdp(&steered, &tcp(CLIENT, VIP, packet::TCP_SYN, 9_000, 0), None);
+    let second = packet::endpoints(&out).1;
+    assert_ne!(
+        second, first,
+        "a new connection went to the isolated backend"
+    );
+    let run = steered
+        .dataplane
+        .test_run_egress(&tcp(second, CLIENT, syn_ack, 7_000, 9_001))
+        .unwrap();
+    assert_eq!(packet::endpoints(&run.packet), (VIP, CLIENT));
+    let before = steered.maps.outcomes().unwrap();
+    let (_, out) = xdp(
+        &steered,
+        &tcp(CLIENT, VIP, packet::TCP_ACK, 9_001, 7_001),
+        None,
+    );
+    assert_eq!(
+        packet::endpoints(&out).1,
+        second,
+        "the ACK followed the old entry"
+    );
+    let moved = steered.maps.outcomes().unwrap().since(&before);
+    assert_eq!(moved.get(Outcome::Promoted), 1, "{moved:?}");
+}
+
+#[test]
 fn unknown_flow_is_recovered_onto_its_live_backend() {
     let Some(steered) = local() else { return };
     // An ACK without a SYN seen first (the tables lost it, or the
