@@ -449,7 +449,9 @@ pub struct Flow<A = u32> {
     /// sender's own.
     pub seq: u32,
     /// The sender's last acknowledgement (host order): the next byte it
-    /// expects, where the peer's in-window resets start.
+    /// expects, where the peer's in-window resets start. (A reply entry a
+    /// SYN made, before the backend answers: the client's next sequence
+    /// number, which the forward entry is made from.)
     pub ack: u32,
     /// The sender's last advertised window, unscaled: a lower bound of the
     /// real one, so the in-window test errs toward ignoring a reset.

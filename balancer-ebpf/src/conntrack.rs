@@ -444,10 +444,13 @@ fn track<F: Family>(
 
 /// Whether `own` is a reply entry of a SYN's handshake the backend has not
 /// answered yet, whose forward entry is made when it answers ([`open`]).
+/// (An entry without the client's number, `ack` 0, was written by an
+/// earlier build, which wrote the forward entry at the SYN.)
 #[inline(always)]
 fn awaits_forward<F: Family>(table: &'static Table<F::Addr>, own: &Sent) -> bool {
     core::ptr::eq(table, F::embryonic())
         && own.flags & (FLAG_REPLY | FLAG_SEQ | FLAG_RECOVERED) == FLAG_REPLY
+        && own.ack != 0
 }
 
 /// Whether the forward entry `entry` is the one a handshake's SYN would
