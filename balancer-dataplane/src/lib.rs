@@ -744,6 +744,25 @@ impl Dataplane {
         Ok(())
     }
 
+    /// How many instructions the kernel's verifier walked to load each
+    /// program (its limit is a million per program), by program name;
+    /// `None` where the kernel does not say (before 5.16).
+    pub fn verified_instructions(&self) -> Vec<(String, Option<u32>)> {
+        let mut counts: Vec<(String, Option<u32>)> = self
+            .ebpf
+            .programs()
+            .map(|(name, program)| {
+                let count = program
+                    .info()
+                    .ok()
+                    .and_then(|info| info.verified_instruction_count());
+                (name.to_owned(), count)
+            })
+            .collect();
+        counts.sort();
+        counts
+    }
+
     /// The per-verdict packet counters, summed over all CPUs.
     pub fn verdict_counts(&self) -> Result<VerdictCounts, DataplaneError> {
         let map_error = |source| DataplaneError::Map {
