@@ -195,6 +195,7 @@ fn every_program_reports_its_verified_instructions() {
     for program in [
         balancer_common::PROGRAM_NAME,
         balancer_common::l4::IPV6_PROGRAM_NAME,
+        balancer_common::l4::ICMP6_PROGRAM_NAME,
         balancer_common::l4::EGRESS_PROGRAM_NAME,
     ] {
         assert!(names.contains(&program), "{program} missing from {names:?}");
