@@ -1034,29 +1034,50 @@ fn remote_steps6(steered: &Steered<SocketAddrV6>, net: &Router) -> Vec<Step<Addr
     let b = chosen(steered, CLIENT6);
     let c1 = CLIENT_ISN + 1;
     let (syn, ack) = (packet::TCP_SYN, packet::TCP_ACK);
-    let syn_with = |hops: u8, payload: usize| {
-        let segment = packet::tcp6(CLIENT6, VIP6, syn, CLIENT_ISN, 0, &vec![0x5a; payload]);
-        let mut ip = Ipv6::new(*CLIENT6.ip(), *VIP6.ip(), packet::PROTO_TCP);
+    let syn_ip = |client: SocketAddrV6, hops: u8, payload: usize| {
+        let segment = packet::tcp6(client, VIP6, syn, CLIENT_ISN, 0, &vec![0x5a; payload]);
+        let mut ip = Ipv6::new(*client.ip(), *VIP6.ip(), packet::PROTO_TCP);
         ip.hop_limit = hops;
-        packet::ethernet(packet::ETHERTYPE_IPV6, &ip.packet(&segment))
+        ip.packet(&segment)
+    };
+    let syn_with = |hops: u8, payload: usize| {
+        packet::ethernet(packet::ETHERTYPE_IPV6, &syn_ip(CLIENT6, hops, payload))
     };
     // What an IPv6 router answers: back to the sender, from the address it
     // was sent to, quoting as much of the packet as fits in 1280 bytes.
-    let answer = |original: &[u8], kind: u8, rest: [u8; 4]| {
-        let l3 = &original[IPV6_OFFSET..];
+    let answer_ip = |l3: &[u8], kind: u8, rest: [u8; 4]| {
         let room = packet::IPV6_MIN_MTU - IPV6_HEADER_LEN - 8;
         let quote = &l3[..l3.len().min(room)];
         let mut ip = Ipv6::new(*VIP6.ip(), *CLIENT6.ip(), packet::PROTO_ICMPV6);
         ip.traffic_class = 0xc0;
-        let icmp = packet::icmp6(*VIP6.ip(), *CLIENT6.ip(), kind, 0, rest, quote);
-        let mut f = packet::ethernet(packet::ETHERTYPE_IPV6, &ip.packet(&icmp));
+        let answer = ip.packet(&packet::icmp6(
+            *VIP6.ip(),
+            *CLIENT6.ip(),
+            kind,
+            0,
+            rest,
+            quote,
+        ));
+        assert!(answer.len() <= packet::IPV6_MIN_MTU);
+        answer
+    };
+    let back = |original: &[u8], mut f: Vec<u8>| {
         f[..6].copy_from_slice(&original[6..12]);
         f[6..12].copy_from_slice(&original[..6]);
-        assert_verifies6(&f);
-        assert!(f.len() - IPV6_OFFSET <= packet::IPV6_MIN_MTU);
         f
     };
+    let answer = |original: &[u8], kind: u8, rest: [u8; 4]| {
+        let l3 = &original[IPV6_OFFSET..];
+        let f = packet::ethernet(packet::ETHERTYPE_IPV6, &answer_ip(l3, kind, rest));
+        assert_verifies6(&f);
+        back(original, f)
+    };
     let dying = syn_with(1, 0);
+    // The same on VLAN 42 (another connection): answered on VLAN 42.
+    let tagged =
+        |ip: &[u8]| packet::vlan_ethernet(packet::ETHERTYPE_VLAN, 42, packet::ETHERTYPE_IPV6, ip);
+    let dying_tagged_ip = syn_ip(v6([0x2001, 0xdb8, 0x99, 1, 0, 0, 0, 2], 40_001), 1, 0);
+    let dying_tagged = tagged(&dying_tagged_ip);
     let too_big = syn_with(64, 1_300);
     assert!(too_big.len() - IPV6_OFFSET > packet::IPV6_MIN_MTU);
 
@@ -1080,6 +1101,21 @@ fn remote_steps6(steered: &Steered<SocketAddrV6>, net: &Router) -> Vec<Step<Addr
             XdpAction::Tx,
         )
         .out(answer(&dying, packet::ICMPV6_TIME_EXCEEDED, [0; 4]))
+        .counts(&[NewFlow, TtlExpired]),
+        Step::new(
+            "hop limit 1 on a VLAN: time exceeded on the same VLAN",
+            from_client,
+            dying_tagged.clone(),
+            XdpAction::Tx,
+        )
+        .out(back(
+            &dying_tagged,
+            tagged(&answer_ip(
+                &dying_tagged_ip,
+                packet::ICMPV6_TIME_EXCEEDED,
+                [0; 4],
+            )),
+        ))
         .counts(&[NewFlow, TtlExpired]),
         Step::new(
             "larger than the next hop's MTU: ICMPv6 packet too big, its MTU",
