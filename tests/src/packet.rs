@@ -24,6 +24,7 @@ pub const ICMPV6_NEIGHBOR_SOLICITATION: u8 = 135;
 pub const ICMPV6_DEST_UNREACHABLE: u8 = 1;
 pub const ICMPV6_PACKET_TOO_BIG: u8 = 2;
 pub const ICMPV6_TIME_EXCEEDED: u8 = 3;
+pub const ICMPV6_PARAMETER_PROBLEM: u8 = 4;
 /// The minimum IPv6 MTU, which bounds an ICMPv6 error with its quote.
 pub const IPV6_MIN_MTU: usize = 1280;
 /// Where the IPv6 header starts in an untagged frame.

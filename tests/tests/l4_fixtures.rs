@@ -841,21 +841,41 @@ fn local_steps6(steered: &Steered<SocketAddrV6>) -> Vec<Step<Addr6>> {
     let rst_in = |seq| seg6(CLIENT6, VIP6, rst, seq, 0);
     let rst_out = |seq| seg6(CLIENT6, b, rst, seq, 0);
 
-    // Packet Too Big from a router on the client's side about a reply
+    // Each ICMPv6 error from a router on the client's side about a reply
     // (quoting service -> client, whole): to the backend, the outer
     // destination and the quote's source its own.
     let mtu = 1400u32.to_be_bytes();
     let too_big = (packet::ICMPV6_PACKET_TOO_BIG, 0, mtu);
+    let errors = [
+        (
+            "ICMPv6 packet too big about a reply: to its backend",
+            too_big,
+        ),
+        (
+            "ICMPv6 unreachable about a reply: to its backend",
+            (packet::ICMPV6_DEST_UNREACHABLE, 3, [0; 4]),
+        ),
+        (
+            "ICMPv6 time exceeded about a reply: to its backend",
+            (packet::ICMPV6_TIME_EXCEEDED, 0, [0; 4]),
+        ),
+        (
+            "ICMPv6 parameter problem about a reply: to its backend",
+            (packet::ICMPV6_PARAMETER_PROBLEM, 0, [0, 0, 0, 7]),
+        ),
+    ];
     let sent = quote6(VIP6, CLIENT6, ack, b1, c1);
-    let about_reply = icmp6_error(CLIENT_ROUTER6, *VIP6.ip(), 64, too_big, &sent, None);
-    let to_backend = icmp6_error(
-        CLIENT_ROUTER6,
-        *b.ip(),
-        64,
-        too_big,
-        &translated(&sent, quote6(b, CLIENT6, ack, b1, c1)),
-        None,
-    );
+    let about_reply = |message| icmp6_error(CLIENT_ROUTER6, *VIP6.ip(), 64, message, &sent, None);
+    let to_backend = |message| {
+        icmp6_error(
+            CLIENT_ROUTER6,
+            *b.ip(),
+            64,
+            message,
+            &translated(&sent, quote6(b, CLIENT6, ack, b1, c1)),
+            None,
+        )
+    };
     // The same about a connection nobody steered (another port).
     let other = SocketAddrV6::new(*VIP6.ip(), 81, 0, 0);
     let not_steered = icmp6_error(
@@ -972,14 +992,6 @@ fn local_steps6(steered: &Steered<SocketAddrV6>) -> Vec<Step<Addr6>> {
         .counts(&[Reply, RstIgnored])
         .then(Check::Established(fwd, rep, true)),
         Step::new(
-            "ICMPv6 packet too big about a reply: to its backend",
-            xdp,
-            about_reply,
-            XdpAction::Pass,
-        )
-        .out(to_backend)
-        .counts(&[Icmp]),
-        Step::new(
             "ICMPv6 about a connection nobody steered: untouched",
             xdp,
             not_steered,
@@ -994,6 +1006,13 @@ fn local_steps6(steered: &Steered<SocketAddrV6>) -> Vec<Step<Addr6>> {
         )
         .counts(&[]),
     ];
+    for (name, message) in errors {
+        steps.push(
+            Step::new(name, xdp, about_reply(message), XdpAction::Pass)
+                .out(to_backend(message))
+                .counts(&[Icmp]),
+        );
+    }
     for (name, frame) in informational6() {
         steps.push(Step::new(name, xdp, frame, XdpAction::Pass).counts(&[]));
     }
