@@ -1,4 +1,5 @@
-//! Builders for the raw frames fed to `BPF_PROG_TEST_RUN`.
+//! Builders for the raw frames fed to `BPF_PROG_TEST_RUN` (and for the
+//! packets the namespace tests forge through raw sockets).
 //!
 //! Checksums are computed properly even where the current program does not
 //! look at them, so the same frames keep working once it rewrites packets.
@@ -342,6 +343,19 @@ pub fn icmp_checksums_verify(frame: &[u8], l3: usize) -> bool {
     let total_len = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
     internet_checksum(&ip[..header_len], 0) == 0
         && internet_checksum(&ip[header_len..total_len], 0) == 0
+}
+
+/// The IP packet, of the endpoints' family, of a TCP segment without
+/// payload or options, with sequence number `seq` and no acknowledgment.
+pub fn tcp_packet(src: SocketAddr, dst: SocketAddr, flags: u8, seq: u32) -> Vec<u8> {
+    match (src, dst) {
+        (SocketAddr::V4(src), SocketAddr::V4(dst)) => Tcp::new(src, dst, flags, seq, 0).ip(),
+        (SocketAddr::V6(src), SocketAddr::V6(dst)) => {
+            let segment = tcp6(src, dst, flags, seq, 0, &[]);
+            ipv6_packet(*src.ip(), *dst.ip(), PROTO_TCP, &segment)
+        }
+        _ => panic!("TCP between two families: {src} to {dst}"),
+    }
 }
 
 /// A TCP segment without payload or options.

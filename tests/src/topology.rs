@@ -89,8 +89,12 @@ pub enum Family {
 }
 
 impl Family {
-    /// Both, in the order the tests run them.
-    pub const ALL: [Family; 2] = [Family::V4, Family::V6];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Family::V4 => "ipv4",
+            Family::V6 => "ipv6",
+        }
+    }
 }
 
 /// The addresses of a topology: its mode, the family its service and

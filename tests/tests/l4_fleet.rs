@@ -24,7 +24,7 @@ use balancer_core::clock::ManualClock;
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::etcd::{Etcd, etcd_binary};
 use balancer_tests::l4e2e::{self, B, Driver, Scenario, wait};
-use balancer_tests::topology::{Layout, Mode, Topology};
+use balancer_tests::topology::{Family, Layout, Mode, Topology};
 
 /// How long the fleet may take to reach the kernel: the second for
 /// the breaker, with room for the map sync on a loaded machine.
@@ -32,12 +32,12 @@ const BOUND: Duration = Duration::from_secs(5);
 
 #[test]
 fn local_mode_gives_a_fleet_isolated_worker_no_new_connection() {
-    fleet_isolation("bt-l4fll", Layout::new(Mode::Local, 95));
+    fleet_isolation("bt-l4fll", Layout::new(Mode::Local, Family::V4, 95));
 }
 
 #[test]
 fn remote_mode_gives_a_fleet_isolated_worker_no_new_connection() {
-    fleet_isolation("bt-l4flr", Layout::new(Mode::Remote, 96));
+    fleet_isolation("bt-l4flr", Layout::new(Mode::Remote, Family::V4, 96));
 }
 
 fn fleet_isolation(prefix: &str, layout: Layout) {
