@@ -226,12 +226,10 @@ impl Topology {
         self.namespaces.delete()
     }
 
-    /// The runtimes of the balancer's namespace and (remote mode) of each
-    /// worker's.
+    /// The runtimes of the balancer's namespace and of each worker's.
     pub fn runtimes(&self) -> Result<Runtimes> {
-        let workers = self.names[2..]
-            .iter()
-            .map(|ns| NsRuntime::new(ns))
+        let workers = (0..WORKERS)
+            .map(|i| NsRuntime::new(self.worker_ns(i)))
             .collect::<Result<Vec<_>>>()?;
         Ok(Runtimes {
             layout: self.layout,
@@ -348,8 +346,10 @@ fn route(ns: &str, to: Option<(u8, u8)>, via: (u8, u8), net: u8) -> Result<()> {
 }
 
 /// The runtimes in a topology's namespaces: the balancer's, which the
-/// gateway runs on (and in local mode the workers too), and in remote mode
-/// one per worker namespace.
+/// gateway runs on, and one per worker, in the worker's namespace (the
+/// balancer's in local mode). Never the gateway's: starting it blocks its
+/// runtime's thread for seconds (the verifier checks the programs), which
+/// would hold back a worker's answers meanwhile.
 pub struct Runtimes {
     layout: Layout,
     pub balancer: NsRuntime,
@@ -359,10 +359,7 @@ pub struct Runtimes {
 impl Runtimes {
     /// The runtime worker `i` (from 0) runs on.
     pub fn worker(&self, i: usize) -> &NsRuntime {
-        match self.layout.mode {
-            Mode::Local => &self.balancer,
-            Mode::Remote => &self.workers[i],
-        }
+        &self.workers[i]
     }
 
     /// Starts the demo workers, worker `i` named `NAMES[i]` on a free port
