@@ -11,8 +11,8 @@
 //! Every link is dual-stack; the [`Family`] of a [`Layout`] says which
 //! addresses its service and workers use. IPv4 addresses are in
 //! `10.<net>.0.0/16`, IPv6 ones in `fd00:0:<net>::/48` (`net` chosen by the
-//! test; tests that may run at once use distinct ones), subnet `s`, host `h`
-//! being `10.<net>.<s>.<h>/24` and `fd00:0:<net>:<s>::<h>/64`: the client's
+//! test, its decimal digits in both), subnet `s`, host `h` being
+//! `10.<net>.<s>.<h>/24` and `fd00:0:<net>:<s>::<h>/64`: the client's
 //! link is subnet 0 (balancer host 1, client host 2), worker `i`'s link
 //! (remote mode, from 1) subnet `i` (balancer host 1, worker host 2), and
 //! the service address host 1 of subnet 100, port 80, routed by the client
@@ -158,8 +158,12 @@ fn v4(net: u8, subnet: u8, host: u8) -> Ipv4Addr {
     Ipv4Addr::new(10, net, subnet, host)
 }
 
+/// The IPv6 twin of [`v4`]'s address, each number's decimal digits
+/// written as its group's hex ones (`10.77.100.1` is `fd00:0:77:100::1`),
+/// so that the two read alike in logs.
 fn v6(net: u8, subnet: u8, host: u8) -> Ipv6Addr {
-    Ipv6Addr::new(0xfd00, 0, net.into(), subnet.into(), 0, 0, 0, host.into())
+    let group = |n: u8| u16::from_str_radix(&n.to_string(), 16).expect("decimal digits");
+    Ipv6Addr::new(0xfd00, 0, group(net), group(subnet), 0, 0, 0, group(host))
 }
 
 /// The namespaces of a [`Layout`], linked and routed; deleted by
