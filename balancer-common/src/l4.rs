@@ -29,6 +29,13 @@ pub const IPV6_PROGRAM_NAME: &str = "balancer6";
 /// Program array of one entry: [`IPV6_PROGRAM_NAME`], put there by the
 /// agent once it is loaded.
 pub const IPV6_PROGRAM: &str = "IPV6_PROGRAM";
+/// The `#[xdp]` program that handles ICMPv6 errors about steered
+/// connections and, in remote mode, answers what IPv6 cannot forward (hop
+/// limit, MTU): both XDP programs tail-call it through [`ICMP6_PROGRAM`].
+pub const ICMP6_PROGRAM_NAME: &str = "balancer_icmp6";
+/// Program array of one entry: [`ICMP6_PROGRAM_NAME`], put there by the
+/// agent once it is loaded.
+pub const ICMP6_PROGRAM: &str = "ICMP6_PROGRAM";
 
 /// `ServiceKey` → [`Service`] (hash).
 pub const SERVICES: &str = "SERVICES";
@@ -584,8 +591,9 @@ pub enum Outcome {
     /// Remote mode: rewritten, but no next hop to redirect to, so passed for
     /// the kernel to route (and resolve the neighbour).
     Unresolved = 5,
-    /// Remote mode: TTL would expire on forwarding; answered with ICMP
-    /// time exceeded (quoting the packet as the client sent it).
+    /// Remote mode: TTL (IPv6: hop limit) would expire on forwarding;
+    /// answered with ICMP (ICMPv6) time exceeded, quoting the packet as the
+    /// client sent it.
     TtlExpired = 6,
     /// A table refused an entry: the packet is still steered, and the next
     /// one of its connection tries again.
@@ -600,11 +608,12 @@ pub enum Outcome {
     /// One direction of a connection was missing from the table and was
     /// rebuilt from the other.
     PeerRestored = 10,
-    /// An ICMP error about a steered connection, translated and sent to the
-    /// endpoint of the connection it quotes.
+    /// An ICMP or ICMPv6 error about a steered connection, translated and
+    /// sent to the endpoint of the connection it quotes.
     Icmp = 11,
-    /// Remote mode: larger than the next hop's MTU with DF set; answered
-    /// with ICMP fragmentation needed.
+    /// Remote mode: larger than the next hop's MTU with DF set (IPv6:
+    /// always); answered with ICMP fragmentation needed (ICMPv6 packet too
+    /// big).
     FragNeeded = 12,
     /// An entry of a connection whose handshake completed (or whose backend
     /// answered) moved to the established table.

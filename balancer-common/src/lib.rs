@@ -36,16 +36,17 @@ pub enum Verdict {
     /// one carries ports, so steering by five-tuple is impossible and the
     /// kernel reassembles.
     PassFragment = 3,
-    /// IP but not TCP (ICMPv6, neighbour discovery and router
-    /// advertisements included: they pass untouched).
+    /// IP but not TCP, nor ICMP, nor an ICMPv6 error (neighbour discovery,
+    /// router advertisements and the other informational ICMPv6 messages
+    /// included: they pass untouched).
     PassNotTcp = 4,
     /// A TCP SYN without ACK: the first packet of a new connection, where the
     /// steering decision will be made.
     TcpSyn = 5,
     /// Any other TCP segment, which will follow its connection's decision.
     TcpOther = 6,
-    /// ICMP: errors quoting a steered connection are translated and sent
-    /// to its endpoint, everything else passes.
+    /// ICMP, or an ICMPv6 error: errors quoting a steered connection are
+    /// translated and sent to its endpoint, everything else passes.
     Icmp = 7,
     /// IPv6 with an extension header (hop-by-hop, routing, destination
     /// options, authentication, ...) before the transport header: passed

@@ -33,7 +33,8 @@ use aya::programs::xdp::{XdpLink, XdpLinkId};
 use aya::programs::{ProgramError, SchedClassifier, TcAttachType, Xdp};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use balancer_common::l4::{
-    self as common, Addr6, EGRESS_PROGRAM_NAME, Flow, FlowKey, IPV6_PROGRAM_NAME,
+    self as common, Addr6, EGRESS_PROGRAM_NAME, Flow, FlowKey, ICMP6_PROGRAM_NAME,
+    IPV6_PROGRAM_NAME,
 };
 use balancer_common::{PROGRAM_NAME, VERDICTS_MAP, Verdict};
 use balancer_core::error_chain;
@@ -79,8 +80,8 @@ pub enum DataplaneError {
     MissingProgram,
     #[error("eBPF object has no TC program `{EGRESS_PROGRAM_NAME}`")]
     MissingEgressProgram,
-    #[error("eBPF object has no XDP program `{IPV6_PROGRAM_NAME}`")]
-    MissingIpv6Program,
+    #[error("eBPF object has no XDP program `{0}`")]
+    MissingTailProgram(&'static str),
     #[error("eBPF object has no map `{0}`")]
     MissingMap(&'static str),
     #[error(
@@ -447,7 +448,10 @@ impl Dataplane {
                 program: PROGRAM_NAME,
                 source,
             })?;
-        load_ipv6_program(&mut ebpf)?;
+        // ICMPv6 first: IPv6 steering hands it the packets remote mode
+        // answers, and passes them untouched while it is not there.
+        load_tail_program(&mut ebpf, ICMP6_PROGRAM_NAME, common::ICMP6_PROGRAM)?;
+        load_tail_program(&mut ebpf, IPV6_PROGRAM_NAME, common::IPV6_PROGRAM)?;
         egress_mut(&mut ebpf)?
             .load()
             .map_err(|source| DataplaneError::Verify {
@@ -744,6 +748,25 @@ impl Dataplane {
         Ok(())
     }
 
+    /// How many instructions the kernel's verifier walked to load each
+    /// program (its limit is a million per program), by program name;
+    /// `None` where the kernel does not say (before 5.16).
+    pub fn verified_instructions(&self) -> Vec<(String, Option<u32>)> {
+        let mut counts: Vec<(String, Option<u32>)> = self
+            .ebpf
+            .programs()
+            .map(|(name, program)| {
+                let count = program
+                    .info()
+                    .ok()
+                    .and_then(|info| info.verified_instruction_count());
+                (name.to_owned(), count)
+            })
+            .collect();
+        counts.sort();
+        counts
+    }
+
     /// The per-verdict packet counters, summed over all CPUs.
     pub fn verdict_counts(&self) -> Result<VerdictCounts, DataplaneError> {
         let map_error = |source| DataplaneError::Map {
@@ -802,33 +825,34 @@ fn program_mut(ebpf: &mut Ebpf) -> Result<&mut Xdp, DataplaneError> {
         .ok_or(DataplaneError::MissingProgram)
 }
 
-/// Loads the IPv6 steering program and puts it where the XDP program
-/// tail-calls it, replacing the program an earlier agent left in a pinned
-/// array. The entry lasts while this process or a pin holds the program
-/// array: a kernel clears a program array when its last user reference
-/// goes.
-fn load_ipv6_program(ebpf: &mut Ebpf) -> Result<(), DataplaneError> {
+/// Loads a tail-called XDP program (IPv6 steering, ICMPv6) and puts it
+/// where the XDP programs tail-call it, the one entry of its program array
+/// `array`, replacing the program an earlier agent left in a pinned array.
+/// The entry lasts while this process or a pin holds the program array: a
+/// kernel clears a program array when its last user reference goes.
+fn load_tail_program(
+    ebpf: &mut Ebpf,
+    name: &'static str,
+    array: &'static str,
+) -> Result<(), DataplaneError> {
     let verify = |source| DataplaneError::Verify {
-        program: IPV6_PROGRAM_NAME,
+        program: name,
         source,
     };
     let program: &mut Xdp = ebpf
-        .program_mut(IPV6_PROGRAM_NAME)
+        .program_mut(name)
         .and_then(|program| program.try_into().ok())
-        .ok_or(DataplaneError::MissingIpv6Program)?;
+        .ok_or(DataplaneError::MissingTailProgram(name))?;
     program.load().map_err(verify)?;
     let fd = program
         .fd()
         .map_err(verify)?
         .try_clone()
         .map_err(|error| verify(ProgramError::IOError(error)))?;
-    let map_error = |source| DataplaneError::Map {
-        map: common::IPV6_PROGRAM,
-        source,
-    };
+    let map_error = |source| DataplaneError::Map { map: array, source };
     let map = ebpf
-        .map_mut(common::IPV6_PROGRAM)
-        .ok_or(DataplaneError::MissingMap(common::IPV6_PROGRAM))?;
+        .map_mut(array)
+        .ok_or(DataplaneError::MissingMap(array))?;
     ProgramArray::try_from(map)
         .map_err(map_error)?
         .set(0, &fd, 0)

@@ -36,11 +36,12 @@ pub const DEFAULT_BPFFS_DIR: &str = "/sys/fs/bpf/balancer";
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
 /// The maps that are pinned (all but the log ring buffer, which belongs to
-/// one loaded program, and per-run scratch space). The IPv6 program's
-/// array among them: a kernel empties a program array when its last user
-/// reference goes, and a pin is one, so IPv6 keeps being steered while no
-/// agent runs; the next agent replaces the entry with its own program.
-pub const PINNED_MAPS: [&str; 21] = [
+/// one loaded program, and per-run scratch space). The program arrays of
+/// the IPv6 and ICMPv6 programs among them: a kernel empties a program
+/// array when its last user reference goes, and a pin is one, so IPv6 keeps
+/// being steered (and ICMPv6 translated) while no agent runs; the next
+/// agent replaces the entries with its own programs.
+pub const PINNED_MAPS: [&str; 22] = [
     common::SERVICES,
     common::BACKENDS,
     common::NEXT_HOPS,
@@ -56,6 +57,7 @@ pub const PINNED_MAPS: [&str; 21] = [
     common::CONNS6,
     common::EMBRYONIC6,
     common::IPV6_PROGRAM,
+    common::ICMP6_PROGRAM,
     common::PORTS,
     common::CONFIG,
     common::SERVICE_STATS,

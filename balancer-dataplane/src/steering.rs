@@ -58,7 +58,8 @@ pub enum ForwardMode {
     /// Workers run on other hosts that route their replies back through
     /// this one: XDP rewrites the destination and redirects the frame to the
     /// next hop; replies arriving here get the service address back and are
-    /// redirected to the client. Needs `net.ipv4.ip_forward=1`.
+    /// redirected to the client. Needs `net.ipv4.ip_forward=1` (and
+    /// `net.ipv6.conf.all.forwarding=1` for IPv6 services).
     Remote,
 }
 

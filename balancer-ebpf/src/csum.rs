@@ -19,10 +19,10 @@ pub fn replace2(check: u16, old: u16, new: u16) -> u16 {
     fold(u32::from(!check) + u32::from(!old) + u32::from(new))
 }
 
-/// Folds the carries back in (two rounds cover five 16-bit terms) and
-/// complements.
+/// Folds the carries of a sum of 16-bit words back in (two rounds cover
+/// any `u32`) and complements: the checksum of the words summed.
 #[inline(always)]
-fn fold(mut sum: u32) -> u16 {
+pub fn fold(mut sum: u32) -> u16 {
     sum = (sum & 0xffff) + (sum >> 16);
     sum = (sum & 0xffff) + (sum >> 16);
     !(sum as u16)

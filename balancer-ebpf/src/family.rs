@@ -14,8 +14,9 @@ use balancer_common::l4::{
 };
 
 use crate::csum;
-use crate::headers::{Ipv4Hdr, Ipv6Hdr};
+use crate::headers::{IcmpHdr, Ipv4Hdr, Ipv6Hdr};
 use crate::icmp;
+use crate::icmp6;
 use crate::l4::Scratch;
 use crate::maps;
 
@@ -64,6 +65,7 @@ pub trait IpHeader {
     /// that is larger than the next hop's MTU and may not be fragmented:
     /// the answer, sent by the program itself, or `None` when the family
     /// leaves it to the kernel (the packet is then rewritten and passed).
+    /// (IPv6 asks the ICMPv6 program, see [`icmp6::ANSWER`].)
     fn answer(ctx: &XdpContext, l3: usize, mtu: u32) -> Option<u32>;
     /// Whether a packet larger than the next hop's MTU may be fragmented
     /// on the way (by the kernel).
@@ -294,11 +296,17 @@ impl IpHeader for Ipv6Hdr {
         params.__bindgen_anon_3.ipv6_src = self.src();
         params.__bindgen_anon_4.ipv6_dst = dst;
     }
-    // No ICMPv6 of its own yet: the rewritten packet goes to the kernel,
-    // whose forwarding answers (quoting the packet as rewritten).
+    // Answered by the ICMPv6 program (it does not fit into IPv6
+    // steering's), which `balancer6` tail-calls on `icmp6::ANSWER`.
     #[inline(always)]
-    fn answer(_ctx: &XdpContext, _l3: usize, _mtu: u32) -> Option<u32> {
-        None
+    fn answer(_ctx: &XdpContext, l3: usize, mtu: u32) -> Option<u32> {
+        let kind = if mtu == 0 {
+            IcmpHdr::V6_TIME_EXCEEDED
+        } else {
+            IcmpHdr::V6_PACKET_TOO_BIG
+        };
+        icmp6::ask(l3, u32::from(kind), mtu);
+        Some(icmp6::ANSWER)
     }
     #[inline(always)]
     fn may_fragment(&self) -> bool {

@@ -101,6 +101,7 @@ pub struct Ipv6Hdr {
 impl Ipv6Hdr {
     pub const LEN: usize = size_of::<Self>();
     pub const NEXT_FRAGMENT: u8 = 44;
+    pub const NEXT_ICMPV6: u8 = 58;
 
     #[inline(always)]
     pub fn version(&self) -> u8 {
@@ -184,8 +185,9 @@ impl Segment {
     }
 }
 
-/// An ICMP header; `rest` is the type-specific word (the next-hop MTU of
-/// "fragmentation needed" sits in its second half).
+/// An ICMP or ICMPv6 header; `rest` is the type-specific word (the next-hop
+/// MTU of "fragmentation needed" sits in its second half, ICMPv6 "packet
+/// too big" takes all of it).
 #[repr(C)]
 pub struct IcmpHdr {
     pub kind: u8,
@@ -202,12 +204,32 @@ impl IcmpHdr {
     /// Destination unreachable, code 4.
     pub const FRAG_NEEDED: u8 = 4;
 
+    /// ICMPv6 (RFC 4443) types, same header layout.
+    pub const V6_DEST_UNREACHABLE: u8 = 1;
+    pub const V6_PACKET_TOO_BIG: u8 = 2;
+    pub const V6_TIME_EXCEEDED: u8 = 3;
+    pub const V6_PARAMETER_PROBLEM: u8 = 4;
+
     /// An error message, which quotes the packet it is about.
     #[inline(always)]
     pub fn is_error(&self) -> bool {
         matches!(
             self.kind,
             Self::DEST_UNREACHABLE | Self::TIME_EXCEEDED | Self::PARAMETER_PROBLEM
+        )
+    }
+
+    /// An ICMPv6 error about a packet that could not be delivered or
+    /// processed, which quotes it (neighbour discovery, echo and every
+    /// other informational message are not).
+    #[inline(always)]
+    pub fn is_error6(&self) -> bool {
+        matches!(
+            self.kind,
+            Self::V6_DEST_UNREACHABLE
+                | Self::V6_PACKET_TOO_BIG
+                | Self::V6_TIME_EXCEEDED
+                | Self::V6_PARAMETER_PROBLEM
         )
     }
 }

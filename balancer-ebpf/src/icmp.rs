@@ -16,7 +16,8 @@
 //!
 //! Only quotes with a plain 20-byte IPv4 header are handled; anything else
 //! passes untouched. The quoted TCP checksum is left as it was (receivers
-//! match quotes by addresses and ports and do not verify it).
+//! match quotes by addresses and ports and do not verify it). ICMPv6 is
+//! [`crate::icmp6`]'s, which shares the forwarding and framing below.
 
 use aya_ebpf::EbpfContext as _;
 use core::mem::MaybeUninit;
@@ -28,7 +29,7 @@ use balancer_common::l4::{FLAG_REMOTE, Flow, FlowKey, Outcome, PORT_REPLY_INGRES
 
 use crate::conntrack;
 use crate::csum;
-use crate::family::V4;
+use crate::family::{Family, IpHeader, V4};
 use crate::header;
 use crate::headers::{EthHdr, IcmpHdr, Ipv4Hdr, TcpPorts, VlanHdr};
 use crate::l4::{HopCache, emit, next_hop};
@@ -90,7 +91,7 @@ pub fn steer(ctx: &XdpContext, l3: usize, tagged: bool) -> u32 {
         if flow.flags & FLAG_REMOTE == 0 {
             return xdp_action::XDP_PASS;
         }
-        return relay(ctx, ip, flow.addr, HopCache::Backend(flow.backend), tagged);
+        return relay::<V4>(ctx, ip, flow.addr, HopCache::Backend(flow.backend), tagged);
     }
     if port_has(u16::from_be_bytes(ports.dest), PORT_REPLY_INGRESS)
         && conntrack::find::<V4>(&key, true, &mut found)
@@ -102,14 +103,14 @@ pub fn steer(ctx: &XdpContext, l3: usize, tagged: bool) -> u32 {
         outcome(Outcome::Icmp);
         requote(icmp, inner, ports, End::Destination, flow.addr, flow.port);
         let client = u32::from_ne_bytes(ip.daddr);
-        return relay(ctx, ip, client, HopCache::Client(client), tagged);
+        return relay::<V4>(ctx, ip, client, HopCache::Client(client), tagged);
     }
     xdp_action::XDP_PASS
 }
 
 /// Which end of the quoted packet a translation rewrites.
 #[derive(Clone, Copy)]
-enum End {
+pub(crate) enum End {
     Source,
     Destination,
 }
@@ -156,14 +157,20 @@ fn requote(
 
 /// Forwards a translated ICMP error toward `dst`. An error is never
 /// answered with another one: whatever cannot be forwarded here (no next
-/// hop, TTL, size, a VLAN tag) goes to the kernel.
+/// hop, TTL or hop limit, size, a VLAN tag) goes to the kernel.
 #[inline(always)]
-fn relay(ctx: &XdpContext, ip: &mut Ipv4Hdr, dst: u32, cache: HopCache<u32>, tagged: bool) -> u32 {
-    if tagged || ip.ttl <= 1 {
+pub(crate) fn relay<F: Family>(
+    ctx: &XdpContext,
+    ip: &mut F::Hdr,
+    dst: F::Addr,
+    cache: HopCache<F::Addr>,
+    tagged: bool,
+) -> u32 {
+    if tagged || ip.hops() <= 1 {
         return xdp_action::XDP_PASS;
     }
-    match next_hop::<V4>(ctx, ip, dst, cache) {
-        Some(hop) if u32::from(ip.total_len()) <= hop.mtu => emit(ctx, ip, &hop),
+    match next_hop::<F>(ctx, ip, dst, cache) {
+        Some(hop) if ip.l3_len() <= hop.mtu => emit(ctx, ip, &hop),
         _ => xdp_action::XDP_PASS,
     }
 }
@@ -175,20 +182,28 @@ fn relay(ctx: &XdpContext, ip: &mut Ipv4Hdr, dst: u32, cache: HopCache<u32>, tag
 /// passes to the kernel untouched.
 #[inline(never)]
 pub fn answer(ctx: &XdpContext, l3: usize, kind: (u8, u8), mtu: u32) -> u32 {
-    match build(ctx, l3, kind, mtu) {
-        Ok(()) => xdp_action::XDP_TX,
-        Err(Untouched) => xdp_action::XDP_PASS,
-        // Half reshaped: nothing anyone could use.
-        Err(Reshaped) => xdp_action::XDP_DROP,
-    }
+    Failed::action(build(ctx, l3, kind, mtu))
 }
 
 /// Why no answer was built: the frame is as it was, or already cut.
-enum Failed {
+pub(crate) enum Failed {
     Untouched,
     Reshaped,
 }
 use Failed::{Reshaped, Untouched};
+
+impl Failed {
+    /// What becomes of a packet whose answer was (`Ok`) or was not built.
+    #[inline(always)]
+    pub(crate) fn action(built: Result<(), Failed>) -> u32 {
+        match built {
+            Ok(()) => xdp_action::XDP_TX,
+            Err(Untouched) => xdp_action::XDP_PASS,
+            // Half reshaped: nothing anyone could use.
+            Err(Reshaped) => xdp_action::XDP_DROP,
+        }
+    }
+}
 
 fn build(ctx: &XdpContext, l3: usize, (kind, code): (u8, u8), mtu: u32) -> Result<(), Failed> {
     let ip = header::<Ipv4Hdr>(ctx, l3).ok_or(Untouched)?;
@@ -220,22 +235,8 @@ fn build(ctx: &XdpContext, l3: usize, (kind, code): (u8, u8), mtu: u32) -> Resul
     // Layout now: [grow bytes][old link header: l3][quote], and the answer
     // is [link header: l3][IPv4][ICMP][quote]: the quote is already in place.
     // SAFETY (all accesses below): inside [start, start + grow + l3 +
-    // QUOTE), checked just above; the old link header is read whole before
-    // the new IPv4 header overwrites it.
-    let old_eth = unsafe { &*((start + grow) as *const EthHdr) };
-    let (their_mac, our_mac) = (old_eth.src, old_eth.dst);
-    let tci = unsafe { (*((start + grow + EthHdr::LEN) as *const VlanHdr)).tci };
-    let eth = unsafe { &mut *(start as *mut EthHdr) };
-    eth.dst = their_mac;
-    eth.src = our_mac;
-    if l3 != EthHdr::LEN {
-        eth.ether_type = EthHdr::ETHER_TYPE_VLAN.to_be_bytes();
-        let vlan = unsafe { &mut *((start + EthHdr::LEN) as *mut VlanHdr) };
-        vlan.tci = tci;
-        vlan.ether_type = EthHdr::ETHER_TYPE_IPV4.to_be_bytes();
-    } else {
-        eth.ether_type = EthHdr::ETHER_TYPE_IPV4.to_be_bytes();
-    }
+    // QUOTE), checked just above.
+    unsafe { reverse_link(start, grow, l3, EthHdr::ETHER_TYPE_IPV4) };
     let quote = unsafe { &*((start + l3 + grow) as *const Ipv4Hdr) };
     let (their_addr, our_addr) = (quote.saddr, quote.daddr);
     let ip = unsafe { &mut *((start + l3) as *mut Ipv4Hdr) };
@@ -259,6 +260,35 @@ fn build(ctx: &XdpContext, l3: usize, (kind, code): (u8, u8), mtu: u32) -> Resul
     icmp.rest = [0, 0, mtu[0], mtu[1]];
     icmp.check = checksum(start + l3 + Ipv4Hdr::MIN_LEN, IcmpHdr::LEN + QUOTE).to_ne_bytes();
     Ok(())
+}
+
+/// Writes the link header of an answer at `start`, where
+/// `bpf_xdp_adjust_head` made `grow` bytes of room in front of the old link
+/// header (`l3` bytes: Ethernet, and one 802.1Q tag unless `l3` is
+/// [`EthHdr::LEN`]): back to the sender (the MACs swapped), on the same
+/// VLAN, carrying `ether_type`. The old header is read whole before
+/// anything is written (the new IP header will overwrite it).
+///
+/// # Safety
+/// `[start, start + grow + l3 + 2)` lies inside the frame, and `grow` is at
+/// least `l3`.
+#[inline(always)]
+pub(crate) unsafe fn reverse_link(start: usize, grow: usize, l3: usize, ether_type: u16) {
+    // SAFETY (all accesses): the caller's promise.
+    let old_eth = unsafe { &*((start + grow) as *const EthHdr) };
+    let (their_mac, our_mac) = (old_eth.src, old_eth.dst);
+    let tci = unsafe { (*((start + grow + EthHdr::LEN) as *const VlanHdr)).tci };
+    let eth = unsafe { &mut *(start as *mut EthHdr) };
+    eth.dst = their_mac;
+    eth.src = our_mac;
+    if l3 != EthHdr::LEN {
+        eth.ether_type = EthHdr::ETHER_TYPE_VLAN.to_be_bytes();
+        let vlan = unsafe { &mut *((start + EthHdr::LEN) as *mut VlanHdr) };
+        vlan.tci = tci;
+        vlan.ether_type = ether_type.to_be_bytes();
+    } else {
+        eth.ether_type = ether_type.to_be_bytes();
+    }
 }
 
 /// The Internet checksum of `len` bytes (even, constant at each call) at

@@ -469,10 +469,10 @@ fn trial(index: u32, per_second: u32) -> bool {
 /// Remote mode decides before rewriting, so that what it answers itself
 /// quotes the packet as it was sent: an IPv4 TTL about to expire gets ICMP
 /// time exceeded, a packet larger than the next hop's MTU with DF set gets
-/// ICMP fragmentation needed (without DF the kernel fragments it). Without
-/// a usable next hop, for a VLAN-tagged frame, and for what the family does
-/// not answer itself (IPv6: a hop limit about to expire, a packet too big),
-/// the rewritten packet goes to the kernel to forward.
+/// ICMP fragmentation needed (without DF the kernel fragments it); IPv6
+/// gets ICMPv6 time exceeded and packet too big (from the ICMPv6 program,
+/// see [`crate::icmp6::ANSWER`]). Without a usable next hop, and for a
+/// VLAN-tagged frame, the rewritten packet goes to the kernel to forward.
 #[inline(always)]
 fn send<F: Family>(ctx: &XdpContext, packet: &TcpPacket<F>, how: &Delivery<F::Addr>) -> u32 {
     let Delivery {

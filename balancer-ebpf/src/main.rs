@@ -1,13 +1,15 @@
 //! The balancer's XDP programs, and the TC program that goes with them.
 //!
 //! `balancer` (XDP) parses Ethernet (with at most one 802.1Q tag) / IPv4 or
-//! IPv6 / TCP (or ICMP, IPv4) and counts every packet under one [`Verdict`]
-//! in the per-CPU `VERDICTS` array; a TCP packet then goes through L4
-//! steering ([`l4`]), an ICMP one through [`icmp`], which count what they
-//! did under an `Outcome`. IPv6 TCP is steered by `balancer6`, which
-//! `balancer` tail-calls: one program could not hold both families within
-//! the verifier's limits (measured: 512 bytes of stack for a call chain,
-//! a million instructions walked per program).
+//! IPv6 / TCP (or ICMP, or an ICMPv6 error) and counts every packet under
+//! one [`Verdict`] in the per-CPU `VERDICTS` array; a TCP packet then goes
+//! through L4 steering ([`l4`]), an ICMP one through [`icmp`], which count
+//! what they did under an `Outcome`. IPv6 TCP is steered by `balancer6`,
+//! which `balancer` tail-calls: one program could not hold both families
+//! within the verifier's limits (measured: 512 bytes of stack for a call
+//! chain, a million instructions walked per program). ICMPv6 errors, and
+//! the answers remote mode sends to IPv6 packets it cannot forward, are
+//! `balancer_icmp6`'s ([`icmp6`]), tail-called by both.
 //! `balancer_egress` (TC egress, local mode) restores the service address on
 //! the replies of local backends ([`egress`]). Connection state is
 //! [`conntrack`]'s.
@@ -28,6 +30,7 @@ mod egress;
 mod family;
 mod headers;
 mod icmp;
+mod icmp6;
 mod l4;
 mod maps;
 
@@ -40,7 +43,7 @@ use aya_log_ebpf::debug;
 use balancer_common::Verdict;
 use balancer_common::l4::{Outcome, PORT_REPLY_INGRESS, PORT_SERVICE};
 use family::{Family, V4, V6};
-use headers::{EthHdr, Ipv4Hdr, Ipv6Hdr, TcpHdr, VlanHdr};
+use headers::{EthHdr, IcmpHdr, Ipv4Hdr, Ipv6Hdr, TcpHdr, VlanHdr};
 use l4::TcpPacket;
 
 #[xdp]
@@ -56,7 +59,23 @@ pub fn balancer(ctx: XdpContext) -> u32 {
 /// steering in one.
 #[xdp]
 pub fn balancer6(ctx: XdpContext) -> u32 {
-    dispatch::<true>(&ctx)
+    let action = dispatch::<true>(&ctx);
+    if action != icmp6::ANSWER {
+        return action;
+    }
+    // Remote mode answers the packet (hop limit, MTU): steering, a
+    // subprogram, may not make the tail call itself.
+    icmp6::call(&ctx);
+    // No ICMPv6 program: the packet goes to the kernel as it came.
+    xdp_action::XDP_PASS
+}
+
+/// ICMPv6 errors about steered connections, and remote mode's answers to
+/// IPv6 packets it cannot forward: tail-called by `balancer` and
+/// `balancer6`, which say what to do ([`icmp6::run`]).
+#[xdp]
+pub fn balancer_icmp6(ctx: XdpContext) -> u32 {
+    icmp6::run(&ctx)
 }
 
 #[classifier]
@@ -144,8 +163,9 @@ fn ipv4(ctx: &XdpContext, l3: usize, tagged: bool) -> u32 {
 
 /// An IPv6 packet at `l3`. Extension headers are not walked: a packet with
 /// any (hop-by-hop, routing, destination options, ...) is the kernel's, and
-/// so is a fragment. ICMPv6 (neighbour discovery and router advertisements
-/// among it) passes untouched.
+/// so is a fragment. An ICMPv6 error goes to `balancer_icmp6`; every other
+/// ICMPv6 message (neighbour discovery and router advertisements among
+/// them) passes untouched, decided here.
 #[inline(always)]
 fn ipv6<const HERE: bool>(ctx: &XdpContext, l3: usize, tagged: bool) -> u32 {
     let Some(ip_ptr) = header::<Ipv6Hdr>(ctx, l3) else {
@@ -166,6 +186,20 @@ fn ipv6<const HERE: bool>(ctx: &XdpContext, l3: usize, tagged: bool) -> u32 {
             // No IPv6 program (the agent puts it in after loading): the
             // packet is not steered.
             maps::outcome(Outcome::NotService);
+            xdp_action::XDP_PASS
+        }
+        Ipv6Hdr::NEXT_ICMPV6 if !HERE => {
+            let Some(icmp) = header::<IcmpHdr>(ctx, l3 + Ipv6Hdr::LEN) else {
+                return pass(Verdict::PassTruncated);
+            };
+            // SAFETY: as in `dispatch`.
+            if !unsafe { &*icmp }.is_error6() {
+                return pass(Verdict::PassNotTcp);
+            }
+            maps::bump(&maps::VERDICTS, Verdict::Icmp.index());
+            icmp6::ask(l3, icmp6::TRANSLATE, 0);
+            icmp6::call(ctx);
+            // No ICMPv6 program: the error goes to the kernel as it is.
             xdp_action::XDP_PASS
         }
         Ipv6Hdr::NEXT_FRAGMENT => pass(Verdict::PassFragment),

@@ -4,6 +4,7 @@
 //! load time to what its flags ask for. What the connection tables mean is
 //! [`crate::conntrack`]'s business.
 
+use crate::icmp6::Call;
 use crate::l4::Scratch;
 use aya_ebpf::bindings::bpf_fib_lookup as FibParams;
 use aya_ebpf::macros::map;
@@ -86,6 +87,17 @@ pub static EMBRYONIC6: LruHashMap<FlowKey<Addr6>, Flow<Addr6>> =
 /// (`balancer_common::l4::IPV6_PROGRAM`).
 #[map]
 pub static IPV6_PROGRAM: ProgramArray = ProgramArray::with_max_entries(1, 0);
+
+/// The ICMPv6 program (`balancer_common::l4::ICMP6_PROGRAM`), tail-called
+/// by both XDP programs; an array of its own rather than a second entry of
+/// `IPV6_PROGRAM`, whose pinned one-entry copy an upgraded agent adopts.
+#[map]
+pub static ICMP6_PROGRAM: ProgramArray = ProgramArray::with_max_entries(1, 0);
+
+/// What the ICMPv6 program is asked to do, written by its caller just
+/// before the tail call (per-run scratch, like `FIB_SCRATCH`).
+#[map]
+pub static ICMP6_CALL: PerCpuArray<Call> = PerCpuArray::with_max_entries(1, 0);
 
 #[map]
 pub static PORTS: Array<u32> = Array::with_max_entries(65_536, 0);

@@ -20,7 +20,6 @@ use balancer_core::registry::DEFAULT_REMOVED_GRACE;
 use balancer_core::selection::{CacheAwareConfig, Policy};
 use balancer_core::spec::{BreakerDefaults, WorkerAddress, WorkerSpec};
 use balancer_dataplane::maglev::is_prime;
-use balancer_dataplane::steering::ForwardMode;
 use balancer_dataplane::steering::L4Config;
 
 use crate::discovery::etcd::EtcdConfig;
@@ -389,15 +388,6 @@ fn check_l4(l4: &L4Config) -> Result<(), ConfigError> {
         ));
     }
     for (i, service) in l4.services.iter().enumerate() {
-        // IPv6 steering is tested in local mode only so far (remote mode's
-        // next hops, hop limit and Packet Too Big are not), so a remote
-        // IPv6 service would promise what nothing checks.
-        if service.is_ipv6() && l4.mode == ForwardMode::Remote {
-            return Err(invalid(
-                "--l4-service",
-                format!("'{service}': IPv6 services need --l4-mode local so far"),
-            ));
-        }
         if l4.services[..i].contains(service) {
             return Err(invalid("--l4-service", format!("'{service}' given twice")));
         }

@@ -2,10 +2,8 @@
 //! would, for tests and benchmarks that drive the programs through
 //! `BPF_PROG_TEST_RUN` without a registry.
 
-use std::net::{SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr, SocketAddrV4};
 use std::path::Path;
-
-use std::net::Ipv4Addr;
 
 use anyhow::{Context, Result};
 use balancer_common::l4::{
@@ -121,9 +119,10 @@ impl<A: Copy + PartialEq + Into<SocketAddr>> Steered<A> {
 
 /// A namespace standing in for a balancer host in remote mode, for test
 /// runs whose route lookups must be real: the client-facing veth `lbc`
-/// (10.99.1.1/24) and the backend-facing one `lbw` (10.99.2.1/24) are
-/// the two ends of one pair, and the client and backends exist only as
-/// permanent neighbour entries. Forwarding is on.
+/// (10.99.1.1/24, 2001:db8:99:1::1/64) and the backend-facing one `lbw`
+/// (10.99.2.1/24, 2001:db8:99:2::1/64) are the two ends of one pair, and
+/// the client and backends (of either family) exist only as permanent
+/// neighbour entries. Forwarding is on for both families.
 pub struct Router {
     pub client_if: u32,
     pub backend_if: u32,
@@ -141,10 +140,10 @@ impl Router {
     /// in the namespace of the thread that starts them), deletes the
     /// namespace whatever happened, and returns what `test` returned,
     /// panicking on any failure along the way.
-    pub fn run<T: Send + 'static>(
+    pub fn run<A: Into<IpAddr> + Copy, T: Send + 'static>(
         prefix: &str,
-        client: Ipv4Addr,
-        backends: &[Ipv4Addr],
+        client: A,
+        backends: &[A],
         timeout: std::time::Duration,
         test: impl FnOnce(Router) -> Result<T> + Send + 'static,
     ) -> T {
@@ -159,11 +158,12 @@ impl Router {
     }
 
     /// The namespace (deleted when dropped) and its interfaces. `client`
-    /// must be in 10.99.1.0/24 and `backends` in 10.99.2.0/24.
-    pub fn create(
+    /// must be in 10.99.1.0/24 or 2001:db8:99:1::/64, `backends` in
+    /// 10.99.2.0/24 or 2001:db8:99:2::/64.
+    pub fn create<A: Into<IpAddr> + Copy>(
         prefix: &str,
-        client: Ipv4Addr,
-        backends: &[Ipv4Addr],
+        client: A,
+        backends: &[A],
     ) -> Result<(Namespaces, Router)> {
         let ns = Namespaces::create(prefix, 1)?;
         let name = ns.name(0).to_owned();
@@ -179,10 +179,27 @@ impl Router {
         ])?;
         ip(&["addr", "add", "10.99.1.1/24", "dev", client_if])?;
         ip(&["addr", "add", "10.99.2.1/24", "dev", backend_if])?;
+        // No duplicate address detection: usable (and routed) at once.
+        ip(&[
+            "addr",
+            "add",
+            "2001:db8:99:1::1/64",
+            "dev",
+            client_if,
+            "nodad",
+        ])?;
+        ip(&[
+            "addr",
+            "add",
+            "2001:db8:99:2::1/64",
+            "dev",
+            backend_if,
+            "nodad",
+        ])?;
         for iface in [client_if, backend_if] {
             ip(&["link", "set", iface, "up"])?;
         }
-        let neighbour = |addr: Ipv4Addr, lladdr: [u8; 6], dev: &str| {
+        let neighbour = |addr: IpAddr, lladdr: [u8; 6], dev: &str| {
             let (addr, lladdr) = (addr.to_string(), mac(lladdr));
             ip(&[
                 "neigh",
@@ -196,9 +213,9 @@ impl Router {
                 "permanent",
             ])
         };
-        neighbour(client, Self::CLIENT_MAC, client_if)?;
+        neighbour(client.into(), Self::CLIENT_MAC, client_if)?;
         for backend in backends {
-            neighbour(*backend, Self::BACKEND_MAC, backend_if)?;
+            neighbour((*backend).into(), Self::BACKEND_MAC, backend_if)?;
         }
         run(
             "ip",
@@ -209,6 +226,7 @@ impl Router {
                 "sysctl",
                 "-qw",
                 "net.ipv4.ip_forward=1",
+                "net.ipv6.conf.all.forwarding=1",
             ],
         )?;
         let router = Router {

@@ -14,7 +14,7 @@
 
 use std::collections::BTreeMap;
 use std::io::ErrorKind;
-use std::net::{SocketAddr, SocketAddrV4, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -86,7 +86,7 @@ pub fn l4_config(layout: Layout) -> L4Config {
         ifaces: layout.mode.ifaces(),
         xdp_mode: XdpMode::Auto,
         mode: layout.mode.forward(),
-        services: vec![layout.vip().into()],
+        services: vec![layout.vip()],
         table_size: 1009,
         conntrack_size: 65536,
         // Nothing pinned: the test's datapath goes with its gateway.
@@ -116,7 +116,7 @@ impl<'a> Scenario<'a> {
     ) -> Self {
         Self {
             client_ns: topology.client(),
-            vip: topology.layout.vip().into(),
+            vip: topology.layout.vip(),
             driver,
             workers,
             clock,
@@ -593,7 +593,7 @@ pub fn still_served(
 /// fail.
 #[derive(Clone, Copy, Debug)]
 pub struct NewConnections {
-    pub vip: SocketAddrV4,
+    pub vip: SocketAddr,
     /// How long a handshake may take.
     pub connect_timeout: Duration,
     /// How long a read or a write may take.
@@ -615,7 +615,7 @@ impl NewConnections {
     /// One new connection, from the caller's namespace.
     pub fn attempt(self) -> Attempt {
         let vip = self.vip;
-        let mut stream = match TcpStream::connect_timeout(&vip.into(), self.connect_timeout) {
+        let mut stream = match TcpStream::connect_timeout(&vip, self.connect_timeout) {
             Ok(stream) => stream,
             Err(e) if e.kind() == ErrorKind::ConnectionRefused => return Attempt::Refused,
             Err(e) if matches!(e.kind(), ErrorKind::TimedOut | ErrorKind::WouldBlock) => {

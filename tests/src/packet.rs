@@ -1,4 +1,5 @@
-//! Builders for the raw frames fed to `BPF_PROG_TEST_RUN`.
+//! Builders for the raw frames fed to `BPF_PROG_TEST_RUN` (and for the
+//! packets the namespace tests forge through raw sockets).
 //!
 //! Checksums are computed properly even where the current program does not
 //! look at them, so the same frames keep working once it rewrites packets.
@@ -20,6 +21,13 @@ pub const PROTO_ICMPV6: u8 = 58;
 pub const IPV6_HOP_BY_HOP: u8 = 0;
 /// ICMPv6 neighbour solicitation.
 pub const ICMPV6_NEIGHBOR_SOLICITATION: u8 = 135;
+/// ICMPv6 error types (RFC 4443).
+pub const ICMPV6_DEST_UNREACHABLE: u8 = 1;
+pub const ICMPV6_PACKET_TOO_BIG: u8 = 2;
+pub const ICMPV6_TIME_EXCEEDED: u8 = 3;
+pub const ICMPV6_PARAMETER_PROBLEM: u8 = 4;
+/// The minimum IPv6 MTU, which bounds an ICMPv6 error with its quote.
+pub const IPV6_MIN_MTU: usize = 1280;
 /// Where the IPv6 header starts in an untagged frame.
 pub const IPV6_OFFSET: usize = 14;
 /// The fixed IPv6 header's length.
@@ -162,19 +170,84 @@ impl Tcp {
     }
 }
 
-/// An IPv6 packet: the fixed header with `next_header`, then `payload`
-/// (extension headers, if any, and the upper layer's data).
+/// The fixed IPv6 header, written out around a payload by [`Ipv6::packet`]
+/// (no flow label).
+#[derive(Clone, Debug)]
+pub struct Ipv6 {
+    pub src: Ipv6Addr,
+    pub dst: Ipv6Addr,
+    pub next_header: u8,
+    pub hop_limit: u8,
+    pub traffic_class: u8,
+}
+
+impl Ipv6 {
+    pub fn new(src: Ipv6Addr, dst: Ipv6Addr, next_header: u8) -> Self {
+        Self {
+            src,
+            dst,
+            next_header,
+            hop_limit: 64,
+            traffic_class: 0,
+        }
+    }
+
+    /// The header, then `payload` (extension headers, if any, and the
+    /// upper layer's data).
+    pub fn packet(&self, payload: &[u8]) -> Vec<u8> {
+        let payload_len = u16::try_from(payload.len()).expect("payload fits IPv6");
+        let mut packet = Vec::with_capacity(IPV6_HEADER_LEN + payload.len());
+        let class = self.traffic_class;
+        packet.extend_from_slice(&[0x60 | class >> 4, class << 4, 0, 0]);
+        packet.extend_from_slice(&payload_len.to_be_bytes());
+        packet.push(self.next_header);
+        packet.push(self.hop_limit);
+        packet.extend_from_slice(&self.src.octets());
+        packet.extend_from_slice(&self.dst.octets());
+        packet.extend_from_slice(payload);
+        packet
+    }
+}
+
+/// An IPv6 packet with hop limit 64: the fixed header with `next_header`,
+/// then `payload` (extension headers, if any, and the upper layer's data).
 pub fn ipv6_packet(src: Ipv6Addr, dst: Ipv6Addr, next_header: u8, payload: &[u8]) -> Vec<u8> {
-    let payload_len = u16::try_from(payload.len()).expect("payload fits IPv6");
-    let mut packet = Vec::with_capacity(IPV6_HEADER_LEN + payload.len());
-    packet.extend_from_slice(&[0x60, 0, 0, 0]);
-    packet.extend_from_slice(&payload_len.to_be_bytes());
-    packet.push(next_header);
-    packet.push(64);
-    packet.extend_from_slice(&src.octets());
-    packet.extend_from_slice(&dst.octets());
-    packet.extend_from_slice(payload);
-    packet
+    Ipv6::new(src, dst, next_header).packet(payload)
+}
+
+/// An ICMPv6 message from `src` to `dst` of `kind` and `code`, with `rest`
+/// as its type-specific word and `body` after it (an error's quote), its
+/// checksum over the IPv6 pseudo-header (RFC 4443, 2.3).
+pub fn icmp6(
+    src: Ipv6Addr,
+    dst: Ipv6Addr,
+    kind: u8,
+    code: u8,
+    rest: [u8; 4],
+    body: &[u8],
+) -> Vec<u8> {
+    let mut message = vec![kind, code, 0, 0];
+    message.extend_from_slice(&rest);
+    message.extend_from_slice(body);
+    let checksum = transport_checksum(src.into(), dst.into(), PROTO_ICMPV6, &message);
+    message[2..4].copy_from_slice(&checksum.to_be_bytes());
+    message
+}
+
+/// The Ethernet frame of an [`icmp6`] message (hop limit `hop_limit`).
+pub fn icmp6_frame(
+    src: Ipv6Addr,
+    dst: Ipv6Addr,
+    hop_limit: u8,
+    (kind, code, rest): (u8, u8, [u8; 4]),
+    body: &[u8],
+) -> Vec<u8> {
+    let mut ip = Ipv6::new(src, dst, PROTO_ICMPV6);
+    ip.hop_limit = hop_limit;
+    ethernet(
+        ETHERTYPE_IPV6,
+        &ip.packet(&icmp6(src, dst, kind, code, rest, body)),
+    )
 }
 
 /// A TCP segment between IPv6 endpoints (no options), its checksum over
@@ -230,8 +303,9 @@ pub fn endpoints6(frame: &[u8]) -> (SocketAddrV6, SocketAddrV6) {
     )
 }
 
-/// Whether the TCP checksum of an untagged IPv6 frame without extension
-/// headers verifies (IPv6 has no header checksum).
+/// Whether the TCP (or UDP, or ICMPv6) checksum of an untagged IPv6 frame
+/// without extension headers verifies, over the pseudo-header of the
+/// frame's own addresses (IPv6 has no header checksum).
 pub fn checksum6_verifies(frame: &[u8]) -> bool {
     let ip = &frame[IPV6_OFFSET..];
     let payload_len = usize::from(u16::from_be_bytes([ip[4], ip[5]]));
@@ -269,6 +343,19 @@ pub fn icmp_checksums_verify(frame: &[u8], l3: usize) -> bool {
     let total_len = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
     internet_checksum(&ip[..header_len], 0) == 0
         && internet_checksum(&ip[header_len..total_len], 0) == 0
+}
+
+/// The IP packet, of the endpoints' family, of a TCP segment without
+/// payload or options, with sequence number `seq` and no acknowledgment.
+pub fn tcp_packet(src: SocketAddr, dst: SocketAddr, flags: u8, seq: u32) -> Vec<u8> {
+    match (src, dst) {
+        (SocketAddr::V4(src), SocketAddr::V4(dst)) => Tcp::new(src, dst, flags, seq, 0).ip(),
+        (SocketAddr::V6(src), SocketAddr::V6(dst)) => {
+            let segment = tcp6(src, dst, flags, seq, 0, &[]);
+            ipv6_packet(*src.ip(), *dst.ip(), PROTO_TCP, &segment)
+        }
+        _ => panic!("TCP between two families: {src} to {dst}"),
+    }
 }
 
 /// A TCP segment without payload or options.

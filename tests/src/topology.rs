@@ -1,5 +1,5 @@
 //! The network namespaces the L4 end-to-end tests run in, in either
-//! forwarding mode, and the runtimes inside them.
+//! forwarding mode and either address family, and the runtimes inside them.
 //!
 //! - **Local mode**: two namespaces, the client's and the balancer's (the
 //!   gateway and every worker), joined by one veth.
@@ -8,15 +8,18 @@
 //!   balancer, with its default route through it (replies go back through
 //!   the balancer, which restores the service address).
 //!
-//! Every address is in `10.<net>.0.0/16`, `net` chosen by the test (tests
-//! that may run at once use distinct ones): the client's link is
-//! `10.<net>.0.0/24` (balancer `.1`, client `.2`), worker `i`'s link (remote
-//! mode, from 1) `10.<net>.<i>.0/24` (balancer `.1`, worker `.2`), and the
-//! service address `10.<net>.100.1:80`, routed by the client to the
-//! balancer, which owns it only in the XDP program. Nothing is sent outside
-//! the namespaces.
+//! Every link is dual-stack; the [`Family`] of a [`Layout`] says which
+//! addresses its service and workers use. IPv4 addresses are in
+//! `10.<net>.0.0/16`, IPv6 ones in `fd00:0:<net>::/48` (`net` chosen by the
+//! test, its decimal digits in both), subnet `s`, host `h` being
+//! `10.<net>.<s>.<h>/24` and `fd00:0:<net>:<s>::<h>/64`: the client's
+//! link is subnet 0 (balancer host 1, client host 2), worker `i`'s link
+//! (remote mode, from 1) subnet `i` (balancer host 1, worker host 2), and
+//! the service address host 1 of subnet 100, port 80, routed by the client
+//! to the balancer, which owns it only in the XDP program. Nothing is sent
+//! outside the namespaces.
 
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use anyhow::{Context, Result, bail};
 use balancer::gateway::Gateway;
@@ -77,56 +80,90 @@ impl Mode {
     }
 }
 
-/// The addresses of a topology: its mode and the second octet of all of
-/// them. A plain value, for threads in other namespaces.
+/// The address family a topology's service and workers use (every link
+/// carries both).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Family::V4 => "ipv4",
+            Family::V6 => "ipv6",
+        }
+    }
+}
+
+/// The addresses of a topology: its mode, the family its service and
+/// workers use, and the number all its addresses derive from. A plain
+/// value, for threads in other namespaces.
 #[derive(Clone, Copy, Debug)]
 pub struct Layout {
     pub mode: Mode,
+    pub family: Family,
     pub net: u8,
 }
 
 impl Layout {
-    pub const fn new(mode: Mode, net: u8) -> Self {
-        Self { mode, net }
+    pub const fn new(mode: Mode, family: Family, net: u8) -> Self {
+        Self { mode, family, net }
+    }
+
+    /// Host `host` of subnet `subnet`, in the layout's family.
+    fn addr(self, subnet: u8, host: u8) -> IpAddr {
+        match self.family {
+            Family::V4 => v4(self.net, subnet, host).into(),
+            Family::V6 => v6(self.net, subnet, host).into(),
+        }
     }
 
     /// Host `host` of the client's subnet.
-    pub fn host(self, host: u8) -> Ipv4Addr {
-        Ipv4Addr::new(10, self.net, 0, host)
+    pub fn host(self, host: u8) -> IpAddr {
+        self.addr(0, host)
     }
 
-    pub fn client_ip(self) -> Ipv4Addr {
+    pub fn client_ip(self) -> IpAddr {
         self.host(2)
     }
 
     /// The balancer's address on the client's link.
-    pub fn front_ip(self) -> Ipv4Addr {
+    pub fn front_ip(self) -> IpAddr {
         self.host(1)
     }
 
     /// The service address.
-    pub fn vip(self) -> SocketAddrV4 {
-        SocketAddrV4::new(Ipv4Addr::new(10, self.net, 100, 1), 80)
+    pub fn vip(self) -> SocketAddr {
+        SocketAddr::new(self.addr(100, 1), 80)
     }
 
     /// Remote mode: worker `i`'s address (from 1).
-    pub fn worker_ip(self, i: usize) -> Ipv4Addr {
-        Ipv4Addr::new(10, self.net, i as u8, 2)
-    }
-
-    /// Remote mode: the balancer's side of worker `i`'s link (from 1).
-    pub fn worker_gateway(self, i: usize) -> Ipv4Addr {
-        Ipv4Addr::new(10, self.net, i as u8, 1)
+    pub fn worker_ip(self, i: usize) -> IpAddr {
+        self.addr(i as u8, 2)
     }
 
     /// Where worker `i` (from 0) listens, on a free port: the balancer's
     /// address in local mode, its own namespace's in remote mode.
     pub fn worker_listen(self, i: usize) -> SocketAddr {
         match self.mode {
-            Mode::Local => SocketAddr::from((self.front_ip(), 0)),
-            Mode::Remote => SocketAddr::from((self.worker_ip(i + 1), 0)),
+            Mode::Local => SocketAddr::new(self.front_ip(), 0),
+            Mode::Remote => SocketAddr::new(self.worker_ip(i + 1), 0),
         }
     }
+}
+
+fn v4(net: u8, subnet: u8, host: u8) -> Ipv4Addr {
+    Ipv4Addr::new(10, net, subnet, host)
+}
+
+/// The IPv6 twin of [`v4`]'s address, each number's decimal digits
+/// written as its group's hex ones (`10.77.100.1` is `fd00:0:77:100::1`),
+/// so that the two read alike in logs.
+fn v6(net: u8, subnet: u8, host: u8) -> Ipv6Addr {
+    let group = |n: u8| u16::from_str_radix(&n.to_string(), 16).expect("decimal digits");
+    Ipv6Addr::new(0xfd00, 0, group(net), group(subnet), 0, 0, 0, group(host))
 }
 
 /// The namespaces of a [`Layout`], linked and routed; deleted by
@@ -193,12 +230,10 @@ impl Topology {
         self.namespaces.delete()
     }
 
-    /// The runtimes of the balancer's namespace and (remote mode) of each
-    /// worker's.
+    /// The runtimes of the balancer's namespace and of each worker's.
     pub fn runtimes(&self) -> Result<Runtimes> {
-        let workers = self.names[2..]
-            .iter()
-            .map(|ns| NsRuntime::new(ns))
+        let workers = (0..WORKERS)
+            .map(|i| NsRuntime::new(self.worker_ns(i)))
             .collect::<Result<Vec<_>>>()?;
         Ok(Runtimes {
             layout: self.layout,
@@ -208,38 +243,34 @@ impl Topology {
     }
 
     fn connect(&self) -> Result<()> {
-        let layout = self.layout;
+        let net = self.layout.net;
         let (client, balancer) = (self.client(), self.balancer());
-        if let Mode::Remote = layout.mode {
+        if let Mode::Remote = self.layout.mode {
             // The balancer routes, and sees replies from the VIP, which it
             // does not own, arriving from the workers' side.
             for setting in [
                 "net.ipv4.ip_forward=1",
                 "net.ipv4.conf.all.rp_filter=0",
                 "net.ipv4.conf.default.rp_filter=0",
+                "net.ipv6.conf.all.forwarding=1",
             ] {
                 ns_exec(balancer, &["sysctl", "-qw", setting])?;
             }
         }
-        link(
-            (client, CLIENT_IF, layout.client_ip()),
-            (balancer, FRONT_IF, layout.front_ip()),
-        )?;
-        route(
-            client,
-            &format!("{}/32", layout.vip().ip()),
-            layout.front_ip(),
-        )?;
-        if let Mode::Remote = layout.mode {
+        link((client, CLIENT_IF, 0, 2), (balancer, FRONT_IF, 0, 1), net)?;
+        // The service's address of each family, through the balancer.
+        route(client, Some((100, 1)), (0, 1), net)?;
+        if let Mode::Remote = self.layout.mode {
             for i in 1..=WORKERS {
-                let worker = self.worker_ns(i - 1);
+                let (worker, subnet) = (self.worker_ns(i - 1), i as u8);
                 link(
-                    (balancer, &back_if(i), layout.worker_gateway(i)),
-                    (worker, WORKER_IF, layout.worker_ip(i)),
+                    (balancer, &back_if(i), subnet, 1),
+                    (worker, WORKER_IF, subnet, 2),
+                    net,
                 )?;
                 // Replies go back through the balancer, which restores the
                 // VIP.
-                route(worker, "default", layout.worker_gateway(i))?;
+                route(worker, None, (subnet, 1), net)?;
             }
         }
         Ok(())
@@ -253,40 +284,76 @@ pub fn ns_exec(ns: &str, args: &[&str]) -> Result<String> {
     run("ip", &all)
 }
 
-/// A veth between two namespaces (namespace, interface, address on a
-/// `/24`), addressed and up, with full checksums on transmit (offloaded,
-/// partial ones would let wrong checksum arithmetic go unnoticed) and GRO
-/// on receive (a frame XDP redirects into a veth is only delivered when the
+/// A veth between two namespaces (namespace, interface, and the subnet
+/// and host of its addresses under `net`), addressed in both families
+/// (IPv6 without duplicate address detection, so the addresses are usable
+/// at once) and up, with full checksums on transmit (offloaded, partial
+/// ones would let wrong checksum arithmetic go unnoticed) and GRO on
+/// receive (a frame XDP redirects into a veth is only delivered when the
 /// far end runs NAPI).
-pub fn link(a: (&str, &str, Ipv4Addr), b: (&str, &str, Ipv4Addr)) -> Result<()> {
+pub fn link(a: (&str, &str, u8, u8), b: (&str, &str, u8, u8), net: u8) -> Result<()> {
     run(
         "ip",
         &[
             "link", "add", a.1, "netns", a.0, "type", "veth", "peer", "name", b.1, "netns", b.0,
         ],
     )?;
-    for (ns, iface, ip) in [a, b] {
-        run(
-            "ip",
-            &["-n", ns, "addr", "add", &format!("{ip}/24"), "dev", iface],
-        )?;
+    for (ns, iface, subnet, host) in [a, b] {
+        let v4 = format!("{}/24", v4(net, subnet, host));
+        let v6 = format!("{}/64", v6(net, subnet, host));
+        run("ip", &["-n", ns, "addr", "add", &v4, "dev", iface])?;
+        run("ip", &["-n", ns, "addr", "add", &v6, "dev", iface, "nodad"])?;
         run("ip", &["-n", ns, "link", "set", iface, "up"])?;
         ns_exec(ns, &["ethtool", "-K", iface, "tx", "off", "gro", "on"])?;
     }
     Ok(())
 }
 
-fn route(ns: &str, to: &str, via: Ipv4Addr) -> Result<()> {
+/// In `ns`, routes to host `to` (subnet, host; `None` for the default
+/// route) via host `via`, in both families.
+fn route(ns: &str, to: Option<(u8, u8)>, via: (u8, u8), net: u8) -> Result<()> {
+    let (to4, to6) = match to {
+        Some((subnet, host)) => (
+            format!("{}/32", v4(net, subnet, host)),
+            format!("{}/128", v6(net, subnet, host)),
+        ),
+        None => ("default".to_owned(), "default".to_owned()),
+    };
+    let (via4, via6) = (v4(net, via.0, via.1), v6(net, via.0, via.1));
     run(
         "ip",
-        &["-n", ns, "route", "add", to, "via", &via.to_string()],
+        &[
+            "-n",
+            ns,
+            "-4",
+            "route",
+            "add",
+            &to4,
+            "via",
+            &via4.to_string(),
+        ],
+    )?;
+    run(
+        "ip",
+        &[
+            "-n",
+            ns,
+            "-6",
+            "route",
+            "add",
+            &to6,
+            "via",
+            &via6.to_string(),
+        ],
     )?;
     Ok(())
 }
 
 /// The runtimes in a topology's namespaces: the balancer's, which the
-/// gateway runs on (and in local mode the workers too), and in remote mode
-/// one per worker namespace.
+/// gateway runs on, and one per worker, in the worker's namespace (the
+/// balancer's in local mode). Never the gateway's: starting it blocks its
+/// runtime's thread for seconds (the verifier checks the programs), which
+/// would hold back a worker's answers meanwhile.
 pub struct Runtimes {
     layout: Layout,
     pub balancer: NsRuntime,
@@ -296,10 +363,7 @@ pub struct Runtimes {
 impl Runtimes {
     /// The runtime worker `i` (from 0) runs on.
     pub fn worker(&self, i: usize) -> &NsRuntime {
-        match self.layout.mode {
-            Mode::Local => &self.balancer,
-            Mode::Remote => &self.workers[i],
-        }
+        &self.workers[i]
     }
 
     /// Starts the demo workers, worker `i` named `NAMES[i]` on a free port

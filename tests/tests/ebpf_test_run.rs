@@ -175,3 +175,29 @@ fn repeated_runs_count_every_run() {
     assert_eq!(deltas(&after, &before), expect_only(Verdict::TcpSyn, 1000));
     assert_eq!(after.since(&before).total(), 1000);
 }
+
+/// Every program of the object loads, and says how much of the verifier's
+/// budget (a million instructions walked per program) it took: printed,
+/// for the record of what a change costs (`--nocapture`).
+#[test]
+fn every_program_reports_its_verified_instructions() {
+    let Some(object) = ebpf_prerequisites() else {
+        return;
+    };
+    let dataplane = Dataplane::load(&object).expect("loading the programs");
+    let counts = dataplane.verified_instructions();
+    for (name, count) in &counts {
+        eprintln!("{name}: {count:?} instructions verified");
+        let count = count.unwrap_or_else(|| panic!("{name}: the kernel did not say"));
+        assert!(count > 0 && count < 1_000_000, "{name}: {count}");
+    }
+    let names: Vec<&str> = counts.iter().map(|(name, _)| name.as_str()).collect();
+    for program in [
+        balancer_common::PROGRAM_NAME,
+        balancer_common::l4::IPV6_PROGRAM_NAME,
+        balancer_common::l4::ICMP6_PROGRAM_NAME,
+        balancer_common::l4::EGRESS_PROGRAM_NAME,
+    ] {
+        assert!(names.contains(&program), "{program} missing from {names:?}");
+    }
+}

@@ -6,23 +6,28 @@
 //! Steps run in order through `BPF_PROG_TEST_RUN` against one set of maps,
 //! so a table tells the story of a connection: handshake, eviction of one
 //! direction, a draining backend, forged resets, ICMP errors, IPv4 options,
-//! VLAN tags, TTL and MTU.
+//! VLAN tags, TTL and MTU; and for IPv6 (the `*_ipv6` tables) the same
+//! story with ICMPv6, neighbour discovery, hop limit and Packet Too Big.
 //!
 //! Which backend a connection gets is computed here from the Maglev table
 //! and the flow hash, not read back from the program. Remote-mode steps run
 //! in a namespace the test creates (`Router`), where next hops are real.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::fmt::Debug;
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use balancer_common::Verdict;
-use balancer_common::l4::{BackendState, Flow, FlowKey, Outcome, addr_be, flow_hash, port_be};
+use balancer_common::l4::{
+    Addr6, BackendState, Flow, FlowKey, Outcome, addr_be, addr6_be, flow_hash, port_be,
+};
+use balancer_dataplane::l4::Family;
 use balancer_dataplane::{LoadOptions, XdpAction};
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::l4::{Router, Steered, TABLE_SIZE};
 use balancer_tests::netns;
-use balancer_tests::packet::{self, Ipv4, Tcp};
+use balancer_tests::packet::{self, IPV6_HEADER_LEN, IPV6_OFFSET, Ipv4, Ipv6, Tcp};
 
 const VIP: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 99, 0, 100), 80);
 const CLIENT: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 99, 1, 2), 40_000);
@@ -35,6 +40,57 @@ const BACKENDS: [SocketAddrV4; 3] = [
 /// sources of ICMP errors.
 const CLIENT_ROUTER: Ipv4Addr = Ipv4Addr::new(10, 99, 1, 254);
 const BACKEND_ROUTER: Ipv4Addr = Ipv4Addr::new(10, 99, 2, 254);
+
+const fn v6(segments: [u16; 8], port: u16) -> SocketAddrV6 {
+    let [a, b, c, d, e, f, g, h] = segments;
+    SocketAddrV6::new(Ipv6Addr::new(a, b, c, d, e, f, g, h), port, 0, 0)
+}
+
+// The IPv6 twins of the addresses above, in `Router`'s networks.
+const VIP6: SocketAddrV6 = v6([0x2001, 0xdb8, 0x99, 0, 0, 0, 0, 0x100], 80);
+const CLIENT6: SocketAddrV6 = v6([0x2001, 0xdb8, 0x99, 1, 0, 0, 0, 2], 40_000);
+const BACKENDS6: [SocketAddrV6; 3] = [
+    v6([0x2001, 0xdb8, 0x99, 2, 0, 0, 0, 0x11], 8000),
+    v6([0x2001, 0xdb8, 0x99, 2, 0, 0, 0, 0x12], 8001),
+    v6([0x2001, 0xdb8, 0x99, 2, 0, 0, 0, 0x13], 8002),
+];
+const CLIENT_ROUTER6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x99, 1, 0, 0, 0, 0xfe);
+const BACKEND_ROUTER6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x99, 2, 0, 0, 0, 0xfe);
+
+/// One address family's endpoints, as the tables use them.
+trait Endpoint: Copy + PartialEq + Debug + Into<SocketAddr> + Send + 'static {
+    type Addr: Family;
+    /// The service the tables steer.
+    const VIP: Self;
+    fn key(src: Self, dst: Self) -> FlowKey<Self::Addr>;
+}
+
+impl Endpoint for SocketAddrV4 {
+    type Addr = u32;
+    const VIP: Self = VIP;
+    fn key(src: Self, dst: Self) -> FlowKey {
+        FlowKey::tcp(
+            addr_be(src.ip().octets()),
+            port_be(src.port()),
+            addr_be(dst.ip().octets()),
+            port_be(dst.port()),
+        )
+    }
+}
+
+impl Endpoint for SocketAddrV6 {
+    type Addr = Addr6;
+    const VIP: Self = VIP6;
+    fn key(src: Self, dst: Self) -> FlowKey<Addr6> {
+        FlowKey::tcp(
+            addr6_be(src.ip().octets()),
+            port_be(src.port()),
+            addr6_be(dst.ip().octets()),
+            port_be(dst.port()),
+        )
+    }
+}
+
 const CLIENT_ISN: u32 = 1_000;
 const BACKEND_ISN: u32 = 5_000;
 const STEP: Duration = Duration::from_secs(30);
@@ -51,11 +107,11 @@ enum Hook {
 /// What to do to the maps before a step's packet: what an LRU eviction or
 /// the agent would do.
 #[derive(Clone, Debug)]
-enum Setup {
-    Evict(FlowKey),
+enum Setup<A = u32> {
+    Evict(FlowKey<A>),
     /// The established entry last checked its peer long ago (the program
     /// checks at most every second; a test does not wait for that).
-    Age(FlowKey),
+    Age(FlowKey<A>),
     State(usize, BackendState),
     /// Rewrite the routable list (and table), as the agent's table thread.
     Rebuild,
@@ -63,10 +119,10 @@ enum Setup {
 
 /// What must hold of the tables after a step.
 #[derive(Clone, Debug)]
-enum Check {
+enum Check<A = u32> {
     /// Both directions of the connection are in the established table,
     /// open (`true`) or closed.
-    Established(FlowKey, FlowKey, bool),
+    Established(FlowKey<A>, FlowKey<A>, bool),
     /// The embryonic table holds at most this many entries, and the
     /// established one exactly that many.
     Counts {
@@ -75,9 +131,9 @@ enum Check {
     },
 }
 
-struct Step {
+struct Step<A = u32> {
     name: &'static str,
-    setup: Vec<Setup>,
+    setup: Vec<Setup<A>>,
     hook: Hook,
     input: Vec<u8>,
     action: XdpAction,
@@ -85,10 +141,10 @@ struct Step {
     output: Option<Vec<u8>>,
     /// Outcomes the step must count (each exactly once; no others).
     outcomes: Vec<Outcome>,
-    checks: Vec<Check>,
+    checks: Vec<Check<A>>,
 }
 
-impl Step {
+impl<A> Step<A> {
     fn new(name: &'static str, hook: Hook, input: Vec<u8>, action: XdpAction) -> Self {
         Self {
             name,
@@ -112,30 +168,25 @@ impl Step {
         self
     }
 
-    fn before(mut self, setup: Setup) -> Self {
+    fn before(mut self, setup: Setup<A>) -> Self {
         self.setup.push(setup);
         self
     }
 
-    fn then(mut self, check: Check) -> Self {
+    fn then(mut self, check: Check<A>) -> Self {
         self.checks.push(check);
         self
     }
 }
 
-fn key(src: SocketAddrV4, dst: SocketAddrV4) -> FlowKey {
-    FlowKey::tcp(
-        addr_be(src.ip().octets()),
-        port_be(src.port()),
-        addr_be(dst.ip().octets()),
-        port_be(dst.port()),
-    )
+fn key<S: Endpoint>(src: S, dst: S) -> FlowKey<S::Addr> {
+    S::key(src, dst)
 }
 
 /// The backend a SYN from `client` gets while every backend is routable:
 /// the table slot of its flow hash.
-fn chosen(steered: &Steered, client: SocketAddrV4) -> SocketAddrV4 {
-    let k = key(client, VIP);
+fn chosen<S: Endpoint>(steered: &Steered<S>, client: S) -> S {
+    let k = key(client, S::VIP);
     let hash = flow_hash(k.src_addr, k.src_port, k.dst_addr, k.dst_port);
     let index = steered.service.table()[(hash % u64::from(TABLE_SIZE)) as usize];
     steered.backends[index as usize]
@@ -146,7 +197,7 @@ fn seg(src: SocketAddrV4, dst: SocketAddrV4, flags: u8, seq: u32, ack: u32) -> T
 }
 
 /// Runs the steps in order; the first that does not hold fails the table.
-fn run(steered: &mut Steered, steps: Vec<Step>) -> Result<()> {
+fn run<S: Endpoint>(steered: &mut Steered<S>, steps: Vec<Step<S::Addr>>) -> Result<()> {
     for step in steps {
         let name = step.name;
         for setup in &step.setup {
@@ -671,6 +722,494 @@ fn remote_steps(steered: &Steered, net: &Router) -> Vec<Step> {
     ]
 }
 
+/// An IPv6 frame the tables expect checks out on its own: its TCP or
+/// ICMPv6 checksum, over the pseudo-header of its outer addresses, computed
+/// from scratch.
+fn assert_verifies6(frame: &[u8]) {
+    assert!(
+        packet::checksum6_verifies(frame),
+        "an expected IPv6 frame's checksum does not verify: {frame:02x?}"
+    );
+}
+
+fn seg6(src: SocketAddrV6, dst: SocketAddrV6, flags: u8, seq: u32, ack: u32) -> Vec<u8> {
+    let f = packet::tcp6_frame(src, dst, flags, seq, ack, &[]);
+    assert_verifies6(&f);
+    f
+}
+
+/// An IPv6 TCP packet (no payload) as a router's ICMPv6 error quotes it:
+/// whole.
+fn quote6(src: SocketAddrV6, dst: SocketAddrV6, flags: u8, seq: u32, ack: u32) -> Vec<u8> {
+    let segment = packet::tcp6(src, dst, flags, seq, ack, &[]);
+    packet::ipv6_packet(*src.ip(), *dst.ip(), packet::PROTO_TCP, &segment)
+}
+
+/// The quote `as_sent`, translated: the addresses and ports of
+/// `rewritten`, the quoted TCP checksum as it was (the program leaves it:
+/// receivers match quotes by addresses and ports).
+fn translated(as_sent: &[u8], mut rewritten: Vec<u8>) -> Vec<u8> {
+    let check = IPV6_HEADER_LEN + 16;
+    rewritten[check..check + 2].copy_from_slice(&as_sent[check..check + 2]);
+    rewritten
+}
+
+/// An ICMPv6 error from `from` to `to` (hop limit `hops`) quoting `quote`,
+/// sent between the MACs `macs` (destination, source) if given.
+fn icmp6_error(
+    from: Ipv6Addr,
+    to: Ipv6Addr,
+    hops: u8,
+    message: (u8, u8, [u8; 4]),
+    quote: &[u8],
+    macs: Option<([u8; 6], [u8; 6])>,
+) -> Vec<u8> {
+    let mut f = packet::icmp6_frame(from, to, hops, message, quote);
+    if let Some((dst, src)) = macs {
+        f[..6].copy_from_slice(&dst);
+        f[6..12].copy_from_slice(&src);
+    }
+    assert_verifies6(&f);
+    f
+}
+
+/// ICMPv6 that is none of the balancer's business, each from the client:
+/// neighbour discovery (solicitation, advertisement, router solicitation
+/// and advertisement, redirect) and echo.
+fn informational6() -> Vec<(&'static str, Vec<u8>)> {
+    let target = VIP6.ip().octets();
+    let mut solicitation = vec![0; 4];
+    solicitation.extend_from_slice(&target);
+    let mut advertisement = vec![0; 4];
+    advertisement.extend_from_slice(&target);
+    let mut redirect = vec![0; 4];
+    redirect.extend_from_slice(&target);
+    redirect.extend_from_slice(&CLIENT6.ip().octets());
+    let from = *CLIENT6.ip();
+    let to = *VIP6.ip();
+    let all_routers: Ipv6Addr = "ff02::2".parse().expect("an address");
+    let all_nodes: Ipv6Addr = "ff02::1".parse().expect("an address");
+    [
+        ("neighbour solicitation", from, to, 135, solicitation),
+        ("neighbour advertisement", from, to, 136, advertisement),
+        ("router solicitation", from, all_routers, 133, vec![0; 4]),
+        (
+            "router advertisement",
+            from,
+            all_nodes,
+            134,
+            vec![64, 0, 0, 0],
+        ),
+        ("redirect", from, to, 137, redirect),
+        ("echo request", from, to, 128, vec![0, 1, 0, 1]),
+    ]
+    .into_iter()
+    .map(|(name, from, to, kind, body)| {
+        // The first four bytes of `body` are the message's own word.
+        let rest = [body[0], body[1], body[2], body[3]];
+        (
+            name,
+            icmp6_error(from, to, 255, (kind, 0, rest), &body[4..], None),
+        )
+    })
+    .collect()
+}
+
+#[test]
+fn local_mode_fixtures_ipv6() {
+    let Some(object) = ebpf_prerequisites() else {
+        return;
+    };
+    let mut steered = Steered::load_sized(&object, VIP6, &BACKENDS6, false, 1024)
+        .expect("programming the service");
+    let steps = local_steps6(&steered);
+    run(&mut steered, steps).unwrap_or_else(|error| panic!("{error:#}"));
+}
+
+fn local_steps6(steered: &Steered<SocketAddrV6>) -> Vec<Step<Addr6>> {
+    use Outcome::*;
+    let xdp = Hook::Xdp(None);
+    let b = chosen(steered, CLIENT6);
+    let bi = steered.backend_of(b).expect("a backend");
+    let (fwd, rep) = (key(CLIENT6, VIP6), key(b, CLIENT6));
+    let (c1, b1) = (CLIENT_ISN + 1, BACKEND_ISN + 1);
+    let (syn, ack, rst) = (packet::TCP_SYN, packet::TCP_ACK, packet::TCP_RST);
+    let ack_in = |seq| seg6(CLIENT6, VIP6, ack, seq, b1);
+    let ack_out = |seq| seg6(CLIENT6, b, ack, seq, b1);
+    let reply_in = || seg6(b, CLIENT6, ack, b1, c1);
+    let reply_out = || seg6(VIP6, CLIENT6, ack, b1, c1);
+    let far = c1.wrapping_add(1 << 31);
+    let rst_in = |seq| seg6(CLIENT6, VIP6, rst, seq, 0);
+    let rst_out = |seq| seg6(CLIENT6, b, rst, seq, 0);
+
+    // Each ICMPv6 error from a router on the client's side about a reply
+    // (quoting service -> client, whole): to the backend, the outer
+    // destination and the quote's source its own.
+    let mtu = 1400u32.to_be_bytes();
+    let too_big = (packet::ICMPV6_PACKET_TOO_BIG, 0, mtu);
+    let errors = [
+        (
+            "ICMPv6 packet too big about a reply: to its backend",
+            too_big,
+        ),
+        (
+            "ICMPv6 unreachable about a reply: to its backend",
+            (packet::ICMPV6_DEST_UNREACHABLE, 3, [0; 4]),
+        ),
+        (
+            "ICMPv6 time exceeded about a reply: to its backend",
+            (packet::ICMPV6_TIME_EXCEEDED, 0, [0; 4]),
+        ),
+        (
+            "ICMPv6 parameter problem about a reply: to its backend",
+            (packet::ICMPV6_PARAMETER_PROBLEM, 0, [0, 0, 0, 7]),
+        ),
+    ];
+    let sent = quote6(VIP6, CLIENT6, ack, b1, c1);
+    let about_reply = |message| icmp6_error(CLIENT_ROUTER6, *VIP6.ip(), 64, message, &sent, None);
+    let to_backend = |message| {
+        icmp6_error(
+            CLIENT_ROUTER6,
+            *b.ip(),
+            64,
+            message,
+            &translated(&sent, quote6(b, CLIENT6, ack, b1, c1)),
+            None,
+        )
+    };
+    // The same about a connection nobody steered (another port).
+    let other = SocketAddrV6::new(*VIP6.ip(), 81, 0, 0);
+    let not_steered = icmp6_error(
+        CLIENT_ROUTER6,
+        *VIP6.ip(),
+        64,
+        too_big,
+        &quote6(other, CLIENT6, ack, b1, c1),
+        None,
+    );
+    // The same with a destination-options header in the quote (next
+    // header 60, one PadN): not walked, so untouched.
+    let mut extended = sent.clone();
+    extended[6] = 60;
+    extended.splice(
+        IPV6_HEADER_LEN..IPV6_HEADER_LEN,
+        [packet::PROTO_TCP, 0, 1, 4, 0, 0, 0, 0],
+    );
+    let quoting_extension = icmp6_error(CLIENT_ROUTER6, *VIP6.ip(), 64, too_big, &extended, None);
+
+    let mut steps = vec![
+        Step::new(
+            "SYN to the service",
+            xdp,
+            seg6(CLIENT6, VIP6, syn, CLIENT_ISN, 0),
+            XdpAction::Pass,
+        )
+        .out(seg6(CLIENT6, b, syn, CLIENT_ISN, 0))
+        .counts(&[NewFlow])
+        .then(Check::Counts {
+            embryonic_at_most: 2,
+            established: 0,
+        }),
+        Step::new(
+            "backend's SYN-ACK restored",
+            Hook::Egress,
+            seg6(b, CLIENT6, syn | ack, BACKEND_ISN, c1),
+            XdpAction::Pass,
+        )
+        .out(seg6(VIP6, CLIENT6, syn | ack, BACKEND_ISN, c1))
+        .counts(&[Reply]),
+        Step::new(
+            "client's ACK completes the handshake",
+            xdp,
+            ack_in(c1),
+            XdpAction::Pass,
+        )
+        .out(ack_out(c1))
+        .counts(&[Established, Promoted])
+        .then(Check::Established(fwd, rep, true))
+        .then(Check::Counts {
+            embryonic_at_most: 0,
+            established: 2,
+        }),
+        Step::new(
+            "reply direction evicted: the next forward packet restores it",
+            xdp,
+            ack_in(c1),
+            XdpAction::Pass,
+        )
+        .before(Setup::Evict(rep))
+        .before(Setup::Age(fwd))
+        .out(ack_out(c1))
+        .counts(&[Established, PeerRestored])
+        .then(Check::Established(fwd, rep, true)),
+        Step::new(
+            "forward direction evicted: the next reply restores it",
+            Hook::Egress,
+            reply_in(),
+            XdpAction::Pass,
+        )
+        .before(Setup::Evict(fwd))
+        .before(Setup::Age(rep))
+        .out(reply_out())
+        .counts(&[Reply, PeerRestored])
+        .then(Check::Established(fwd, rep, true)),
+        Step::new(
+            "ACK of a lost connection on a draining backend stays there",
+            xdp,
+            ack_in(c1),
+            XdpAction::Pass,
+        )
+        .before(Setup::State(bi, BackendState::Draining))
+        .before(Setup::Rebuild)
+        .before(Setup::Evict(fwd))
+        .before(Setup::Evict(rep))
+        .out(ack_out(c1))
+        .counts(&[Recovered]),
+        Step::new(
+            "the draining backend's answer confirms the connection",
+            Hook::Egress,
+            reply_in(),
+            XdpAction::Pass,
+        )
+        .out(reply_out())
+        .counts(&[Reply, Promoted])
+        .then(Check::Established(fwd, rep, true)),
+        Step::new(
+            "out-of-window RST from the client: forwarded, closes nothing",
+            xdp,
+            rst_in(far),
+            XdpAction::Pass,
+        )
+        .out(rst_out(far))
+        .counts(&[Established, RstIgnored])
+        .then(Check::Established(fwd, rep, true)),
+        Step::new(
+            "out-of-window RST from the backend: restored, closes nothing",
+            Hook::Egress,
+            seg6(b, CLIENT6, rst, b1.wrapping_add(1 << 30), 0),
+            XdpAction::Pass,
+        )
+        .out(seg6(VIP6, CLIENT6, rst, b1.wrapping_add(1 << 30), 0))
+        .counts(&[Reply, RstIgnored])
+        .then(Check::Established(fwd, rep, true)),
+        Step::new(
+            "ICMPv6 about a connection nobody steered: untouched",
+            xdp,
+            not_steered,
+            XdpAction::Pass,
+        )
+        .counts(&[]),
+        Step::new(
+            "ICMPv6 quoting an extension header: untouched",
+            xdp,
+            quoting_extension,
+            XdpAction::Pass,
+        )
+        .counts(&[]),
+    ];
+    for (name, message) in errors {
+        steps.push(
+            Step::new(name, xdp, about_reply(message), XdpAction::Pass)
+                .out(to_backend(message))
+                .counts(&[Icmp]),
+        );
+    }
+    for (name, frame) in informational6() {
+        steps.push(Step::new(name, xdp, frame, XdpAction::Pass).counts(&[]));
+    }
+    steps.push(
+        Step::new(
+            "the client's own RST (its next sequence number) closes",
+            xdp,
+            rst_in(c1),
+            XdpAction::Pass,
+        )
+        .out(rst_out(c1))
+        .counts(&[Established])
+        .then(Check::Established(fwd, rep, false)),
+    );
+    steps
+}
+
+#[test]
+fn remote_mode_fixtures_ipv6() {
+    let Some(object) = ebpf_prerequisites() else {
+        return;
+    };
+    let backend_ips: Vec<Ipv6Addr> = BACKENDS6.iter().map(|b| *b.ip()).collect();
+    Router::run("bt-l4fx6", *CLIENT6.ip(), &backend_ips, STEP, move |net| {
+        // A smaller MTU toward the backends than toward the client (IPv6
+        // needs at least 1280 on a link).
+        netns::run("ip", &["link", "set", Router::BACKEND_IF, "mtu", "1300"])?;
+        let mut steered = Steered::load(&object, VIP6, &BACKENDS6, true)?;
+        let steps = remote_steps6(&steered, &net);
+        run(&mut steered, steps)
+    });
+}
+
+fn remote_steps6(steered: &Steered<SocketAddrV6>, net: &Router) -> Vec<Step<Addr6>> {
+    use Outcome::*;
+    let from_client = Hook::Xdp(Some(net.client_if));
+    let from_backends = Hook::Xdp(Some(net.backend_if));
+    let b = chosen(steered, CLIENT6);
+    let c1 = CLIENT_ISN + 1;
+    let (syn, ack) = (packet::TCP_SYN, packet::TCP_ACK);
+    let syn_ip = |client: SocketAddrV6, hops: u8, payload: usize| {
+        let segment = packet::tcp6(client, VIP6, syn, CLIENT_ISN, 0, &vec![0x5a; payload]);
+        let mut ip = Ipv6::new(*client.ip(), *VIP6.ip(), packet::PROTO_TCP);
+        ip.hop_limit = hops;
+        ip.packet(&segment)
+    };
+    let syn_with = |hops: u8, payload: usize| {
+        packet::ethernet(packet::ETHERTYPE_IPV6, &syn_ip(CLIENT6, hops, payload))
+    };
+    // What an IPv6 router answers: back to the sender, from the address it
+    // was sent to, quoting as much of the packet as fits in 1280 bytes.
+    let answer_ip = |l3: &[u8], kind: u8, rest: [u8; 4]| {
+        let room = packet::IPV6_MIN_MTU - IPV6_HEADER_LEN - 8;
+        let quote = &l3[..l3.len().min(room)];
+        let mut ip = Ipv6::new(*VIP6.ip(), *CLIENT6.ip(), packet::PROTO_ICMPV6);
+        ip.traffic_class = 0xc0;
+        let answer = ip.packet(&packet::icmp6(
+            *VIP6.ip(),
+            *CLIENT6.ip(),
+            kind,
+            0,
+            rest,
+            quote,
+        ));
+        assert!(answer.len() <= packet::IPV6_MIN_MTU);
+        answer
+    };
+    let back = |original: &[u8], mut f: Vec<u8>| {
+        f[..6].copy_from_slice(&original[6..12]);
+        f[6..12].copy_from_slice(&original[..6]);
+        f
+    };
+    let answer = |original: &[u8], kind: u8, rest: [u8; 4]| {
+        let l3 = &original[IPV6_OFFSET..];
+        let f = packet::ethernet(packet::ETHERTYPE_IPV6, &answer_ip(l3, kind, rest));
+        assert_verifies6(&f);
+        back(original, f)
+    };
+    let dying = syn_with(1, 0);
+    // The same on VLAN 42 (another connection): answered on VLAN 42.
+    let tagged =
+        |ip: &[u8]| packet::vlan_ethernet(packet::ETHERTYPE_VLAN, 42, packet::ETHERTYPE_IPV6, ip);
+    let dying_tagged_ip = syn_ip(v6([0x2001, 0xdb8, 0x99, 1, 0, 0, 0, 2], 40_001), 1, 0);
+    let dying_tagged = tagged(&dying_tagged_ip);
+    let too_big = syn_with(64, 1_300);
+    assert!(too_big.len() - IPV6_OFFSET > packet::IPV6_MIN_MTU);
+
+    // Destination unreachable from a router beyond the backends about a
+    // forwarded packet (quoting client -> backend): on to the client,
+    // quoting the service, one hop later.
+    let unreachable = (packet::ICMPV6_DEST_UNREACHABLE, 3, [0; 4]);
+    let forwarded = quote6(CLIENT6, b, syn, CLIENT_ISN, 0);
+    let to_client = Some((Router::CLIENT_MAC, net.client_if_mac));
+    // Packet Too Big from a router on the client's side about a reply
+    // (quoting service -> client): on to the backend, one hop later.
+    let mtu = (packet::ICMPV6_PACKET_TOO_BIG, 0, 1280u32.to_be_bytes());
+    let reply = quote6(VIP6, CLIENT6, syn | ack, BACKEND_ISN, c1);
+    let to_backend = Some((Router::BACKEND_MAC, net.backend_if_mac));
+
+    let mut steps = vec![
+        Step::new(
+            "hop limit 1: ICMPv6 time exceeded back to the client",
+            from_client,
+            dying.clone(),
+            XdpAction::Tx,
+        )
+        .out(answer(&dying, packet::ICMPV6_TIME_EXCEEDED, [0; 4]))
+        .counts(&[NewFlow, TtlExpired]),
+        Step::new(
+            "hop limit 1 on a VLAN: time exceeded on the same VLAN",
+            from_client,
+            dying_tagged.clone(),
+            XdpAction::Tx,
+        )
+        .out(back(
+            &dying_tagged,
+            tagged(&answer_ip(
+                &dying_tagged_ip,
+                packet::ICMPV6_TIME_EXCEEDED,
+                [0; 4],
+            )),
+        ))
+        .counts(&[NewFlow, TtlExpired]),
+        Step::new(
+            "larger than the next hop's MTU: ICMPv6 packet too big, its MTU",
+            from_client,
+            too_big.clone(),
+            XdpAction::Tx,
+        )
+        .out(answer(
+            &too_big,
+            packet::ICMPV6_PACKET_TOO_BIG,
+            1300u32.to_be_bytes(),
+        ))
+        .counts(&[NewFlow, FragNeeded]),
+        Step::new(
+            "ICMPv6 unreachable about a forwarded packet: to the client, quoting the service",
+            from_backends,
+            icmp6_error(
+                BACKEND_ROUTER6,
+                *CLIENT6.ip(),
+                64,
+                unreachable,
+                &forwarded,
+                None,
+            ),
+            XdpAction::Redirect,
+        )
+        .out(icmp6_error(
+            BACKEND_ROUTER6,
+            *CLIENT6.ip(),
+            63,
+            unreachable,
+            &translated(&forwarded, quote6(CLIENT6, VIP6, syn, CLIENT_ISN, 0)),
+            to_client,
+        ))
+        .counts(&[Icmp]),
+        Step::new(
+            "ICMPv6 packet too big about a reply: to its backend",
+            from_client,
+            icmp6_error(CLIENT_ROUTER6, *VIP6.ip(), 64, mtu, &reply, None),
+            XdpAction::Redirect,
+        )
+        .out(icmp6_error(
+            CLIENT_ROUTER6,
+            *b.ip(),
+            63,
+            mtu,
+            &translated(&reply, quote6(b, CLIENT6, syn | ack, BACKEND_ISN, c1)),
+            to_backend,
+        ))
+        .counts(&[Icmp]),
+        Step::new(
+            "the handshake's reply still goes through",
+            from_backends,
+            seg6(b, CLIENT6, syn | ack, BACKEND_ISN, c1),
+            XdpAction::Redirect,
+        )
+        .out({
+            let segment = packet::tcp6(VIP6, CLIENT6, syn | ack, BACKEND_ISN, c1, &[]);
+            let mut ip = Ipv6::new(*VIP6.ip(), *CLIENT6.ip(), packet::PROTO_TCP);
+            ip.hop_limit = 63;
+            let mut f = packet::ethernet(packet::ETHERTYPE_IPV6, &ip.packet(&segment));
+            f[..6].copy_from_slice(&Router::CLIENT_MAC);
+            f[6..12].copy_from_slice(&net.client_if_mac);
+            assert_verifies6(&f);
+            f
+        })
+        .counts(&[Reply]),
+    ];
+    for (name, frame) in informational6() {
+        steps.push(Step::new(name, from_client, frame, XdpAction::Pass).counts(&[]));
+    }
+    steps
+}
+
 #[test]
 fn verdicts_of_the_fixture_frames() {
     // The parser's view of the frames the tables use, so a fixture that
@@ -702,7 +1241,34 @@ fn verdicts_of_the_fixture_frames() {
             Verdict::Icmp,
         ),
     ];
-    for (frame, verdict) in cases {
+    // ICMPv6: an error is ICMP (and goes to the ICMPv6 program); every
+    // informational message (neighbour discovery, echo) is decided before
+    // that call and passes as not TCP; a header cut short is truncated.
+    let error6 = icmp6_error(
+        CLIENT_ROUTER6,
+        *VIP6.ip(),
+        64,
+        (packet::ICMPV6_PACKET_TOO_BIG, 0, 1280u32.to_be_bytes()),
+        &quote6(VIP6, CLIENT6, packet::TCP_ACK, 1, 1),
+        None,
+    );
+    let cut = packet::ethernet(
+        packet::ETHERTYPE_IPV6,
+        &packet::ipv6_packet(
+            *CLIENT6.ip(),
+            *VIP6.ip(),
+            packet::PROTO_ICMPV6,
+            &[135, 0, 0],
+        ),
+    );
+    let cases6 = [(error6, Verdict::Icmp), (cut, Verdict::PassTruncated)]
+        .into_iter()
+        .chain(
+            informational6()
+                .into_iter()
+                .map(|(_, frame)| (frame, Verdict::PassNotTcp)),
+        );
+    for (frame, verdict) in cases.into_iter().chain(cases6) {
         let before = steered.dataplane.verdict_counts().unwrap();
         steered.dataplane.test_run(&frame, 1, None).unwrap();
         let moved = steered.dataplane.verdict_counts().unwrap().since(&before);

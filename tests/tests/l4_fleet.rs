@@ -1,6 +1,6 @@
 //! Fleet verdicts reach the XDP datapath: a worker the fleet isolates gets
-//! no new L4 connection, in both modes, on the topology of the other XDP
-//! tests (`balancer_tests::topology`). The gateway runs with
+//! no new L4 connection, in both modes and with workers of either family,
+//! on the topology of the other XDP tests (`balancer_tests::topology`). The gateway runs with
 //! `--fleet-verdicts` against a real etcd on the balancer namespace's
 //! loopback; two other replicas exist only as keys under a lease (what
 //! etcd holds of a live replica is exactly that), so the quorum forms and
@@ -24,27 +24,38 @@ use balancer_core::clock::ManualClock;
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::etcd::{Etcd, etcd_binary};
 use balancer_tests::l4e2e::{self, B, Driver, Scenario, wait};
-use balancer_tests::topology::{Layout, Mode, Topology};
+use balancer_tests::topology::{Family, Layout, Mode, Topology};
 
 /// How long the fleet may take to reach the kernel: the second for
 /// the breaker, with room for the map sync on a loaded machine.
 const BOUND: Duration = Duration::from_secs(5);
 
 #[test]
-fn local_mode_gives_a_fleet_isolated_worker_no_new_connection() {
-    fleet_isolation("bt-l4fll", Layout::new(Mode::Local, 95));
+fn local_mode_gives_a_fleet_isolated_ipv4_worker_no_new_connection() {
+    fleet_isolation(Mode::Local, Family::V4);
 }
 
 #[test]
-fn remote_mode_gives_a_fleet_isolated_worker_no_new_connection() {
-    fleet_isolation("bt-l4flr", Layout::new(Mode::Remote, 96));
+fn local_mode_gives_a_fleet_isolated_ipv6_worker_no_new_connection() {
+    fleet_isolation(Mode::Local, Family::V6);
 }
 
-fn fleet_isolation(prefix: &str, layout: Layout) {
+#[test]
+fn remote_mode_gives_a_fleet_isolated_ipv4_worker_no_new_connection() {
+    fleet_isolation(Mode::Remote, Family::V4);
+}
+
+#[test]
+fn remote_mode_gives_a_fleet_isolated_ipv6_worker_no_new_connection() {
+    fleet_isolation(Mode::Remote, Family::V6);
+}
+
+fn fleet_isolation(mode: Mode, family: Family) {
     if ebpf_prerequisites().is_none() || etcd_binary().is_none() {
         return;
     }
-    Topology::run(prefix, layout, |topology| exercise(topology, layout))
+    let layout = Layout::new(mode, family, 95);
+    Topology::run("bt-l4fl", layout, |topology| exercise(topology, layout))
         .unwrap_or_else(|error| panic!("{error:#}"));
 }
 

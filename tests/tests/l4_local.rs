@@ -2,12 +2,13 @@
 //! --l4-mode local`) and three demo workers in one namespace, clients in
 //! another, connecting to a service address that exists nowhere but in the
 //! XDP program. Worker B is isolated through real L7 failures and through
-//! failing health checks; see `balancer_tests::l4e2e`.
+//! failing health checks; see `balancer_tests::l4e2e`. Once with an IPv4
+//! service and workers, once with IPv6 ones.
 //!
 //! Addresses are inside the two namespaces the test creates; nothing is sent
 //! anywhere else.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use anyhow::{Context, Result, ensure};
 use balancer::gateway::Gateway;
@@ -15,18 +16,29 @@ use balancer_core::clock::ManualClock;
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::l4e2e::{self, Driver, Scenario};
 use balancer_tests::netns::run;
-use balancer_tests::topology::{FRONT_IF, Layout, Mode, Topology};
-
-/// The topology's addresses: `10.77.0.0/16`.
-const LAYOUT: Layout = Layout::new(Mode::Local, 77);
+use balancer_tests::topology::{FRONT_IF, Family, Layout, Mode, Topology};
 
 #[test]
-fn local_mode_steers_around_isolated_workers() {
+fn local_mode_steers_around_isolated_ipv4_workers() {
+    steers_around_isolated_workers(Family::V4);
+}
+
+#[test]
+fn local_mode_steers_around_isolated_ipv6_workers() {
+    steers_around_isolated_workers(Family::V6);
+}
+
+/// In a topology of addresses `10.77.0.0/16` or `fd00:0:77::/48`.
+fn steers_around_isolated_workers(family: Family) {
     // The gateway finds the object the same way the check does.
     if ebpf_prerequisites().is_none() {
         return;
     }
-    Topology::run("bt-l4loc", LAYOUT, exercise).unwrap_or_else(|error| panic!("{error:#}"));
+    // One family at a time: `attachments` counts TC links system-wide.
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner);
+    Topology::run("bt-l4loc", Layout::new(Mode::Local, family, 77), exercise)
+        .unwrap_or_else(|error| panic!("{error:#}"));
 }
 
 fn exercise(topology: &Topology) -> Result<()> {
@@ -37,7 +49,7 @@ fn exercise(topology: &Topology) -> Result<()> {
 
     let urls: Vec<String> = workers.iter().map(|w| w.url()).collect();
     let mut config = l4e2e::gateway_config(&urls);
-    config.l4 = Some(l4e2e::l4_config(LAYOUT));
+    config.l4 = Some(l4e2e::l4_config(topology.layout));
     let clock = Arc::new(ManualClock::new());
     let (_, tcx_before) = attachments(host)?;
     let gw = runtime

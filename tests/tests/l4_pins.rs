@@ -64,12 +64,9 @@ fn flow() -> (FlowKey, Flow) {
     (key, flow)
 }
 
-/// How many programs the pinned IPv6 program array holds.
-fn ipv6_programs(pins: &Pins) -> usize {
-    let path = pins
-        .state()
-        .maps_dir(&options(1024))
-        .join(balancer_common::l4::IPV6_PROGRAM);
+/// How many programs the pinned program array `array` holds.
+fn programs_in(pins: &Pins, array: &str) -> usize {
+    let path = pins.state().maps_dir(&options(1024)).join(array);
     let out = std::process::Command::new("bpftool")
         .args(["--json", "map", "dump", "pinned"])
         .arg(&path)
@@ -106,10 +103,15 @@ fn a_second_load_adopts_the_connection_table() {
         pins.state().maps_dir(&options(1024)).join("CONNS").exists(),
         "the maps must stay pinned after the first load goes"
     );
-    // The IPv6 program stays where the pinned XDP program tail-calls it:
-    // the pin holds the program array, which a kernel would otherwise
-    // empty when the first load's process let go of it.
-    assert_eq!(ipv6_programs(&pins), 1, "the IPv6 program's entry is gone");
+    // The IPv6 and ICMPv6 programs stay where the pinned XDP programs
+    // tail-call them: the pins hold the program arrays, which a kernel
+    // would otherwise empty when the first load's process let go of them.
+    for array in [
+        balancer_common::l4::IPV6_PROGRAM,
+        balancer_common::l4::ICMP6_PROGRAM,
+    ] {
+        assert_eq!(programs_in(&pins, array), 1, "{array}'s entry is gone");
+    }
     let mut second = load(&object, &pins, 1024);
     let maps = second.take_l4_maps().unwrap();
     assert_eq!(

@@ -18,17 +18,18 @@
 //!   entries stale. A reset with the connection's exact next sequence number
 //!   does close it, which shows the forged ones were well formed.
 //!
-//! Every address is inside the namespaces the test creates (two in local
-//! mode, five in remote mode), and every forged packet is sent inside them;
-//! nothing is sent anywhere else.
+//! Each runs in both modes, with an IPv4 service and workers and with IPv6
+//! ones. Every address is inside the namespaces the test creates (two in
+//! local mode, five in remote mode), and every forged packet is sent inside
+//! them; nothing is sent anywhere else.
 
 use std::io;
-use std::net::{SocketAddr, SocketAddrV4, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use balancer::gateway::Gateway;
 use balancer_common::l4::{CLOSE_GRACE, CLOSED_SHIFT};
 use balancer_core::clock::ManualClock;
@@ -37,8 +38,8 @@ use balancer_tests::ebpf_prerequisites;
 use balancer_tests::http1::{self, Answer};
 use balancer_tests::l4e2e::{self, Driver, Metrics, NewConnections};
 use balancer_tests::netns;
-use balancer_tests::packet::{self, Ipv4, PROTO_TCP, TCP_SYN};
-use balancer_tests::topology::{Layout, Mode, Topology};
+use balancer_tests::packet::{self, TCP_RST, TCP_SYN};
+use balancer_tests::topology::{Family, Layout, Mode, Topology};
 
 /// Entries of the established-connection table; the embryonic one gets a
 /// quarter of that.
@@ -68,7 +69,6 @@ const FLOOD_PORT: u16 = 20_000;
 const LONG_LIVED: usize = 5;
 /// Bound of every wait.
 const BOUND: Duration = Duration::from_secs(10);
-const TCP_RST: u8 = 0x04;
 
 // From linux/tcp.h; the libc crate has the option names but not these
 // values.
@@ -77,57 +77,123 @@ const TCP_REPAIR_OFF_NO_WP: libc::c_int = -1;
 const TCP_SEND_QUEUE: libc::c_int = 2;
 
 #[test]
-fn local_syn_flood_keeps_established_connections() {
-    let Some(_) = ebpf_prerequisites() else {
-        return;
-    };
-    with_gateway(Mode::Local, CONNTRACK_SIZE, syn_flood_keeps_connections)
-        .unwrap_or_else(|e| panic!("{e:#}"));
+fn local_ipv4_syn_flood_keeps_established_connections() {
+    with_gateway(
+        Mode::Local,
+        Family::V4,
+        CONNTRACK_SIZE,
+        syn_flood_keeps_connections,
+    );
 }
 
 #[test]
-fn remote_syn_flood_keeps_established_connections() {
-    let Some(_) = ebpf_prerequisites() else {
-        return;
-    };
-    with_gateway(Mode::Remote, CONNTRACK_SIZE, syn_flood_keeps_connections)
-        .unwrap_or_else(|e| panic!("{e:#}"));
+fn local_ipv6_syn_flood_keeps_established_connections() {
+    with_gateway(
+        Mode::Local,
+        Family::V6,
+        CONNTRACK_SIZE,
+        syn_flood_keeps_connections,
+    );
 }
 
 #[test]
-fn local_out_of_window_rst_leaves_connection_open() {
-    let Some(_) = ebpf_prerequisites() else {
-        return;
-    };
-    with_gateway(Mode::Local, CONNTRACK_SIZE, out_of_window_rst_is_ignored)
-        .unwrap_or_else(|e| panic!("{e:#}"));
+fn remote_ipv4_syn_flood_keeps_established_connections() {
+    with_gateway(
+        Mode::Remote,
+        Family::V4,
+        CONNTRACK_SIZE,
+        syn_flood_keeps_connections,
+    );
 }
 
 #[test]
-fn remote_out_of_window_rst_leaves_connection_open() {
-    let Some(_) = ebpf_prerequisites() else {
-        return;
-    };
-    with_gateway(Mode::Remote, CONNTRACK_SIZE, out_of_window_rst_is_ignored)
-        .unwrap_or_else(|e| panic!("{e:#}"));
+fn remote_ipv6_syn_flood_keeps_established_connections() {
+    with_gateway(
+        Mode::Remote,
+        Family::V6,
+        CONNTRACK_SIZE,
+        syn_flood_keeps_connections,
+    );
 }
 
 #[test]
-fn local_small_table_churn_resets_no_handshake() {
-    let Some(_) = ebpf_prerequisites() else {
-        return;
-    };
-    with_gateway(Mode::Local, SMALL_TABLE, churn_completes_every_handshake)
-        .unwrap_or_else(|e| panic!("{e:#}"));
+fn local_ipv4_out_of_window_rst_leaves_connection_open() {
+    with_gateway(
+        Mode::Local,
+        Family::V4,
+        CONNTRACK_SIZE,
+        out_of_window_rst_is_ignored,
+    );
 }
 
 #[test]
-fn remote_small_table_churn_resets_no_handshake() {
-    let Some(_) = ebpf_prerequisites() else {
-        return;
-    };
-    with_gateway(Mode::Remote, SMALL_TABLE, churn_completes_every_handshake)
-        .unwrap_or_else(|e| panic!("{e:#}"));
+fn local_ipv6_out_of_window_rst_leaves_connection_open() {
+    with_gateway(
+        Mode::Local,
+        Family::V6,
+        CONNTRACK_SIZE,
+        out_of_window_rst_is_ignored,
+    );
+}
+
+#[test]
+fn remote_ipv4_out_of_window_rst_leaves_connection_open() {
+    with_gateway(
+        Mode::Remote,
+        Family::V4,
+        CONNTRACK_SIZE,
+        out_of_window_rst_is_ignored,
+    );
+}
+
+#[test]
+fn remote_ipv6_out_of_window_rst_leaves_connection_open() {
+    with_gateway(
+        Mode::Remote,
+        Family::V6,
+        CONNTRACK_SIZE,
+        out_of_window_rst_is_ignored,
+    );
+}
+
+#[test]
+fn local_ipv4_small_table_churn_resets_no_handshake() {
+    with_gateway(
+        Mode::Local,
+        Family::V4,
+        SMALL_TABLE,
+        churn_completes_every_handshake,
+    );
+}
+
+#[test]
+fn local_ipv6_small_table_churn_resets_no_handshake() {
+    with_gateway(
+        Mode::Local,
+        Family::V6,
+        SMALL_TABLE,
+        churn_completes_every_handshake,
+    );
+}
+
+#[test]
+fn remote_ipv4_small_table_churn_resets_no_handshake() {
+    with_gateway(
+        Mode::Remote,
+        Family::V4,
+        SMALL_TABLE,
+        churn_completes_every_handshake,
+    );
+}
+
+#[test]
+fn remote_ipv6_small_table_churn_resets_no_handshake() {
+    with_gateway(
+        Mode::Remote,
+        Family::V6,
+        SMALL_TABLE,
+        churn_completes_every_handshake,
+    );
 }
 
 // ---------------------------------------------------------------------------
@@ -139,8 +205,7 @@ fn syn_flood_keeps_connections(env: &Env) -> Result<()> {
     env.driver.ready(BOUND)?;
     let layout = env.layout;
     let vip = layout.vip();
-    let (mut long, served) =
-        l4e2e::long_lived(env.client_ns, vip.into(), LONG_LIVED, env.workers, BOUND)?;
+    let (mut long, served) = l4e2e::long_lived(env.client_ns, vip, LONG_LIVED, env.workers, BOUND)?;
     eprintln!(
         "[{:?}] long-lived connections on workers {served:?}",
         layout.mode
@@ -202,9 +267,7 @@ fn syn_flood_keeps_connections(env: &Env) -> Result<()> {
     );
 
     // New connections still open, and avoid the isolated worker.
-    let fresh = netns::run_in(env.client_ns, BOUND, move || {
-        http1::new_connections(vip.into(), 3)
-    })??;
+    let fresh = netns::run_in(env.client_ns, BOUND, move || http1::new_connections(vip, 3))??;
     for answer in &fresh {
         let i = env.served_by(answer)?;
         ensure!(
@@ -221,11 +284,9 @@ fn out_of_window_rst_is_ignored(env: &Env) -> Result<()> {
     env.driver.ready(BOUND)?;
     let mode = env.layout.mode;
     let vip = env.layout.vip();
-    let mut stream = netns::run_in(env.client_ns, BOUND, move || http1::connect(vip.into()))??;
+    let mut stream = netns::run_in(env.client_ns, BOUND, move || http1::connect(vip))??;
     let worker = env.served_by(&http1::chat(&mut stream, false)?)?;
-    let SocketAddr::V4(client) = stream.local_addr()? else {
-        bail!("an IPv4 connection has a non-IPv4 local address");
-    };
+    let client = stream.local_addr()?;
 
     // The client's next sequence number, exactly: the connection is idle,
     // so it is also where the backend's window starts. The window is at
@@ -305,8 +366,8 @@ fn out_of_window_rst_is_ignored(env: &Env) -> Result<()> {
 /// how many went out and how long that took. Runs in the client's
 /// namespace.
 fn syn_flood(layout: Layout, count: usize) -> Result<(usize, Duration)> {
-    let socket = RawSocket::open()?;
     let vip = layout.vip();
+    let socket = RawSocket::open(vip.ip())?;
     let start = Instant::now();
     let mut sent = 0;
     while sent < count {
@@ -316,9 +377,8 @@ fn syn_flood(layout: Layout, count: usize) -> Result<(usize, Duration)> {
         );
         let host = SPOOF_FIRST + (sent % SPOOF_HOSTS) as u8;
         let port = FLOOD_PORT + (sent / SPOOF_HOSTS) as u16;
-        let src = SocketAddrV4::new(layout.host(host), port);
-        let segment = packet::tcp(src, vip, TCP_SYN);
-        match socket.send(&Ipv4::new(*src.ip(), *vip.ip(), PROTO_TCP).packet(&segment)) {
+        let src = SocketAddr::new(layout.host(host), port);
+        match socket.send(&packet::tcp_packet(src, vip, TCP_SYN, 1), vip.ip()) {
             Ok(()) => {
                 sent += 1;
                 if sent % BURST == 0 {
@@ -336,79 +396,71 @@ fn syn_flood(layout: Layout, count: usize) -> Result<(usize, Duration)> {
 
 /// Sends a reset from `client` to `vip` for each sequence number, from the
 /// client's namespace.
-fn inject_resets(ns: &str, client: SocketAddrV4, vip: SocketAddrV4, seqs: &[u32]) -> Result<()> {
+fn inject_resets(ns: &str, client: SocketAddr, vip: SocketAddr, seqs: &[u32]) -> Result<()> {
     let packets: Vec<Vec<u8>> = seqs
         .iter()
-        .map(|&seq| {
-            let segment = with_seq(packet::tcp(client, vip, TCP_RST), client, vip, seq);
-            Ipv4::new(*client.ip(), *vip.ip(), PROTO_TCP).packet(&segment)
-        })
+        .map(|&seq| packet::tcp_packet(client, vip, TCP_RST, seq))
         .collect();
     netns::run_in(ns, BOUND, move || -> Result<()> {
-        let socket = RawSocket::open()?;
+        let socket = RawSocket::open(vip.ip())?;
         for packet in &packets {
-            socket.send(packet).context("sending a reset")?;
+            socket.send(packet, vip.ip()).context("sending a reset")?;
         }
         Ok(())
     })?
 }
 
-/// `segment` (built by [`packet::tcp`]) with sequence number `seq` and its
-/// checksum recomputed.
-fn with_seq(mut segment: Vec<u8>, src: SocketAddrV4, dst: SocketAddrV4, seq: u32) -> Vec<u8> {
-    segment[4..8].copy_from_slice(&seq.to_be_bytes());
-    segment[16..18].copy_from_slice(&[0, 0]);
-    let mut pseudo = Vec::with_capacity(12 + segment.len());
-    pseudo.extend_from_slice(&src.ip().octets());
-    pseudo.extend_from_slice(&dst.ip().octets());
-    pseudo.extend_from_slice(&[0, PROTO_TCP]);
-    pseudo.extend_from_slice(&(segment.len() as u16).to_be_bytes());
-    pseudo.extend_from_slice(&segment);
-    let mut sum: u32 = pseudo
-        .chunks(2)
-        .map(|pair| u32::from(u16::from_be_bytes([pair[0], *pair.get(1).unwrap_or(&0)])))
-        .sum();
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    segment[16..18].copy_from_slice(&(!(sum as u16)).to_be_bytes());
-    segment
-}
-
-/// A raw IPv4 socket that sends whole packets, header included
-/// (`IPPROTO_RAW` implies `IP_HDRINCL`), whatever their source address.
-/// It sends in the namespace it was opened in.
+/// A raw socket of one family that sends whole IP packets, header included
+/// (`IPPROTO_RAW` implies `IP_HDRINCL`, and does the same for IPv6),
+/// whatever their source address. It sends in the namespace it was opened
+/// in.
 struct RawSocket(OwnedFd);
 
 impl RawSocket {
+    /// A socket for packets to `dst`'s family.
     #[allow(unsafe_code)]
-    fn open() -> Result<Self> {
+    fn open(dst: IpAddr) -> Result<Self> {
+        let family = if dst.is_ipv4() {
+            libc::AF_INET
+        } else {
+            libc::AF_INET6
+        };
         // SAFETY: socket(2) takes no pointers.
         let fd = unsafe {
             libc::socket(
-                libc::AF_INET,
+                family,
                 libc::SOCK_RAW | libc::SOCK_CLOEXEC,
                 libc::IPPROTO_RAW,
             )
         };
         if fd < 0 {
-            return Err(io::Error::last_os_error()).context("opening a raw IPv4 socket");
+            return Err(io::Error::last_os_error()).context("opening a raw socket");
         }
         // SAFETY: a descriptor socket(2) just returned, owned by nothing else.
         Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
     }
 
-    /// Sends one IPv4 packet to its destination address.
+    /// Sends one IP packet to its destination address `dst`.
     #[allow(unsafe_code)]
-    fn send(&self, packet: &[u8]) -> io::Result<()> {
-        let dst = [packet[16], packet[17], packet[18], packet[19]];
-        let addr = libc::sockaddr_in {
-            sin_family: libc::AF_INET as libc::sa_family_t,
-            sin_port: 0,
-            sin_addr: libc::in_addr {
-                s_addr: u32::from_ne_bytes(dst),
-            },
-            sin_zero: [0; 8],
+    fn send(&self, packet: &[u8], dst: IpAddr) -> io::Result<()> {
+        // SAFETY: all-zero is a valid sockaddr_storage.
+        let mut addr: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        let len = match dst {
+            IpAddr::V4(ip) => {
+                // SAFETY: sockaddr_storage is large and aligned enough for
+                // any socket address.
+                let v4 = unsafe { &mut *(&raw mut addr).cast::<libc::sockaddr_in>() };
+                v4.sin_family = libc::AF_INET as libc::sa_family_t;
+                v4.sin_addr.s_addr = u32::from_ne_bytes(ip.octets());
+                size_of::<libc::sockaddr_in>()
+            }
+            IpAddr::V6(ip) => {
+                // SAFETY: as above.
+                let v6 = unsafe { &mut *(&raw mut addr).cast::<libc::sockaddr_in6>() };
+                v6.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+                v6.sin6_addr.s6_addr = ip.octets();
+                size_of::<libc::sockaddr_in6>()
+            }
         };
         // SAFETY: `packet` and `addr` are live for the call, and the lengths
         // passed are theirs.
@@ -419,7 +471,7 @@ impl RawSocket {
                 packet.len(),
                 0,
                 (&raw const addr).cast(),
-                size_of::<libc::sockaddr_in>() as libc::socklen_t,
+                len as libc::socklen_t,
             )
         };
         match usize::try_from(n) {
@@ -565,16 +617,16 @@ fn churn_completes_every_handshake(env: &Env) -> Result<()> {
 // ---------------------------------------------------------------------------
 // The gateway, its workers and the metrics.
 
-/// Runs `test` against a gateway in `mode`, in namespaces created for it
-/// and deleted afterwards whatever happened.
-fn with_gateway(mode: Mode, conntrack_size: u32, test: fn(&Env) -> Result<()>) -> Result<()> {
-    let (prefix, net) = match mode {
-        Mode::Local => ("bt-l4prl", 87),
-        Mode::Remote => ("bt-l4prr", 88),
-    };
-    Topology::run(prefix, Layout::new(mode, net), |topology| {
+/// Runs `test` against a gateway in `mode` steering a service of `family`,
+/// in namespaces created for it and deleted afterwards whatever happened.
+fn with_gateway(mode: Mode, family: Family, conntrack_size: u32, test: fn(&Env) -> Result<()>) {
+    if ebpf_prerequisites().is_none() {
+        return;
+    }
+    Topology::run("bt-l4pr", Layout::new(mode, family, 87), |topology| {
         start_and_run(topology, conntrack_size, test)
     })
+    .unwrap_or_else(|e| panic!("{e:#}"));
 }
 
 fn start_and_run(

@@ -4,7 +4,8 @@
 //! balancer's interfaces forwards connections to the workers and their
 //! replies back to the client, redirecting between veths; worker B is
 //! isolated through real L7 failures and through failing health checks (see
-//! `balancer_tests::l4e2e`).
+//! `balancer_tests::l4e2e`). Once with an IPv4 service and workers, once
+//! with IPv6 ones.
 //!
 //! Addresses are inside the five namespaces the test creates; nothing is
 //! sent anywhere else.
@@ -17,18 +18,26 @@ use balancer_core::clock::ManualClock;
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::l4e2e::{self, Driver, Scenario};
 use balancer_tests::netns::run;
-use balancer_tests::topology::{Layout, Mode, Topology};
-
-/// The topology's addresses: `10.78.0.0/16`.
-const LAYOUT: Layout = Layout::new(Mode::Remote, 78);
+use balancer_tests::topology::{Family, Layout, Mode, Topology};
 
 #[test]
-fn remote_mode_steers_around_isolated_workers() {
+fn remote_mode_steers_around_isolated_ipv4_workers() {
+    steers_around_isolated_workers(Family::V4);
+}
+
+#[test]
+fn remote_mode_steers_around_isolated_ipv6_workers() {
+    steers_around_isolated_workers(Family::V6);
+}
+
+/// In a topology of addresses `10.78.0.0/16` or `fd00:0:78::/48`.
+fn steers_around_isolated_workers(family: Family) {
     // The gateway finds the object the same way the check does.
     if ebpf_prerequisites().is_none() {
         return;
     }
-    Topology::run("bt-l4rem", LAYOUT, exercise).unwrap_or_else(|error| panic!("{error:#}"));
+    Topology::run("bt-l4rem", Layout::new(Mode::Remote, family, 78), exercise)
+        .unwrap_or_else(|error| panic!("{error:#}"));
 }
 
 fn exercise(topology: &Topology) -> Result<()> {
@@ -38,8 +47,8 @@ fn exercise(topology: &Topology) -> Result<()> {
 
     let urls: Vec<String> = workers.iter().map(|w| w.url()).collect();
     let mut config = l4e2e::gateway_config(&urls);
-    let ifaces = LAYOUT.mode.ifaces();
-    config.l4 = Some(l4e2e::l4_config(LAYOUT));
+    let ifaces = topology.layout.mode.ifaces();
+    config.l4 = Some(l4e2e::l4_config(topology.layout));
     let clock = Arc::new(ManualClock::new());
     let gw = runtime
         .run(Gateway::start_with_clock(config, clock.clone()))?

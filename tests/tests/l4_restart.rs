@@ -21,9 +21,10 @@
 //!
 //! Finally `status::detach_all` removes the program from every interface
 //! and the pin folder. Each test pins under a folder of its own
-//! (`/sys/fs/bpf/balancer-test-<pid>-<mode>`, never the default one), and
-//! removes it whatever happens. Every address is inside the namespaces the
-//! test creates (two in local mode, five in remote mode).
+//! (`/sys/fs/bpf/balancer-test-<pid>-<mode>-<family>`, never the default
+//! one), and removes it whatever happens. Each mode runs once with an IPv4
+//! service and workers, once with IPv6 ones. Every address is inside the
+//! namespaces the test creates (two in local mode, five in remote mode).
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
@@ -46,7 +47,7 @@ use balancer_mock_worker::MockWorker;
 use balancer_tests::l4e2e::{self, Driver, Metrics, NewConnections, Tally};
 use balancer_tests::netns::{self, run};
 use balancer_tests::ns_runtime::NsRuntime;
-use balancer_tests::topology::{Layout, Mode, Topology, WORKERS};
+use balancer_tests::topology::{Family, Layout, Mode, Topology, WORKERS};
 use balancer_tests::{balancer_binary, ebpf_prerequisites};
 
 /// Keep-alive connections held across every step.
@@ -73,19 +74,23 @@ const CHILD_METRICS_PORT: u16 = 18_001;
 const CHILD_ADMIN_PORT: u16 = 18_002;
 
 #[test]
-fn local_pinned_datapath_survives_restart_upgrade_and_crash() {
-    let Some(object) = ebpf_prerequisites() else {
-        return;
-    };
-    restart_upgrade_crash(Mode::Local, &object).unwrap_or_else(|e| panic!("{e:#}"));
+fn local_pinned_ipv4_datapath_survives_restart_upgrade_and_crash() {
+    restart_upgrade_crash(Mode::Local, Family::V4);
 }
 
 #[test]
-fn remote_pinned_datapath_survives_restart_upgrade_and_crash() {
-    let Some(object) = ebpf_prerequisites() else {
-        return;
-    };
-    restart_upgrade_crash(Mode::Remote, &object).unwrap_or_else(|e| panic!("{e:#}"));
+fn local_pinned_ipv6_datapath_survives_restart_upgrade_and_crash() {
+    restart_upgrade_crash(Mode::Local, Family::V6);
+}
+
+#[test]
+fn remote_pinned_ipv4_datapath_survives_restart_upgrade_and_crash() {
+    restart_upgrade_crash(Mode::Remote, Family::V4);
+}
+
+#[test]
+fn remote_pinned_ipv6_datapath_survives_restart_upgrade_and_crash() {
+    restart_upgrade_crash(Mode::Remote, Family::V6);
 }
 
 // ---------------------------------------------------------------------------
@@ -113,7 +118,7 @@ impl Env<'_> {
 
         let vip = self.layout.vip();
         let (mut long, served) =
-            l4e2e::long_lived(self.client_ns, vip.into(), LONG_LIVED, self.workers, BOUND)?;
+            l4e2e::long_lived(self.client_ns, vip, LONG_LIVED, self.workers, BOUND)?;
         eprintln!("[{mode:?}] long-lived connections on workers {served:?}");
         // The worker of the first connection is isolated; with no agent
         // running, the pinned maps alone must keep new connections off it.
@@ -511,9 +516,10 @@ impl AgentProcess {
     fn spawn(env: &Env) -> Result<Self> {
         let binary = balancer_binary("--bpffs-dir")?;
         let log = std::env::temp_dir().join(format!(
-            "balancer-l4-restart-{}-{}.log",
+            "balancer-l4-restart-{}-{}-{}.log",
             std::process::id(),
-            env.layout.mode.forward().as_str()
+            env.layout.mode.forward().as_str(),
+            env.layout.family.as_str()
         ));
         let out =
             std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
@@ -658,12 +664,20 @@ impl Drop for PinGuard {
     }
 }
 
-/// Runs the scenario in `mode` in namespaces created for it, pinning under
-/// a folder of its own; the namespaces and the folder are removed whatever
-/// happened.
-fn restart_upgrade_crash(mode: Mode, object: &Path) -> Result<()> {
+/// Runs the scenario in `mode` with a service and workers of `family`, in
+/// namespaces created for it, pinning under a folder of its own; the
+/// namespaces and the folder are removed whatever happened.
+fn restart_upgrade_crash(mode: Mode, family: Family) {
+    let Some(object) = ebpf_prerequisites() else {
+        return;
+    };
+    pinned_run(Layout::new(mode, family, 91), &object).unwrap_or_else(|e| panic!("{e:#}"));
+}
+
+fn pinned_run(layout: Layout, object: &Path) -> Result<()> {
+    let (mode, family) = (layout.mode, layout.family);
     let started = Instant::now();
-    // Both tests may start at once: one of them mounts bpffs at
+    // The tests may start at once: one of them mounts bpffs at
     // /sys/fs/bpf if it is not there yet, not both (a second mount would
     // hide the first one's pins).
     static MOUNT: Mutex<()> = Mutex::new(());
@@ -672,21 +686,18 @@ fn restart_upgrade_crash(mode: Mode, object: &Path) -> Result<()> {
         pin::ensure_bpffs(Path::new("/sys/fs/bpf")).context("mounting bpffs")?;
     }
     let dir = PathBuf::from(format!(
-        "/sys/fs/bpf/balancer-test-{}-{}",
+        "/sys/fs/bpf/balancer-test-{}-{}-{}",
         std::process::id(),
-        mode.forward().as_str()
+        mode.forward().as_str(),
+        family.as_str()
     ));
-    let (prefix, net) = match mode {
-        Mode::Local => ("bt-l4rsl", 91),
-        Mode::Remote => ("bt-l4rsr", 92),
-    };
-    let outcome = Topology::run(prefix, Layout::new(mode, net), |topology| {
+    let outcome = Topology::run("bt-l4rs", layout, |topology| {
         // Dropped before the namespaces: the pins go first.
         let _guard = PinGuard(dir.clone());
         status::detach_all(&dir).context("removing a stale pin folder")?;
         exercise(topology, &dir, object)
     });
-    eprintln!("[{mode:?}] took {:?}", started.elapsed());
+    eprintln!("[{mode:?} {family:?}] took {:?}", started.elapsed());
     outcome?;
     ensure!(
         !dir.exists(),

@@ -26,6 +26,8 @@
 //! the namespaces the test creates (two in local mode, five in remote
 //! mode); nothing is pinned (`bpffs_dir: None`), and the gateway, the
 //! workers, the nftables rule and the namespaces go on every exit path.
+//! Each mode runs once with an IPv4 service and workers, once with IPv6
+//! ones.
 
 use std::cell::{Cell, RefCell};
 use std::net::SocketAddr;
@@ -41,7 +43,7 @@ use balancer_mock_worker::MockWorker;
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::l4e2e::{self, Driver, Load, Metrics, NewConnections, Tally, poll_until};
 use balancer_tests::netns;
-use balancer_tests::topology::{Layout, Mode, NAMES, Runtimes, Topology, ns_exec};
+use balancer_tests::topology::{Family, Layout, Mode, NAMES, Runtimes, Topology, ns_exec};
 
 /// The worker whose handshakes fail.
 const B: usize = 1;
@@ -80,19 +82,23 @@ const BOUND: Duration = Duration::from_secs(10);
 const NFT_TABLE: &str = "balancer_l4_signals";
 
 #[test]
-fn local_handshake_signals_open_and_close_the_breaker() {
-    let Some(_) = ebpf_prerequisites() else {
-        return;
-    };
-    with_gateway(Mode::Local).unwrap_or_else(|e| panic!("{e:#}"));
+fn local_ipv4_handshake_signals_open_and_close_the_breaker() {
+    with_gateway(Mode::Local, Family::V4);
 }
 
 #[test]
-fn remote_handshake_signals_open_and_close_the_breaker() {
-    let Some(_) = ebpf_prerequisites() else {
-        return;
-    };
-    with_gateway(Mode::Remote).unwrap_or_else(|e| panic!("{e:#}"));
+fn local_ipv6_handshake_signals_open_and_close_the_breaker() {
+    with_gateway(Mode::Local, Family::V6);
+}
+
+#[test]
+fn remote_ipv4_handshake_signals_open_and_close_the_breaker() {
+    with_gateway(Mode::Remote, Family::V4);
+}
+
+#[test]
+fn remote_ipv6_handshake_signals_open_and_close_the_breaker() {
+    with_gateway(Mode::Remote, Family::V6);
 }
 
 // ---------------------------------------------------------------------------
@@ -446,6 +452,7 @@ impl DropSyns {
             removed: Cell::new(false),
         };
         let (ip, port) = (addr.ip().to_string(), addr.port().to_string());
+        let family = if addr.is_ipv4() { "ip" } else { "ip6" };
         nft(ns, &["add", "table", "inet", NFT_TABLE])?;
         nft(
             ns,
@@ -457,8 +464,8 @@ impl DropSyns {
         nft(
             ns,
             &[
-                "add", "rule", "inet", NFT_TABLE, "in", "ip", "daddr", &ip, "tcp", "dport", &port,
-                "counter", "drop",
+                "add", "rule", "inet", NFT_TABLE, "in", family, "daddr", &ip, "tcp", "dport",
+                &port, "counter", "drop",
             ],
         )?;
         Ok(guard)
@@ -503,17 +510,16 @@ fn nft(ns: &str, args: &[&str]) -> Result<String> {
 // ---------------------------------------------------------------------------
 // Setup and cleanup.
 
-/// Runs the scenario in `mode`, in namespaces created for it and deleted
-/// afterwards whatever happened.
-fn with_gateway(mode: Mode) -> Result<()> {
+/// Runs the scenario in `mode` with a service and workers of `family`, in
+/// namespaces created for it and deleted afterwards whatever happened.
+fn with_gateway(mode: Mode, family: Family) {
+    if ebpf_prerequisites().is_none() {
+        return;
+    }
     let started = Instant::now();
-    let (prefix, net) = match mode {
-        Mode::Local => ("bt-l4sgl", 93),
-        Mode::Remote => ("bt-l4sgr", 94),
-    };
-    let outcome = Topology::run(prefix, Layout::new(mode, net), start_and_run);
-    eprintln!("[{mode:?}] took {:?}", started.elapsed());
-    outcome
+    let outcome = Topology::run("bt-l4sg", Layout::new(mode, family, 93), start_and_run);
+    eprintln!("[{mode:?} {family:?}] took {:?}", started.elapsed());
+    outcome.unwrap_or_else(|e| panic!("{e:#}"));
 }
 
 fn start_and_run(topology: &Topology) -> Result<()> {
