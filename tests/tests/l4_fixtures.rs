@@ -1172,21 +1172,6 @@ fn remote_steps6(steered: &Steered<SocketAddrV6>, net: &Router) -> Vec<Step<Addr
         ))
         .counts(&[Icmp]),
         Step::new(
-            "ICMPv6 packet too big about a reply: to its backend",
-            from_client,
-            icmp6_error(CLIENT_ROUTER6, *VIP6.ip(), 64, mtu, &reply, None),
-            XdpAction::Redirect,
-        )
-        .out(icmp6_error(
-            CLIENT_ROUTER6,
-            *b.ip(),
-            63,
-            mtu,
-            &translated(&reply, quote6(b, CLIENT6, syn | ack, BACKEND_ISN, c1)),
-            to_backend,
-        ))
-        .counts(&[Icmp]),
-        Step::new(
             "the handshake's reply still goes through",
             from_backends,
             seg6(b, CLIENT6, syn | ack, BACKEND_ISN, c1),
@@ -1203,6 +1188,23 @@ fn remote_steps6(steered: &Steered<SocketAddrV6>, net: &Router) -> Vec<Step<Addr
             f
         })
         .counts(&[Reply]),
+        // After the reply it quotes went out through here, as a reply does
+        // (the forward entry the error is translated with is made then).
+        Step::new(
+            "ICMPv6 packet too big about a reply: to its backend",
+            from_client,
+            icmp6_error(CLIENT_ROUTER6, *VIP6.ip(), 64, mtu, &reply, None),
+            XdpAction::Redirect,
+        )
+        .out(icmp6_error(
+            CLIENT_ROUTER6,
+            *b.ip(),
+            63,
+            mtu,
+            &translated(&reply, quote6(b, CLIENT6, syn | ack, BACKEND_ISN, c1)),
+            to_backend,
+        ))
+        .counts(&[Icmp]),
     ];
     for (name, frame) in informational6() {
         steps.push(Step::new(name, from_client, frame, XdpAction::Pass).counts(&[]));
