@@ -6,9 +6,10 @@
 //! (ICMP fragmentation needed, ICMPv6 packet too big: outcome
 //! `frag_needed`) quoting the packet as it arrived, so that the sender's
 //! kernel lowers its path MTU for the address it sends to and the transfer
-//! completes. Without the answer the redirect drops the segment and the
-//! kernel's own error quotes the rewritten packet, which matches no socket
-//! of the sender: the transfer stalls.
+//! completes. Without the answer the segment goes to the kernel, whose own
+//! error quotes the rewritten packet, which matches no socket of the
+//! sender: the transfer stalls (all four tests fail with the answer taken
+//! out of `l4::send`).
 //!
 //! - Narrow toward the workers: the client uploads a large body; the
 //!   client's route to the service learns the MTU.
@@ -30,6 +31,7 @@
 //! `XDP_TX` frames on the wire. Addresses are inside the namespaces each
 //! test creates; nothing is sent anywhere else.
 
+use std::collections::BTreeSet;
 use std::ffi::CString;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -175,8 +177,8 @@ fn transfer_and_check(
             ),
         }
     };
-    for i in 0..WORKERS {
-        let (ns, to) = learned(i);
+    let senders: BTreeSet<(String, String)> = (0..WORKERS).map(learned).collect();
+    for (ns, to) in senders {
         let route = route_get(&ns, &to)?;
         ensure!(
             !route.contains(" mtu "),
@@ -189,9 +191,12 @@ fn transfer_and_check(
         Narrow::Client => download_request(),
     };
     let started = Instant::now();
-    let answer = netns::run_in(topology.client(), TRANSFER_BOUND, move || {
-        exchange(vip, &request)
-    })??;
+    // A little longer than the exchange's own bound, whose error says more.
+    let answer = netns::run_in(
+        topology.client(),
+        TRANSFER_BOUND + Duration::from_secs(2),
+        move || exchange(vip, &request),
+    )??;
     let took = started.elapsed();
     let worker = NAMES
         .iter()
@@ -392,19 +397,8 @@ fn pass_everything(iface: &str) -> Result<OwnedFd> {
         expected_attach_type: BPF_XDP,
         ..ProgLoad::default()
     };
-    // SAFETY: a whole, initialised attribute of the size passed, whose
-    // pointers are valid for the call.
-    let prog = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_PROG_LOAD,
-            &raw const load,
-            size_of::<ProgLoad>(),
-        )
-    };
-    ensure!(prog >= 0, "loading: {}", std::io::Error::last_os_error());
-    // SAFETY: the kernel just returned this descriptor, owned by nobody else.
-    let prog = unsafe { OwnedFd::from_raw_fd(prog as i32) };
+    // SAFETY: `load` is whole, and its pointers outlive the call.
+    let prog = unsafe { bpf(BPF_PROG_LOAD, &load) }.context("loading")?;
     let name = CString::new(iface)?;
     // SAFETY: a NUL-terminated name.
     let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
@@ -416,16 +410,21 @@ fn pass_everything(iface: &str) -> Result<OwnedFd> {
         // The device's own mode: native on a veth.
         flags: 0,
     };
-    // SAFETY: as for the load.
-    let link = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_LINK_CREATE,
-            &raw const create,
-            size_of::<LinkCreate>(),
-        )
-    };
-    ensure!(link >= 0, "attaching: {}", std::io::Error::last_os_error());
-    // SAFETY: as for the program; the link holds the program from here.
-    Ok(unsafe { OwnedFd::from_raw_fd(link as i32) })
+    // SAFETY: `create` is whole and holds no pointers. The link holds the
+    // program from here.
+    unsafe { bpf(BPF_LINK_CREATE, &create) }.context("attaching")
+}
+
+/// The `bpf` system call `cmd` with `attr`: the descriptor it returns.
+///
+/// # Safety
+/// `attr` is a whole, initialised head of `bpf_attr` for `cmd` (no
+/// padding), and its pointers are valid for the call.
+#[allow(unsafe_code)]
+unsafe fn bpf<T>(cmd: libc::c_long, attr: &T) -> Result<OwnedFd> {
+    // SAFETY: the caller's promise; the size passed is `attr`'s own.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *const T, size_of::<T>()) };
+    ensure!(fd >= 0, "{}", std::io::Error::last_os_error());
+    // SAFETY: the kernel just returned this descriptor, owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
