@@ -1,21 +1,27 @@
-//! Path MTU discovery through the balancer in remote mode, end to end, for
-//! both families: the balancer's own interface toward one side is narrower
-//! than the far end's (1400 bytes for IPv4, IPv6's minimum of 1280 for
-//! IPv6, against 1500), so the far end's MSS promises segments that do not
-//! fit the balancer's next hop. The XDP program must answer them itself
-//! (ICMP fragmentation needed, ICMPv6 packet too big: outcome
-//! `frag_needed`) quoting the packet as it arrived, so that the sender's
-//! kernel lowers its path MTU for the address it sends to and the transfer
-//! completes. Without the answer the segment goes to the kernel, whose own
-//! error quotes the rewritten packet, which matches no socket of the
-//! sender: the transfer stalls (all four tests fail with the answer taken
-//! out of `l4::send`).
+//! Path MTU discovery through the balancer, end to end, for both
+//! families: a link on the way is narrower than the sender's (1400 bytes
+//! for IPv4, IPv6's minimum of 1280 for IPv6, against 1500), so the MSS
+//! the far end advertises promises segments that do not fit, and the
+//! transfer completes only if the sender's kernel learns the path MTU for
+//! the address it sends to from an ICMP error that matches its socket.
 //!
-//! - Narrow toward the workers: the client uploads a large body; the
-//!   client's route to the service learns the MTU.
-//! - Narrow toward the client: a worker streams a large answer; the
-//!   worker's route to the client learns the MTU (the answer quotes
-//!   worker → client, as the worker sent it).
+//! - Remote mode, the balancer's own interfaces narrower (its next hop):
+//!   the XDP program answers itself (ICMP fragmentation needed, ICMPv6
+//!   packet too big: outcome `frag_needed`), quoting the packet as it
+//!   arrived. Narrow toward the workers, the client uploads a large body
+//!   and its route to the service learns the MTU; narrow toward the
+//!   client, a worker streams a large answer and its route to the client
+//!   learns it (the answer quotes worker → client, as the worker sent it).
+//!   Without the answer the segment goes to the kernel, whose own error
+//!   quotes the rewritten packet, which matches no socket of the sender:
+//!   the transfer stalls (these four tests fail with the answer taken out
+//!   of `l4::send`).
+//! - Both modes, a narrow link behind a router on the client's side (the
+//!   client's namespace routes for a client behind it): the router's error
+//!   about a worker's large answer goes to the service address, and the
+//!   balancer translates it for the worker (outcome `icmp`), whose route to
+//!   the client learns the MTU (these four tests fail with ICMP passed
+//!   untranslated).
 //!
 //! A veth delivers nothing larger than its receiving end's MTU, so in each
 //! test the far end of the narrow link sends only small segments (ACKs, a
@@ -44,9 +50,9 @@ use balancer::gateway::Gateway;
 use balancer_core::clock::ManualClock;
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::l4e2e::{self, Driver};
-use balancer_tests::netns;
+use balancer_tests::netns::{self, Namespaces};
 use balancer_tests::topology::{
-    CLIENT_IF, FRONT_IF, Family, Layout, Mode, NAMES, Topology, WORKER_IF, WORKERS, back_if,
+    CLIENT_IF, FRONT_IF, Family, Layout, Mode, NAMES, Topology, WORKER_IF, WORKERS, back_if, link,
     ns_exec,
 };
 
@@ -62,33 +68,67 @@ const DOWNLOAD_TOKENS: usize = 4096;
 
 #[test]
 fn ipv4_client_learns_the_mtu_of_a_narrow_link_toward_the_workers() {
-    path_mtu(Family::V4, Narrow::Workers);
+    path_mtu(Mode::Remote, Family::V4, Narrow::Workers);
 }
 
 #[test]
 fn ipv6_client_learns_the_mtu_of_a_narrow_link_toward_the_workers() {
-    path_mtu(Family::V6, Narrow::Workers);
+    path_mtu(Mode::Remote, Family::V6, Narrow::Workers);
 }
 
 #[test]
 fn ipv4_worker_learns_the_mtu_of_a_narrow_link_toward_the_client() {
-    path_mtu(Family::V4, Narrow::Client);
+    path_mtu(Mode::Remote, Family::V4, Narrow::Client);
 }
 
 #[test]
 fn ipv6_worker_learns_the_mtu_of_a_narrow_link_toward_the_client() {
-    path_mtu(Family::V6, Narrow::Client);
+    path_mtu(Mode::Remote, Family::V6, Narrow::Client);
 }
 
-/// Which of the balancer's interfaces is narrower than its far end, and so
-/// who sends the segments that do not fit.
+#[test]
+fn local_mode_ipv4_worker_learns_the_mtu_behind_the_clients_router() {
+    path_mtu(Mode::Local, Family::V4, Narrow::BehindRouter);
+}
+
+#[test]
+fn local_mode_ipv6_worker_learns_the_mtu_behind_the_clients_router() {
+    path_mtu(Mode::Local, Family::V6, Narrow::BehindRouter);
+}
+
+#[test]
+fn remote_mode_ipv4_worker_learns_the_mtu_behind_the_clients_router() {
+    path_mtu(Mode::Remote, Family::V4, Narrow::BehindRouter);
+}
+
+#[test]
+fn remote_mode_ipv6_worker_learns_the_mtu_behind_the_clients_router() {
+    path_mtu(Mode::Remote, Family::V6, Narrow::BehindRouter);
+}
+
+/// Where the narrow link is, and so who sends the segments that do not
+/// fit, and who answers them.
 #[derive(Clone, Copy, Debug)]
 enum Narrow {
-    /// Its interfaces toward the workers: the client uploads.
+    /// The balancer's interfaces toward the workers (remote mode): the
+    /// client uploads, the balancer answers it.
     Workers,
-    /// Its interface toward the client: a worker answers at length.
+    /// The balancer's interface toward the client (remote mode): a worker
+    /// answers at length, the balancer answers the worker.
     Client,
+    /// The link from the client's namespace, which routes, to a client
+    /// behind it ([`behind_router`]): a worker answers at length, the
+    /// router's error goes to the service address, and the balancer
+    /// translates it for the worker (outcome `icmp`).
+    BehindRouter,
 }
+
+/// The subnet of the link between the router and the client behind it
+/// (the router host 1, the client host 2).
+const BEHIND: u8 = 50;
+/// The router's interface toward the client behind it, and that client's.
+const ROUTER_IF: &str = "rt0";
+const BEHIND_IF: &str = "bh0";
 
 /// The narrow MTU of a family: below the far end's 1500, and for IPv6 its
 /// minimum, which every IPv6 link carries.
@@ -100,14 +140,14 @@ fn narrow_mtu(family: Family) -> u32 {
 }
 
 /// In a topology of addresses `10.79.0.0/16` or `fd00:0:79::/48`.
-fn path_mtu(family: Family, narrow: Narrow) {
+fn path_mtu(mode: Mode, family: Family, narrow: Narrow) {
     // The gateway finds the object the same way the check does.
     if ebpf_prerequisites().is_none() {
         return;
     }
-    let layout = Layout::new(Mode::Remote, family, 79);
+    let layout = Layout::new(mode, family, 79);
     Topology::run("bt-l4mtu", layout, |topology| exercise(topology, narrow))
-        .unwrap_or_else(|error| panic!("{family:?}, narrow toward {narrow:?}: {error:#}"));
+        .unwrap_or_else(|error| panic!("{mode:?} mode, {family:?}, narrow {narrow:?}: {error:#}"));
 }
 
 fn exercise(topology: &Topology, narrow: Narrow) -> Result<()> {
@@ -116,20 +156,23 @@ fn exercise(topology: &Topology, narrow: Narrow) -> Result<()> {
     let narrowed: Vec<String> = match narrow {
         Narrow::Workers => (1..=WORKERS).map(back_if).collect(),
         Narrow::Client => vec![FRONT_IF.to_owned()],
+        Narrow::BehindRouter => Vec::new(),
     };
     for iface in &narrowed {
-        let mtu = mtu.to_string();
-        ns_exec(
-            topology.balancer(),
-            &["ip", "link", "set", "dev", iface, "mtu", &mtu],
-        )?;
+        set_mtu(topology.balancer(), iface, mtu)?;
     }
+    let behind = match narrow {
+        Narrow::BehindRouter => Some(behind_router(topology, mtu)?),
+        Narrow::Workers | Narrow::Client => None,
+    };
 
     // Detached when these close, at the end of the test.
     let mut passing = Vec::new();
-    for (ns, iface) in std::iter::once((topology.client(), CLIENT_IF))
-        .chain((0..WORKERS).map(|i| (topology.worker_ns(i), WORKER_IF)))
-    {
+    for (ns, iface) in std::iter::once((topology.client(), CLIENT_IF)).chain(
+        (0..WORKERS)
+            .filter(|_| layout.mode == Mode::Remote)
+            .map(|i| (topology.worker_ns(i), WORKER_IF)),
+    ) {
         let name = iface.to_owned();
         let link = netns::run_in(ns, READY_BOUND, move || pass_everything(&name))?
             .with_context(|| format!("an XDP program on {iface} in {ns}"))?;
@@ -150,16 +193,67 @@ fn exercise(topology: &Topology, narrow: Narrow) -> Result<()> {
         .context("starting the gateway")?;
 
     let driver = Driver::new(runtime, &gw, &urls);
+    let client = behind.as_ref().map_or(topology.client(), |ns| ns.name(0));
     let outcome = driver
         .ready(READY_BOUND)
-        .and_then(|()| transfer_and_check(topology, narrow, mtu, &driver));
+        .and_then(|()| transfer_and_check(topology, client, narrow, mtu, &driver));
     let stopped = runtimes.shutdown(Some(gw), workers.into_iter().enumerate());
+    drop(passing);
+    let deleted = behind.map_or(Ok(()), Namespaces::delete);
     outcome?;
-    stopped
+    stopped?;
+    deleted
 }
 
+/// A namespace behind the topology's client namespace, which routes for
+/// it (both families): the router's end of their link at `mtu`, the far
+/// end at 1500, so the client behind advertises the larger MSS. The
+/// balancer and the client behind route to each other through the router.
+/// Deleted when dropped.
+fn behind_router(topology: &Topology, mtu: u32) -> Result<Namespaces> {
+    let (layout, router) = (topology.layout, topology.client());
+    let namespaces = Namespaces::create("bt-l4mtub", 1)?;
+    let behind = namespaces.name(0);
+    for setting in ["net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"] {
+        ns_exec(router, &["sysctl", "-qw", setting])?;
+    }
+    link(
+        (behind, BEHIND_IF, BEHIND, 2),
+        (router, ROUTER_IF, BEHIND, 1),
+        layout.net,
+    )?;
+    set_mtu(router, ROUTER_IF, mtu)?;
+    let family = match layout.family {
+        Family::V4 => "-4",
+        Family::V6 => "-6",
+    };
+    let via = layout.addr(BEHIND, 1).to_string();
+    ns_exec(
+        behind,
+        &["ip", family, "route", "add", "default", "via", &via],
+    )?;
+    let (to, via) = (
+        layout.addr(BEHIND, 2).to_string(),
+        layout.client_ip().to_string(),
+    );
+    ns_exec(
+        topology.balancer(),
+        &["ip", family, "route", "add", &to, "via", &via],
+    )?;
+    Ok(namespaces)
+}
+
+fn set_mtu(ns: &str, iface: &str, mtu: u32) -> Result<()> {
+    let mtu = mtu.to_string();
+    ns_exec(ns, &["ip", "link", "set", "dev", iface, "mtu", &mtu])?;
+    Ok(())
+}
+
+/// The transfer from `client` (a namespace) and what it must have taught
+/// its sender.
 fn transfer_and_check(
     topology: &Topology,
+    client: &str,
     narrow: Narrow,
     mtu: u32,
     driver: &Driver,
@@ -175,6 +269,10 @@ fn transfer_and_check(
                 topology.worker_ns(worker).to_owned(),
                 layout.client_ip().to_string(),
             ),
+            Narrow::BehindRouter => (
+                topology.worker_ns(worker).to_owned(),
+                layout.addr(BEHIND, 2).to_string(),
+            ),
         }
     };
     let senders: BTreeSet<(String, String)> = (0..WORKERS).map(learned).collect();
@@ -188,15 +286,13 @@ fn transfer_and_check(
 
     let request = match narrow {
         Narrow::Workers => upload_request(),
-        Narrow::Client => download_request(),
+        Narrow::Client | Narrow::BehindRouter => download_request(),
     };
     let started = Instant::now();
     // A little longer than the exchange's own bound, whose error says more.
-    let answer = netns::run_in(
-        topology.client(),
-        TRANSFER_BOUND + Duration::from_secs(2),
-        move || exchange(vip, &request),
-    )??;
+    let answer = netns::run_in(client, TRANSFER_BOUND + Duration::from_secs(2), move || {
+        exchange(vip, &request)
+    })??;
     let took = started.elapsed();
     let worker = NAMES
         .iter()
@@ -211,7 +307,7 @@ fn transfer_and_check(
                 answer.body
             );
         }
-        Narrow::Client => {
+        Narrow::Client | Narrow::BehindRouter => {
             let events = answer.body.matches("data: {").count();
             ensure!(
                 events == DOWNLOAD_TOKENS
@@ -239,16 +335,17 @@ fn transfer_and_check(
 
     let metrics = driver.metrics()?;
     let outcome = |name: &str| metrics.outcome(name);
-    let (answered, unresolved) = (outcome("frag_needed")?, outcome("unresolved")?);
+    // The balancer's own answers, or the router's errors it translated.
+    let (counted, what) = match narrow {
+        Narrow::Workers | Narrow::Client => ("frag_needed", "answered as too big"),
+        Narrow::BehindRouter => ("icmp", "router errors translated"),
+    };
+    let (handled, unresolved) = (outcome(counted)?, outcome("unresolved")?);
     let steered = outcome("new_flow")? + outcome("established")? + outcome("reply")?;
     eprintln!(
-        "{answered} segments answered as too big, {steered} steered, {unresolved} of them left \
-         to the kernel"
+        "{handled} {what}, {steered} packets steered, {unresolved} of them left to the kernel"
     );
-    ensure!(
-        answered > 0.0,
-        "the balancer answered no segment as too big"
-    );
+    ensure!(handled > 0.0, "none {what} (outcome {counted})");
     ensure!(
         unresolved < steered / 100.0,
         "{unresolved} of {steered} steered packets were not redirected"
@@ -309,17 +406,23 @@ fn exchange(vip: SocketAddr, request: &[u8]) -> Result<Answer> {
     let mut buf = [0u8; 64 * 1024];
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        ensure!(
-            !left.is_zero(),
-            "{} bytes received within {TRANSFER_BOUND:?}, the answer goes on",
-            received.len()
-        );
-        stream.set_read_timeout(Some(left))?;
-        match stream.read(&mut buf) {
+        let read = if left.is_zero() {
+            Err(ErrorKind::TimedOut.into())
+        } else {
+            stream.set_read_timeout(Some(left))?;
+            stream.read(&mut buf)
+        };
+        match read {
             Ok(0) => break,
             Ok(n) => received.extend_from_slice(&buf[..n]),
             // See `balancer_tests::http1::chat`: signals interrupt reads.
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                bail!(
+                    "{} bytes received within {TRANSFER_BOUND:?}, the answer goes on",
+                    received.len()
+                );
+            }
             Err(e) => {
                 return Err(e).with_context(|| format!("after {} bytes", received.len()));
             }
