@@ -67,22 +67,22 @@ const UPLOAD_WORDS: usize = 128 * 1024;
 const DOWNLOAD_TOKENS: usize = 4096;
 
 #[test]
-fn ipv4_client_learns_the_mtu_of_a_narrow_link_toward_the_workers() {
+fn remote_mode_ipv4_client_learns_the_mtu_of_a_narrow_link_toward_the_workers() {
     path_mtu(Mode::Remote, Family::V4, Narrow::Workers);
 }
 
 #[test]
-fn ipv6_client_learns_the_mtu_of_a_narrow_link_toward_the_workers() {
+fn remote_mode_ipv6_client_learns_the_mtu_of_a_narrow_link_toward_the_workers() {
     path_mtu(Mode::Remote, Family::V6, Narrow::Workers);
 }
 
 #[test]
-fn ipv4_worker_learns_the_mtu_of_a_narrow_link_toward_the_client() {
+fn remote_mode_ipv4_worker_learns_the_mtu_of_a_narrow_link_toward_the_client() {
     path_mtu(Mode::Remote, Family::V4, Narrow::Client);
 }
 
 #[test]
-fn ipv6_worker_learns_the_mtu_of_a_narrow_link_toward_the_client() {
+fn remote_mode_ipv6_worker_learns_the_mtu_of_a_narrow_link_toward_the_client() {
     path_mtu(Mode::Remote, Family::V6, Narrow::Client);
 }
 
