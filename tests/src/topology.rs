@@ -113,7 +113,7 @@ impl Layout {
     }
 
     /// Host `host` of subnet `subnet`, in the layout's family.
-    fn addr(self, subnet: u8, host: u8) -> IpAddr {
+    pub fn addr(self, subnet: u8, host: u8) -> IpAddr {
         match self.family {
             Family::V4 => v4(self.net, subnet, host).into(),
             Family::V6 => v6(self.net, subnet, host).into(),
