@@ -24,7 +24,7 @@
 //! run, so each figure can be read against it.
 //!
 //! Remote mode runs inside a namespace with real routes and neighbours
-//! (`Router`), arriving on its client-facing interface, so the next-hop
+//! (`Router`, one per address family), arriving on its client-facing interface, so the next-hop
 //! lookups are the real ones. With env `BALANCER_L4_COST_OUT` set, the
 //! medians are also written there as `name<TAB>nanoseconds` lines.
 
@@ -79,14 +79,24 @@ impl Family for SocketAddrV4 {
     }
 }
 
+/// A host of the router's backend prefix (2001:db8:99:2::/64).
 const fn v6(last: u16, port: u16) -> SocketAddrV6 {
-    SocketAddrV6::new(Ipv6Addr::new(0xfd99, 0, 0, 0, 0, 0, 2, last), port, 0, 0)
+    SocketAddrV6::new(
+        Ipv6Addr::new(0x2001, 0xdb8, 0x99, 2, 0, 0, 0, last),
+        port,
+        0,
+        0,
+    )
 }
 
 impl Family for SocketAddrV6 {
     const ROW: &'static str = " v6";
-    const CLIENT: Self =
-        SocketAddrV6::new(Ipv6Addr::new(0xfd99, 0, 0, 0, 0, 0, 1, 2), 40_000, 0, 0);
+    const CLIENT: Self = SocketAddrV6::new(
+        Ipv6Addr::new(0x2001, 0xdb8, 0x99, 1, 0, 0, 0, 2),
+        40_000,
+        0,
+        0,
+    );
     const BACKEND: Self = v6(0x11, 8000);
     fn elsewhere(port: u16) -> Self {
         v6(0x50, port)
@@ -376,64 +386,88 @@ fn local<F: Family>(
     Ok(())
 }
 
+/// Remote mode's rows of family `F`, in `router`'s namespace: every case
+/// (the harness floor named after the family), a new flow into a large
+/// table and into a full small one, and a known flow whose next hop is
+/// looked up per packet.
+fn remote<F: Family>(
+    object: &std::path::Path,
+    router: &Router,
+    rows: &mut Vec<(String, f64)>,
+) -> Result<()> {
+    let (from_client, from_backend) = (Some(router.client_if), Some(router.backend_if));
+    let mode = format!("remote{}", F::ROW);
+    let remote = Steered::load_sized(object, F::BACKEND, &[F::BACKEND], true, 1 << 20)?;
+    remote.maps.set_keep_ttl(true)?;
+    establish(&remote, from_client, from_backend, true)?;
+    let cases = cases::<F>(true);
+    for (case, ns) in cases.iter().zip(measure(&remote, &cases, from_client)?) {
+        let name = if case.name == HARNESS_FLOOR {
+            format!("{HARNESS_FLOOR}{}", F::ROW)
+        } else {
+            format!("{mode}, {}", case.name)
+        };
+        rows.push((name, ns));
+    }
+    first_syn_rows(&mode, &first_syn(&remote, from_client)?, rows);
+    // The same into a full table that fits in cache, where every insert
+    // evicts: the CPU cost without the cold memory of a large table's
+    // never-used entries.
+    let small = Steered::load_sized(object, F::BACKEND, &[F::BACKEND], true, 1024)?;
+    small.maps.set_keep_ttl(true)?;
+    rows.push((
+        format!("{mode}, new flow, full small table"),
+        first_syn(&small, from_client)?.cold,
+    ));
+    drop(small);
+    // What caching the next hop saves: the same with a route and neighbour
+    // lookup on every packet.
+    remote.maps.set_generation(0)?;
+    let uncached = measure(&remote, &cases[..1], from_client)?;
+    rows.push((
+        format!("{mode}, known flow, next hop looked up per packet"),
+        uncached[0],
+    ));
+    Ok(())
+}
+
+/// Runs `measure` in a router namespace of family `F`'s addresses.
+fn in_router<F: Family>(
+    prefix: &str,
+    measure: impl FnOnce(Router) -> Result<Vec<(String, f64)>> + Send + 'static,
+) -> Vec<(String, f64)> {
+    let ip = |addr: F| Into::<SocketAddr>::into(addr).ip();
+    Router::run(
+        prefix,
+        ip(F::CLIENT),
+        &[ip(F::BACKEND)],
+        Duration::from_secs(600),
+        measure,
+    )
+}
+
 #[test]
 #[ignore = "a benchmark: run by `cargo xtask bench l4`"]
 fn per_packet_cost() {
     let Some(object) = ebpf_prerequisites() else {
         return;
     };
-    let rows = Router::run(
-        "bt-l4cost",
-        *CLIENT.ip(),
-        &[*BACKEND.ip()],
-        Duration::from_secs(600),
-        move |router| -> Result<_> {
-            let mut rows = Vec::new();
-            let from_client = Some(router.client_if);
-
-            let from_backend = Some(router.backend_if);
-            let remote = Steered::load_sized(&object, BACKEND, &[BACKEND], true, 1 << 20)?;
-            remote.maps.set_keep_ttl(true)?;
-            establish(&remote, from_client, from_backend, true)?;
-            let remote_cases = cases::<SocketAddrV4>(true);
-            for (case, ns) in remote_cases
-                .iter()
-                .zip(measure(&remote, &remote_cases, from_client)?)
-            {
-                let name = if case.name == HARNESS_FLOOR {
-                    case.name.to_owned()
-                } else {
-                    format!("remote, {}", case.name)
-                };
-                rows.push((name, ns));
-            }
-            first_syn_rows("remote", &first_syn(&remote, from_client)?, &mut rows);
-            // The same into a full table that fits in cache, where every
-            // insert evicts: the CPU cost without the cold memory of a
-            // large table's never-used entries.
-            let small = Steered::load_sized(&object, BACKEND, &[BACKEND], true, 1024)?;
-            small.maps.set_keep_ttl(true)?;
-            rows.push((
-                "remote, new flow, full small table".to_owned(),
-                first_syn(&small, from_client)?.cold,
-            ));
-            drop(small);
-            // What caching the next hop saves: the same with a route and
-            // neighbour lookup on every packet.
-            remote.maps.set_generation(0)?;
-            let uncached = measure(&remote, &remote_cases[..1], from_client)?;
-            rows.push((
-                "remote, known flow, next hop looked up per packet".to_owned(),
-                uncached[0],
-            ));
-            drop(remote);
-
-            local::<SocketAddrV4>(&object, from_client, 2, &mut rows)?;
-            // IPv6 is steered in local mode only so far; its cases are the
-            // same, through the tail-called IPv6 program.
-            local::<SocketAddrV6>(&object, from_client, 3, &mut rows)?;
-            Ok(rows)
-        },
-    );
+    let object6 = object.clone();
+    let mut rows = in_router::<SocketAddrV4>("bt-l4cost", move |router| {
+        let mut rows = Vec::new();
+        let from_client = Some(router.client_if);
+        remote::<SocketAddrV4>(&object, &router, &mut rows)?;
+        local::<SocketAddrV4>(&object, from_client, 2, &mut rows)?;
+        // IPv6 local mode: the same cases, through the tail-called IPv6
+        // program, and the pass-through that walks it.
+        local::<SocketAddrV6>(&object, from_client, 3, &mut rows)?;
+        Ok(rows)
+    });
+    // IPv6 remote mode needs its own routes and neighbours.
+    rows.extend(in_router::<SocketAddrV6>("bt-l4cost6", move |router| {
+        let mut rows = Vec::new();
+        remote::<SocketAddrV6>(&object6, &router, &mut rows)?;
+        Ok(rows)
+    }));
     report(&rows).expect("reporting");
 }

@@ -636,6 +636,13 @@ mod tests {
         assert_eq!(cost_target("local, known flow"), Some(90.0));
         assert_eq!(cost_target("local, new flow"), Some(500.0));
         assert_eq!(cost_target("remote, retransmitted SYN"), Some(300.0));
+        // Both families: the IPv6 rows say so after the mode.
+        assert_eq!(cost_target("remote v6, known flow"), Some(90.0));
+        assert_eq!(cost_target("local v6, new flow"), Some(500.0));
+        assert_eq!(
+            cost_target("remote v6, pass-through (TCP, other port)"),
+            Some(40.0)
+        );
         assert_eq!(
             cost_target("remote, pass-through (TCP, other port)"),
             Some(40.0)
