@@ -5,7 +5,8 @@
 //! one [`Verdict`] in the per-CPU `VERDICTS` array; a TCP packet then goes
 //! through L4 steering ([`l4`]), an ICMP one through [`icmp`], which count
 //! what they did under an `Outcome`. IPv6 TCP is steered by `balancer6`,
-//! which `balancer` tail-calls: one program could not hold both families
+//! which `balancer` tail-calls once it has counted the segment and found
+//! that its ports may be a service's, as for IPv4: one program could not hold both families
 //! within the verifier's limits (measured: 512 bytes of stack for a call
 //! chain, a million instructions walked per program). ICMPv6 errors, and
 //! the answers remote mode sends to IPv6 packets it cannot forward, are
@@ -158,7 +159,7 @@ fn ipv4(ctx: &XdpContext, l3: usize, tagged: bool) -> u32 {
     if ip.protocol != Ipv4Hdr::PROTO_TCP {
         return pass(Verdict::PassNotTcp);
     }
-    tcp::<V4>(ctx, ip_ptr, l3, l3 + header_len, tagged)
+    tcp::<V4, false>(ctx, ip_ptr, l3, l3 + header_len, tagged)
 }
 
 /// An IPv6 packet at `l3`. Extension headers are not walked: a packet with
@@ -178,8 +179,22 @@ fn ipv6<const HERE: bool>(ctx: &XdpContext, l3: usize, tagged: bool) -> u32 {
         return pass(Verdict::PassMalformed);
     }
     match ip.next_header {
-        Ipv4Hdr::PROTO_TCP if HERE => tcp::<V6>(ctx, ip_ptr, l3, l3 + Ipv6Hdr::LEN, tagged),
+        // `balancer` counted the segment before the tail call.
+        Ipv4Hdr::PROTO_TCP if HERE => tcp::<V6, true>(ctx, ip_ptr, l3, l3 + Ipv6Hdr::LEN, tagged),
         Ipv4Hdr::PROTO_TCP => {
+            let Some(tcp_ptr) = header::<TcpHdr>(ctx, l3 + Ipv6Hdr::LEN) else {
+                debug!(ctx, "TCP header runs past the frame");
+                return pass(Verdict::PassTruncated);
+            };
+            // SAFETY: as in `dispatch`.
+            let tcp = unsafe { &*tcp_ptr };
+            count_tcp(is_syn(tcp));
+            // Most TCP is for nothing steered: as for IPv4, two array reads
+            // decide that before the tail call, which costs more than they.
+            if port_marks::<V6>(tcp) == 0 {
+                maps::outcome(Outcome::NotService);
+                return xdp_action::XDP_PASS;
+            }
             // SAFETY: a tail call with this program's own context; it
             // returns only when it did not happen.
             unsafe { maps::IPV6_PROGRAM.tail_call(ctx, 0) };
@@ -209,18 +224,23 @@ fn ipv6<const HERE: bool>(ctx: &XdpContext, l3: usize, tagged: bool) -> u32 {
 }
 
 /// A TCP segment at `l4` of an IP packet of family `F` at `l3`: counted as
-/// a SYN or not, then steered if its ports say it may be a service's.
+/// a SYN or not (unless `COUNTED`: the program that tail-called this one
+/// did), then steered if its ports say it may be a service's.
 #[inline(always)]
-fn tcp<F: Family>(ctx: &XdpContext, ip: *mut F::Hdr, l3: usize, l4: usize, tagged: bool) -> u32 {
+fn tcp<F: Family, const COUNTED: bool>(
+    ctx: &XdpContext,
+    ip: *mut F::Hdr,
+    l3: usize,
+    l4: usize,
+    tagged: bool,
+) -> u32 {
     let Some(tcp_ptr) = header::<TcpHdr>(ctx, l4) else {
         debug!(ctx, "TCP header runs past the frame");
         return pass(Verdict::PassTruncated);
     };
     // SAFETY: as in `dispatch`.
     let tcp = unsafe { &*tcp_ptr };
-    // A SYN-ACK answers a connection someone else opened, so it is not
-    // where a new steering decision belongs.
-    let syn = tcp.flags & TcpHdr::SYN != 0 && tcp.flags & TcpHdr::ACK == 0;
+    let syn = is_syn(tcp);
     // What is learnt goes into one word at once: across the three map
     // lookups below, the context, both header pointers and this word fit
     // the four registers a call preserves, so this frame spills nothing
@@ -232,25 +252,49 @@ fn tcp<F: Family>(ctx: &XdpContext, ip: *mut F::Hdr, l3: usize, l4: usize, tagge
     if tagged {
         marks |= TcpPacket::<F>::TAGGED;
     }
+    if !COUNTED {
+        count_tcp(syn);
+    }
+    // Most TCP is for nothing steered: two array reads decide that here,
+    // before the call into steering.
+    let ports = port_marks::<F>(tcp);
+    if ports == 0 {
+        maps::outcome(Outcome::NotService);
+        return xdp_action::XDP_PASS;
+    }
+    l4::steer::<F>(ctx.ctx, ip, tcp_ptr, marks | ports)
+}
+
+/// Whether `tcp` opens a connection. A SYN-ACK answers a connection
+/// someone else opened, so it is not where a new steering decision belongs.
+#[inline(always)]
+fn is_syn(tcp: &TcpHdr) -> bool {
+    tcp.flags & TcpHdr::SYN != 0 && tcp.flags & TcpHdr::ACK == 0
+}
+
+/// Counts a TCP segment under its verdict.
+#[inline(always)]
+fn count_tcp(syn: bool) {
     let verdict = if syn {
         Verdict::TcpSyn
     } else {
         Verdict::TcpOther
     };
     maps::bump(&maps::VERDICTS, verdict.index());
-    // Most TCP is for nothing steered: two array reads decide that here,
-    // before the call into steering.
+}
+
+/// The marks `tcp`'s ports earn (`TO_SERVICE`, `FROM_BACKEND`); none: the
+/// segment is for nothing steered.
+#[inline(always)]
+fn port_marks<F: Family>(tcp: &TcpHdr) -> u32 {
+    let mut marks = 0;
     if maps::port_has(u16::from_be_bytes(tcp.dest), PORT_SERVICE) {
         marks |= TcpPacket::<F>::TO_SERVICE;
     }
     if maps::port_has(u16::from_be_bytes(tcp.source), PORT_REPLY_INGRESS) {
         marks |= TcpPacket::<F>::FROM_BACKEND;
     }
-    if marks & (TcpPacket::<F>::TO_SERVICE | TcpPacket::<F>::FROM_BACKEND) == 0 {
-        maps::outcome(Outcome::NotService);
-        return xdp_action::XDP_PASS;
-    }
-    l4::steer::<F>(ctx.ctx, ip, tcp_ptr, marks)
+    marks
 }
 
 /// A pointer to the `T` at `offset` bytes into the frame, if all of it lies

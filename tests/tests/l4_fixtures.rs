@@ -1263,8 +1263,24 @@ fn verdicts_of_the_fixture_frames() {
             &[135, 0, 0],
         ),
     );
+    // IPv6 TCP is counted once, whether its ports send it on into the IPv6
+    // program (the service port) or decide before that (another port).
+    let tcp6 = |dst: SocketAddrV6, flags| packet::tcp6_frame(CLIENT6, dst, flags, 1, 0, &[]);
+    let other_port = SocketAddrV6::new(*VIP6.ip(), 9999, 0, 0);
+    let tcp6_cut = tcp6(other_port, packet::TCP_ACK);
+    let tcp6_cases = [
+        (tcp6(VIP6, packet::TCP_SYN), Verdict::TcpSyn),
+        (tcp6(VIP6, packet::TCP_ACK), Verdict::TcpOther),
+        (tcp6(other_port, packet::TCP_SYN), Verdict::TcpSyn),
+        (tcp6(other_port, packet::TCP_ACK), Verdict::TcpOther),
+        (
+            tcp6_cut[..tcp6_cut.len() - 1].to_vec(),
+            Verdict::PassTruncated,
+        ),
+    ];
     let cases6 = [(error6, Verdict::Icmp), (cut, Verdict::PassTruncated)]
         .into_iter()
+        .chain(tcp6_cases)
         .chain(
             informational6()
                 .into_iter()
