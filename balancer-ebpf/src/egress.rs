@@ -8,8 +8,6 @@
 //! correctly. Reads go through `bpf_skb_load_bytes`, which also works when
 //! the headers are not in the linear part of the buffer.
 
-use core::mem::MaybeUninit;
-
 use aya_ebpf::bindings::TC_ACT_OK;
 use aya_ebpf::helpers::generated::bpf_skb_load_bytes;
 use aya_ebpf::programs::TcContext;
@@ -106,11 +104,7 @@ fn restore_family<F: Family>(
     }
     let src_addr = ip.src();
     let src_port = u16::from_ne_bytes(tcp.source);
-    let mut local = MaybeUninit::<Scratch<F::Addr>>::uninit();
-    let scratch = match F::scratch() {
-        None => local.as_mut_ptr(),
-        Some(map) => map.get_ptr_mut(SCRATCH_EGRESS).ok_or(0)?,
-    };
+    let scratch = F::scratch().get_ptr_mut(SCRATCH_EGRESS).ok_or(0)?;
     // SAFETY: as in `l4::steer`.
     let (key, seg, found) = unsafe {
         Scratch::init(

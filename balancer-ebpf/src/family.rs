@@ -30,10 +30,12 @@ pub trait Family: 'static {
     fn client_hops() -> &'static LruHashMap<Self::Addr, NextHop<Self::Addr>>;
     fn conns() -> &'static LruHashMap<FlowKey<Self::Addr>, Flow<Self::Addr>>;
     fn embryonic() -> &'static LruHashMap<FlowKey<Self::Addr>, Flow<Self::Addr>>;
-    /// Where steering keeps its largest locals: `None` for the stack (IPv4,
-    /// whose fit), else a per-CPU slot (IPv6: on the stack they would push
-    /// the call chain past the verifier's 512 bytes).
-    fn scratch() -> Option<&'static PerCpuArray<Scratch<Self::Addr>>>;
+    /// Where steering keeps its largest locals: a per-CPU slot, because on
+    /// the stack they would push the call chain past the verifier's 512
+    /// bytes (IPv6's, and IPv4's whose steering is inlined into the parser).
+    fn scratch() -> &'static PerCpuArray<Scratch<Self::Addr>>;
+    /// Whether steering is inlined into the parser ([`crate::l4::steer`]).
+    const STEER_INLINE: bool;
 }
 
 /// An IP header as steering reads and rewrites it.
@@ -116,9 +118,10 @@ impl Family for V4 {
         &maps::EMBRYONIC
     }
     #[inline(always)]
-    fn scratch() -> Option<&'static PerCpuArray<Scratch<u32>>> {
-        None
+    fn scratch() -> &'static PerCpuArray<Scratch<u32>> {
+        &maps::SCRATCH4
     }
+    const STEER_INLINE: bool = true;
 }
 
 impl Family for V6 {
@@ -149,9 +152,10 @@ impl Family for V6 {
         &maps::EMBRYONIC6
     }
     #[inline(always)]
-    fn scratch() -> Option<&'static PerCpuArray<Scratch<Addr6>>> {
-        Some(&maps::SCRATCH6)
+    fn scratch() -> &'static PerCpuArray<Scratch<Addr6>> {
+        &maps::SCRATCH6
     }
+    const STEER_INLINE: bool = false;
 }
 
 impl IpHeader for Ipv4Hdr {

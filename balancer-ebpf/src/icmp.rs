@@ -20,20 +20,19 @@
 //! [`crate::icmp6`]'s, which shares the forwarding and framing below.
 
 use aya_ebpf::EbpfContext as _;
-use core::mem::MaybeUninit;
 
 use aya_ebpf::bindings::xdp_action;
 use aya_ebpf::helpers::generated::{bpf_xdp_adjust_head, bpf_xdp_adjust_tail};
 use aya_ebpf::programs::XdpContext;
-use balancer_common::l4::{FLAG_REMOTE, Flow, FlowKey, Outcome, PORT_REPLY_INGRESS, PORT_SERVICE};
+use balancer_common::l4::{FLAG_REMOTE, FlowKey, Outcome, PORT_REPLY_INGRESS, PORT_SERVICE};
 
 use crate::conntrack;
 use crate::csum;
 use crate::family::{Family, IpHeader, V4};
 use crate::header;
 use crate::headers::{EthHdr, IcmpHdr, Ipv4Hdr, TcpPorts, VlanHdr};
-use crate::l4::{HopCache, emit, next_hop};
-use crate::maps::{outcome, port_has};
+use crate::l4::{HopCache, SCRATCH_XDP, Scratch, emit, next_hop};
+use crate::maps::{SCRATCH4, outcome, port_has};
 
 /// ICMP type and code of "time exceeded in transit".
 pub const TIME_EXCEEDED: (u8, u8) = (IcmpHdr::TIME_EXCEEDED, 0);
@@ -69,16 +68,25 @@ pub fn steer(ctx: &XdpContext, l3: usize, tagged: bool) -> u32 {
     }
     // Either way, the quote reversed is the key of the connection's entry
     // in the direction the quoted packet did not go.
-    let key = FlowKey::tcp(
-        u32::from_ne_bytes(inner.daddr),
-        u16::from_ne_bytes(ports.dest),
-        u32::from_ne_bytes(inner.saddr),
-        u16::from_ne_bytes(ports.source),
-    );
-
-    let mut found = MaybeUninit::<Flow>::uninit();
+    // In this CPU's scratch slot, not this frame: the parser's, which this
+    // one adds to, holds IPv4 steering.
+    let Some(scratch) = SCRATCH4.get_ptr_mut(SCRATCH_XDP) else {
+        return xdp_action::XDP_PASS;
+    };
+    // SAFETY: this CPU's slot, which nothing else uses during this run.
+    let (key, found) = unsafe {
+        Scratch::key(
+            scratch,
+            FlowKey::tcp(
+                u32::from_ne_bytes(inner.daddr),
+                u16::from_ne_bytes(ports.dest),
+                u32::from_ne_bytes(inner.saddr),
+                u16::from_ne_bytes(ports.source),
+            ),
+        )
+    };
     if port_has(u16::from_be_bytes(ports.source), PORT_SERVICE)
-        && conntrack::find::<V4>(&key, false, &mut found)
+        && conntrack::find::<V4>(key, false, found)
     {
         // SAFETY: `find` wrote it.
         let flow = unsafe { found.assume_init() };
@@ -94,7 +102,7 @@ pub fn steer(ctx: &XdpContext, l3: usize, tagged: bool) -> u32 {
         return relay::<V4>(ctx, ip, flow.addr, HopCache::Backend(flow.backend), tagged);
     }
     if port_has(u16::from_be_bytes(ports.dest), PORT_REPLY_INGRESS)
-        && conntrack::find::<V4>(&key, true, &mut found)
+        && conntrack::find::<V4>(key, true, found)
     {
         // SAFETY: `find` wrote it.
         let flow = unsafe { found.assume_init() };

@@ -128,9 +128,9 @@ impl<A: Default> Default for Delivery<A> {
 }
 
 /// The largest per-packet locals of steering, kept in this CPU's slot of a
-/// per-CPU array instead of on the stack for a family whose addresses make
-/// them too large ([`Family::scratch`]). A program run owns the slot from
-/// start to end: nothing else runs on its CPU meanwhile.
+/// per-CPU array instead of on the stack ([`Family::scratch`]). A program
+/// run owns the slot from start to end: nothing else runs on its CPU
+/// meanwhile.
 pub struct Scratch<A> {
     key: FlowKey<A>,
     seg: Segment,
@@ -153,6 +153,23 @@ impl<A: Copy> Scratch<A> {
     pub unsafe fn ipv6<'a>(scratch: *mut Self) -> &'a mut MaybeUninit<Ipv6Hdr> {
         // SAFETY: the caller's promise.
         unsafe { &mut (*scratch).ipv6 }
+    }
+
+    /// Writes `key` into `scratch` and returns it with the slot for the
+    /// entry found (a lookup without a segment: ICMP's).
+    ///
+    /// # Safety
+    /// As for [`Scratch::init`].
+    #[inline(always)]
+    pub unsafe fn key<'a>(
+        scratch: *mut Self,
+        key: FlowKey<A>,
+    ) -> (&'a FlowKey<A>, &'a mut MaybeUninit<Flow<A>>) {
+        // SAFETY: the caller's promise; written before it is referenced.
+        unsafe {
+            (&raw mut (*scratch).key).write(key);
+            (&(*scratch).key, &mut (*scratch).found)
+        }
     }
 
     /// Writes `key` and `seg` into `scratch` and returns them with the
@@ -187,11 +204,26 @@ enum Rewrite<A> {
     Src(A, u16),
 }
 
-// A subprogram of its own, like `icmp::steer`, so that the parser's frame
-// and the two steering frames do not add up (a call chain's frames share
-// 512 bytes).
-#[inline(never)]
+/// Steers a TCP segment whose ports may be a service's: inlined into the
+/// parser where the call chain's 512 bytes of stack allow it
+/// (`Family::STEER_INLINE`, IPv4), a subprogram of its own otherwise (the
+/// call costs the known flow a few nanoseconds).
+#[inline(always)]
 pub fn steer<F: Family>(ctx: *mut xdp_md, ip: *mut F::Hdr, tcp: *mut TcpHdr, marks: u32) -> u32 {
+    if F::STEER_INLINE {
+        steer_here::<F>(ctx, ip, tcp, marks)
+    } else {
+        steer_apart::<F>(ctx, ip, tcp, marks)
+    }
+}
+
+#[inline(never)]
+fn steer_apart<F: Family>(ctx: *mut xdp_md, ip: *mut F::Hdr, tcp: *mut TcpHdr, marks: u32) -> u32 {
+    steer_here::<F>(ctx, ip, tcp, marks)
+}
+
+#[inline(always)]
+fn steer_here<F: Family>(ctx: *mut xdp_md, ip: *mut F::Hdr, tcp: *mut TcpHdr, marks: u32) -> u32 {
     let ctx = &XdpContext::new(ctx);
     let packet = &TcpPacket::<F> {
         ip,
@@ -202,15 +234,10 @@ pub fn steer<F: Family>(ctx: *mut xdp_md, ip: *mut F::Hdr, tcp: *mut TcpHdr, mar
     // SAFETY: the parser checked that both headers lie inside the frame, and
     // nothing in this program run resizes it before the last use.
     let (ip, tcp) = unsafe { (&mut *packet.ip, &mut *packet.tcp) };
-    let mut local = MaybeUninit::<Scratch<F::Addr>>::uninit();
-    let scratch = match F::scratch() {
-        None => local.as_mut_ptr(),
-        Some(map) => match map.get_ptr_mut(SCRATCH_XDP) {
-            Some(slot) => slot,
-            None => return xdp_action::XDP_PASS,
-        },
+    let Some(scratch) = F::scratch().get_ptr_mut(SCRATCH_XDP) else {
+        return xdp_action::XDP_PASS;
     };
-    // SAFETY: `scratch` is this function's local or this CPU's map slot.
+    // SAFETY: `scratch` is this CPU's map slot.
     let (key, seg, found) = unsafe {
         Scratch::init(
             scratch,

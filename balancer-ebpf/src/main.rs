@@ -47,7 +47,11 @@ use family::{Family, V4, V6};
 use headers::{EthHdr, IcmpHdr, Ipv4Hdr, Ipv6Hdr, TcpHdr, VlanHdr};
 use l4::TcpPacket;
 
+// Inlined into the entry point the macro makes, which LLVM stops doing by
+// itself once IPv4 steering is inlined here: a tail call may not be made
+// from a subprogram.
 #[xdp]
+#[inline(always)]
 pub fn balancer(ctx: XdpContext) -> u32 {
     // Fail open: when this program cannot do its job the packet still gets
     // to the kernel, which is where it would have gone without us.

@@ -126,6 +126,12 @@ pub static FIB_SCRATCH: PerCpuArray<FibParams> = PerCpuArray::with_max_entries(1
 #[map]
 pub static SCRATCH6: PerCpuArray<Scratch<Addr6>> = PerCpuArray::with_max_entries(2, 0);
 
+/// The same for IPv4 (and its ICMP subprogram), whose steering is inlined
+/// into the parser's frame (`Family::STEER_INLINE`), which the ICMP
+/// subprogram's frame adds to.
+#[map]
+pub static SCRATCH4: PerCpuArray<Scratch<u32>> = PerCpuArray::with_max_entries(2, 0);
+
 /// Adds one to a per-CPU `u64` counter.
 #[inline(always)]
 pub fn bump(counters: &PerCpuArray<u64>, index: u32) {
