@@ -44,7 +44,7 @@ const QUOTE: usize = Ipv4Hdr::MIN_LEN + size_of::<TcpPorts>();
 
 /// Handles an ICMP packet whose IPv4 header starts at `l3` (validated by
 /// the parser). A subprogram of its own: inlined, its frame would add to
-/// the frame TCP steering is called from (a call chain's frames share 512
+/// the parser's, which holds IPv4 steering (a call chain's frames share 512
 /// bytes).
 #[inline(never)]
 pub fn steer(ctx: &XdpContext, l3: usize, tagged: bool) -> u32 {
