@@ -8,6 +8,9 @@
 //! direction, a draining backend, forged resets, ICMP errors, IPv4 options,
 //! VLAN tags, TTL and MTU; and for IPv6 (the `*_ipv6` tables) the same
 //! story with ICMPv6, neighbour discovery, hop limit and Packet Too Big.
+//! The connection's part of the story is told once for both families
+//! (`connection_steps`, with the family's frames); each family's table
+//! adds only what is its own.
 //!
 //! Which backend a connection gets is computed here from the Maglev table
 //! and the flow hash, not read back from the program. Remote-mode steps run
@@ -63,6 +66,9 @@ trait Endpoint: Copy + PartialEq + Debug + Into<SocketAddr> + Send + 'static {
     /// The service the tables steer.
     const VIP: Self;
     fn key(src: Self, dst: Self) -> FlowKey<Self::Addr>;
+    /// A TCP frame (no payload) from `src` to `dst`, its checksums checked
+    /// on their own.
+    fn frame(src: Self, dst: Self, flags: u8, seq: u32, ack: u32) -> Vec<u8>;
 }
 
 impl Endpoint for SocketAddrV4 {
@@ -76,6 +82,11 @@ impl Endpoint for SocketAddrV4 {
             port_be(dst.port()),
         )
     }
+    fn frame(src: Self, dst: Self, flags: u8, seq: u32, ack: u32) -> Vec<u8> {
+        let f = seg(src, dst, flags, seq, ack).frame();
+        assert_verifies(&f, packet::IPV4_OFFSET, false);
+        f
+    }
 }
 
 impl Endpoint for SocketAddrV6 {
@@ -88,6 +99,9 @@ impl Endpoint for SocketAddrV6 {
             addr6_be(dst.ip().octets()),
             port_be(dst.port()),
         )
+    }
+    fn frame(src: Self, dst: Self, flags: u8, seq: u32, ack: u32) -> Vec<u8> {
+        seg6(src, dst, flags, seq, ack)
     }
 }
 
@@ -306,98 +320,55 @@ fn local_mode_fixtures() {
     run(&mut steered, steps).unwrap_or_else(|error| panic!("{error:#}"));
 }
 
-fn local_steps(steered: &Steered) -> Vec<Step> {
+/// One connection's story in local mode, step for step the same in both
+/// families (built with `S`'s frames): the handshake, each direction
+/// evicted and restored by the other, a lost connection kept on its
+/// draining backend, out-of-window resets that close nothing; then
+/// `while_open`, the family's own steps about the open connection (its
+/// ICMP errors), and last the client's own RST, which closes it. The
+/// backend is left draining.
+fn connection_steps<S: Endpoint>(
+    steered: &Steered<S>,
+    client: S,
+    while_open: Vec<Step<S::Addr>>,
+) -> Vec<Step<S::Addr>> {
     use Outcome::*;
-    let xdp = Hook::Xdp(None);
-    let b = chosen(steered, CLIENT);
+    let (vip, xdp) = (S::VIP, Hook::Xdp(None));
+    let b = chosen(steered, client);
     let bi = steered.backend_of(b).expect("a backend");
-    let (fwd, rep) = (key(CLIENT, VIP), key(b, CLIENT));
+    let (fwd, rep) = (key(client, vip), key(b, client));
     let (c1, b1) = (CLIENT_ISN + 1, BACKEND_ISN + 1);
-    let frame = |s: Tcp| {
-        let f = s.frame();
-        assert_verifies(&f, packet::IPV4_OFFSET, false);
-        f
-    };
-    let syn = frame(seg(CLIENT, VIP, packet::TCP_SYN, CLIENT_ISN, 0));
-    let ack_in = |seq| frame(seg(CLIENT, VIP, packet::TCP_ACK, seq, b1));
-    let ack_out = |seq| frame(seg(CLIENT, b, packet::TCP_ACK, seq, b1));
-    let reply_in = || frame(seg(b, CLIENT, packet::TCP_ACK, b1, c1));
-    let reply_out = || frame(seg(VIP, CLIENT, packet::TCP_ACK, b1, c1));
+    let (syn, ack, rst) = (packet::TCP_SYN, packet::TCP_ACK, packet::TCP_RST);
+    let tcp = S::frame;
+    let ack_in = |seq| tcp(client, vip, ack, seq, b1);
+    let ack_out = |seq| tcp(client, b, ack, seq, b1);
+    let reply_in = || tcp(b, client, ack, b1, c1);
+    let reply_out = || tcp(vip, client, ack, b1, c1);
     let far = c1.wrapping_add(1 << 31);
-    let rst_in = |seq| frame(seg(CLIENT, VIP, packet::TCP_RST, seq, 0));
-    let rst_out = |seq| frame(seg(CLIENT, b, packet::TCP_RST, seq, 0));
+    let rst_in = |seq| tcp(client, vip, rst, seq, 0);
+    let rst_out = |seq| tcp(client, b, rst, seq, 0);
+    let backend_far = b1.wrapping_add(1 << 30);
 
-    // An ICMP error from a router on the client's side about a reply
-    // (quoting service -> client) goes to the backend, quoting it.
-    let mtu = 1400u16.to_be_bytes();
-    let icmp_about = |from: SocketAddrV4, to: Ipv4Addr| {
-        let quoted = seg(from, CLIENT, packet::TCP_ACK, b1, c1).ip();
-        let icmp = packet::icmp_error(3, 4, [0, 0, mtu[0], mtu[1]], &quoted[..28]);
-        let f = packet::ethernet(
-            packet::ETHERTYPE_IPV4,
-            &Ipv4::new(CLIENT_ROUTER, to, packet::PROTO_ICMP).packet(&icmp),
-        );
-        assert_verifies(&f, packet::IPV4_OFFSET, true);
-        f
-    };
-
-    // IPv4 options (NOP, NOP, NOP, end) move the TCP header.
-    let c2 = SocketAddrV4::new(*CLIENT.ip(), 40_002);
-    let b2 = chosen(steered, c2);
-    let with_options = |dst: SocketAddrV4| {
-        let mut ip = Ipv4::new(*c2.ip(), *dst.ip(), packet::PROTO_TCP);
-        ip.options = vec![1, 1, 1, 0];
-        let f = packet::ethernet(
-            packet::ETHERTYPE_IPV4,
-            &ip.packet(&seg(c2, dst, packet::TCP_SYN, CLIENT_ISN, 0).segment()),
-        );
-        assert_verifies(&f, packet::IPV4_OFFSET, false);
-        f
-    };
-
-    // One 802.1Q tag is looked through and kept.
-    let c3 = SocketAddrV4::new(*CLIENT.ip(), 40_003);
-    let b3 = chosen(steered, c3);
-    let tagged = |dst: SocketAddrV4| {
-        let ip = seg(c3, dst, packet::TCP_SYN, CLIENT_ISN, 0).ip();
-        let f = packet::vlan_ethernet(packet::ETHERTYPE_VLAN, 42, packet::ETHERTYPE_IPV4, &ip);
-        assert_verifies(&f, packet::IPV4_OFFSET + 4, false);
-        f
-    };
-    let qinq = packet::vlan_ethernet(
-        packet::ETHERTYPE_QINQ,
-        42,
-        packet::ETHERTYPE_VLAN,
-        &[0, 7, 8, 0],
-    );
-
-    vec![
-        Step::new("SYN to the service", xdp, syn, XdpAction::Pass)
-            .out(frame(seg(CLIENT, b, packet::TCP_SYN, CLIENT_ISN, 0)))
-            .counts(&[NewFlow])
-            .then(Check::Counts {
-                embryonic_at_most: 2,
-                established: 0,
-            }),
+    let mut steps = vec![
+        Step::new(
+            "SYN to the service",
+            xdp,
+            tcp(client, vip, syn, CLIENT_ISN, 0),
+            XdpAction::Pass,
+        )
+        .out(tcp(client, b, syn, CLIENT_ISN, 0))
+        .counts(&[NewFlow])
+        .then(Check::Counts {
+            embryonic_at_most: 2,
+            established: 0,
+        }),
         Step::new(
             "backend's SYN-ACK restored",
             Hook::Egress,
-            frame(seg(
-                b,
-                CLIENT,
-                packet::TCP_SYN | packet::TCP_ACK,
-                BACKEND_ISN,
-                c1,
-            )),
+            tcp(b, client, syn | ack, BACKEND_ISN, c1),
             XdpAction::Pass,
         )
-        .out(frame(seg(
-            VIP,
-            CLIENT,
-            packet::TCP_SYN | packet::TCP_ACK,
-            BACKEND_ISN,
-            c1,
-        )))
+        .out(tcp(vip, client, syn | ack, BACKEND_ISN, c1))
         .counts(&[Reply]),
         Step::new(
             "client's ACK completes the handshake",
@@ -475,18 +446,82 @@ fn local_steps(steered: &Steered) -> Vec<Step> {
         Step::new(
             "out-of-window RST from the backend: restored, closes nothing",
             Hook::Egress,
-            frame(seg(b, CLIENT, packet::TCP_RST, b1.wrapping_add(1 << 30), 0)),
+            tcp(b, client, rst, backend_far, 0),
             XdpAction::Pass,
         )
-        .out(frame(seg(
-            VIP,
-            CLIENT,
-            packet::TCP_RST,
-            b1.wrapping_add(1 << 30),
-            0,
-        )))
+        .out(tcp(vip, client, rst, backend_far, 0))
         .counts(&[Reply, RstIgnored])
         .then(Check::Established(fwd, rep, true)),
+    ];
+    steps.extend(while_open);
+    steps.push(
+        Step::new(
+            "the client's own RST (its next sequence number) closes",
+            xdp,
+            rst_in(c1),
+            XdpAction::Pass,
+        )
+        .out(rst_out(c1))
+        .counts(&[Established])
+        .then(Check::Established(fwd, rep, false)),
+    );
+    steps
+}
+
+/// IPv4 local mode: [`connection_steps`] with ICMP errors about the open
+/// connection, then new connections with IPv4 options and VLAN tags.
+fn local_steps(steered: &Steered) -> Vec<Step> {
+    use Outcome::*;
+    let xdp = Hook::Xdp(None);
+    let b = chosen(steered, CLIENT);
+    let bi = steered.backend_of(b).expect("a backend");
+    let (c1, b1) = (CLIENT_ISN + 1, BACKEND_ISN + 1);
+
+    // An ICMP error from a router on the client's side about a reply
+    // (quoting service -> client) goes to the backend, quoting it.
+    let mtu = 1400u16.to_be_bytes();
+    let icmp_about = |from: SocketAddrV4, to: Ipv4Addr| {
+        let quoted = seg(from, CLIENT, packet::TCP_ACK, b1, c1).ip();
+        let icmp = packet::icmp_error(3, 4, [0, 0, mtu[0], mtu[1]], &quoted[..28]);
+        let f = packet::ethernet(
+            packet::ETHERTYPE_IPV4,
+            &Ipv4::new(CLIENT_ROUTER, to, packet::PROTO_ICMP).packet(&icmp),
+        );
+        assert_verifies(&f, packet::IPV4_OFFSET, true);
+        f
+    };
+
+    // IPv4 options (NOP, NOP, NOP, end) move the TCP header.
+    let c2 = SocketAddrV4::new(*CLIENT.ip(), 40_002);
+    let b2 = chosen(steered, c2);
+    let with_options = |dst: SocketAddrV4| {
+        let mut ip = Ipv4::new(*c2.ip(), *dst.ip(), packet::PROTO_TCP);
+        ip.options = vec![1, 1, 1, 0];
+        let f = packet::ethernet(
+            packet::ETHERTYPE_IPV4,
+            &ip.packet(&seg(c2, dst, packet::TCP_SYN, CLIENT_ISN, 0).segment()),
+        );
+        assert_verifies(&f, packet::IPV4_OFFSET, false);
+        f
+    };
+
+    // One 802.1Q tag is looked through and kept.
+    let c3 = SocketAddrV4::new(*CLIENT.ip(), 40_003);
+    let b3 = chosen(steered, c3);
+    let tagged = |dst: SocketAddrV4| {
+        let ip = seg(c3, dst, packet::TCP_SYN, CLIENT_ISN, 0).ip();
+        let f = packet::vlan_ethernet(packet::ETHERTYPE_VLAN, 42, packet::ETHERTYPE_IPV4, &ip);
+        assert_verifies(&f, packet::IPV4_OFFSET + 4, false);
+        f
+    };
+    let qinq = packet::vlan_ethernet(
+        packet::ETHERTYPE_QINQ,
+        42,
+        packet::ETHERTYPE_VLAN,
+        &[0, 7, 8, 0],
+    );
+
+    let icmp = vec![
         Step::new(
             "ICMP fragmentation needed about a reply: to its backend",
             xdp,
@@ -502,15 +537,9 @@ fn local_steps(steered: &Steered) -> Vec<Step> {
             XdpAction::Pass,
         )
         .counts(&[]),
-        Step::new(
-            "the client's own RST (its next sequence number) closes",
-            xdp,
-            rst_in(c1),
-            XdpAction::Pass,
-        )
-        .out(rst_out(c1))
-        .counts(&[Established])
-        .then(Check::Established(fwd, rep, false)),
+    ];
+    let mut steps = connection_steps(steered, CLIENT, icmp);
+    steps.extend([
         Step::new(
             "SYN with IPv4 options",
             xdp,
@@ -531,7 +560,8 @@ fn local_steps(steered: &Steered) -> Vec<Step> {
             XdpAction::Pass,
         )
         .counts(&[]),
-    ]
+    ]);
+    steps
 }
 
 #[test]
@@ -826,21 +856,16 @@ fn local_mode_fixtures_ipv6() {
     run(&mut steered, steps).unwrap_or_else(|error| panic!("{error:#}"));
 }
 
+/// IPv6 local mode: [`connection_steps`] with ICMPv6 about the open
+/// connection: errors about its replies, about a connection nobody
+/// steered and quoting an extension header, and the informational
+/// messages that are none of the balancer's business.
 fn local_steps6(steered: &Steered<SocketAddrV6>) -> Vec<Step<Addr6>> {
     use Outcome::*;
     let xdp = Hook::Xdp(None);
     let b = chosen(steered, CLIENT6);
-    let bi = steered.backend_of(b).expect("a backend");
-    let (fwd, rep) = (key(CLIENT6, VIP6), key(b, CLIENT6));
     let (c1, b1) = (CLIENT_ISN + 1, BACKEND_ISN + 1);
-    let (syn, ack, rst) = (packet::TCP_SYN, packet::TCP_ACK, packet::TCP_RST);
-    let ack_in = |seq| seg6(CLIENT6, VIP6, ack, seq, b1);
-    let ack_out = |seq| seg6(CLIENT6, b, ack, seq, b1);
-    let reply_in = || seg6(b, CLIENT6, ack, b1, c1);
-    let reply_out = || seg6(VIP6, CLIENT6, ack, b1, c1);
-    let far = c1.wrapping_add(1 << 31);
-    let rst_in = |seq| seg6(CLIENT6, VIP6, rst, seq, 0);
-    let rst_out = |seq| seg6(CLIENT6, b, rst, seq, 0);
+    let ack = packet::TCP_ACK;
 
     // Each ICMPv6 error from a router on the client's side about a reply
     // (quoting service -> client, whole): to the backend, the outer
@@ -897,101 +922,7 @@ fn local_steps6(steered: &Steered<SocketAddrV6>) -> Vec<Step<Addr6>> {
     );
     let quoting_extension = icmp6_error(CLIENT_ROUTER6, *VIP6.ip(), 64, too_big, &extended, None);
 
-    let mut steps = vec![
-        Step::new(
-            "SYN to the service",
-            xdp,
-            seg6(CLIENT6, VIP6, syn, CLIENT_ISN, 0),
-            XdpAction::Pass,
-        )
-        .out(seg6(CLIENT6, b, syn, CLIENT_ISN, 0))
-        .counts(&[NewFlow])
-        .then(Check::Counts {
-            embryonic_at_most: 2,
-            established: 0,
-        }),
-        Step::new(
-            "backend's SYN-ACK restored",
-            Hook::Egress,
-            seg6(b, CLIENT6, syn | ack, BACKEND_ISN, c1),
-            XdpAction::Pass,
-        )
-        .out(seg6(VIP6, CLIENT6, syn | ack, BACKEND_ISN, c1))
-        .counts(&[Reply]),
-        Step::new(
-            "client's ACK completes the handshake",
-            xdp,
-            ack_in(c1),
-            XdpAction::Pass,
-        )
-        .out(ack_out(c1))
-        .counts(&[Established, Promoted])
-        .then(Check::Established(fwd, rep, true))
-        .then(Check::Counts {
-            embryonic_at_most: 0,
-            established: 2,
-        }),
-        Step::new(
-            "reply direction evicted: the next forward packet restores it",
-            xdp,
-            ack_in(c1),
-            XdpAction::Pass,
-        )
-        .before(Setup::Evict(rep))
-        .before(Setup::Age(fwd))
-        .out(ack_out(c1))
-        .counts(&[Established, PeerRestored])
-        .then(Check::Established(fwd, rep, true)),
-        Step::new(
-            "forward direction evicted: the next reply restores it",
-            Hook::Egress,
-            reply_in(),
-            XdpAction::Pass,
-        )
-        .before(Setup::Evict(fwd))
-        .before(Setup::Age(rep))
-        .out(reply_out())
-        .counts(&[Reply, PeerRestored])
-        .then(Check::Established(fwd, rep, true)),
-        Step::new(
-            "ACK of a lost connection on a draining backend stays there",
-            xdp,
-            ack_in(c1),
-            XdpAction::Pass,
-        )
-        .before(Setup::State(bi, BackendState::Draining))
-        .before(Setup::Rebuild)
-        .before(Setup::Evict(fwd))
-        .before(Setup::Evict(rep))
-        .out(ack_out(c1))
-        .counts(&[Recovered]),
-        Step::new(
-            "the draining backend's answer confirms the connection",
-            Hook::Egress,
-            reply_in(),
-            XdpAction::Pass,
-        )
-        .out(reply_out())
-        .counts(&[Reply, Promoted])
-        .then(Check::Established(fwd, rep, true)),
-        Step::new(
-            "out-of-window RST from the client: forwarded, closes nothing",
-            xdp,
-            rst_in(far),
-            XdpAction::Pass,
-        )
-        .out(rst_out(far))
-        .counts(&[Established, RstIgnored])
-        .then(Check::Established(fwd, rep, true)),
-        Step::new(
-            "out-of-window RST from the backend: restored, closes nothing",
-            Hook::Egress,
-            seg6(b, CLIENT6, rst, b1.wrapping_add(1 << 30), 0),
-            XdpAction::Pass,
-        )
-        .out(seg6(VIP6, CLIENT6, rst, b1.wrapping_add(1 << 30), 0))
-        .counts(&[Reply, RstIgnored])
-        .then(Check::Established(fwd, rep, true)),
+    let mut icmp = vec![
         Step::new(
             "ICMPv6 about a connection nobody steered: untouched",
             xdp,
@@ -1008,27 +939,16 @@ fn local_steps6(steered: &Steered<SocketAddrV6>) -> Vec<Step<Addr6>> {
         .counts(&[]),
     ];
     for (name, message) in errors {
-        steps.push(
+        icmp.push(
             Step::new(name, xdp, about_reply(message), XdpAction::Pass)
                 .out(to_backend(message))
                 .counts(&[Icmp]),
         );
     }
     for (name, frame) in informational6() {
-        steps.push(Step::new(name, xdp, frame, XdpAction::Pass).counts(&[]));
+        icmp.push(Step::new(name, xdp, frame, XdpAction::Pass).counts(&[]));
     }
-    steps.push(
-        Step::new(
-            "the client's own RST (its next sequence number) closes",
-            xdp,
-            rst_in(c1),
-            XdpAction::Pass,
-        )
-        .out(rst_out(c1))
-        .counts(&[Established])
-        .then(Check::Established(fwd, rep, false)),
-    );
-    steps
+    connection_steps(steered, CLIENT6, icmp)
 }
 
 #[test]
