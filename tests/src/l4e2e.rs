@@ -10,7 +10,8 @@
 //! through the breaker), the scraped [`Metrics`], keep-alive connections
 //! held on their workers ([`long_lived`], [`still_served`]), new
 //! connections counted by outcome ([`NewConnections`], [`Tally`], [`Load`])
-//! and bounded polling ([`poll_until`], [`wait`]).
+//! and bounded polling ([`poll_until`], [`wait`]); and how such a test
+//! starts its workers and gateway and stops them ([`run_gateway`]).
 
 use std::collections::BTreeMap;
 use std::io::ErrorKind;
@@ -94,6 +95,72 @@ pub fn l4_config(layout: Layout) -> L4Config {
         detach_on_exit: true,
         signal_interval: std::time::Duration::from_millis(100),
     }
+}
+
+/// The configuration of a namespace test's gateway: [`gateway_config`] for
+/// the workers at `urls`, with [`l4_config`] of `layout` as its L4 part,
+/// each as `adjust` changes them.
+pub fn l4_gateway_config(
+    urls: &[String],
+    layout: Layout,
+    adjust: impl FnOnce(&mut GatewayConfig, &mut L4Config),
+) -> GatewayConfig {
+    let mut config = gateway_config(urls);
+    let mut l4 = l4_config(layout);
+    adjust(&mut config, &mut l4);
+    config.l4 = Some(l4);
+    config
+}
+
+/// A gateway steering a topology's service over its demo workers, as
+/// [`run_gateway`] hands it to a test.
+pub struct Running<'a> {
+    /// The gateway, on its runtime in the balancer's namespace.
+    pub driver: Driver<'a>,
+    /// The demo workers, worker `i` named `topology::NAMES[i]`.
+    pub workers: &'a [MockWorker],
+    /// The gateway's clock, which only the test moves: a breaker's open
+    /// timeout never passes by itself.
+    pub clock: &'a ManualClock,
+}
+
+/// Starts `topology`'s demo workers and a gateway over them on a manual
+/// clock ([`l4_gateway_config`] with `adjust`), runs `test` against it, and
+/// stops the gateway and the workers whatever happened (the workers also
+/// when the gateway does not start); `test`'s error before theirs.
+pub fn run_gateway<T>(
+    topology: &Topology,
+    adjust: impl FnOnce(&mut GatewayConfig, &mut L4Config),
+    test: impl FnOnce(&Running) -> Result<T>,
+) -> Result<T> {
+    let runtimes = topology.runtimes()?;
+    let workers = runtimes.start_workers()?;
+    let urls: Vec<String> = workers.iter().map(MockWorker::url).collect();
+    let config = l4_gateway_config(&urls, topology.layout, adjust);
+    let clock = Arc::new(ManualClock::new());
+    let started = runtimes
+        .balancer
+        .run(Gateway::start_with_clock(config, clock.clone()))
+        .and_then(|gw| gw)
+        .context("starting the gateway");
+    let gw = match started {
+        Ok(gw) => gw,
+        Err(error) => {
+            if let Err(stopping) = runtimes.stop_workers(workers.into_iter().enumerate()) {
+                eprintln!("cleanup: {stopping:#}");
+            }
+            return Err(error);
+        }
+    };
+    let outcome = test(&Running {
+        driver: Driver::new(&runtimes.balancer, &gw, &urls),
+        workers: &workers,
+        clock: &clock,
+    });
+    let stopped = runtimes.shutdown(Some(gw), workers.into_iter().enumerate());
+    let value = outcome?;
+    stopped?;
+    Ok(value)
 }
 
 pub struct Scenario<'a> {

@@ -11,19 +11,18 @@
 //! anywhere else.
 
 use std::cell::RefCell;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
+use balancer::config::GatewayConfig;
 use balancer::discovery::etcd::EtcdConfig;
 use balancer::fleet::FleetConfig;
-use balancer::gateway::Gateway;
 use balancer_common::l4::BackendState;
 use balancer_core::breaker::State;
-use balancer_core::clock::ManualClock;
+use balancer_dataplane::steering::L4Config;
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::etcd::{Etcd, etcd_binary};
-use balancer_tests::l4e2e::{self, B, Driver, Scenario, wait};
+use balancer_tests::l4e2e::{self, B, Running, Scenario, wait};
 use balancer_tests::topology::{Family, Layout, Mode, Topology};
 
 /// How long the fleet may take to reach the kernel: the second for
@@ -55,37 +54,33 @@ fn fleet_isolation(mode: Mode, family: Family) {
         return;
     }
     let layout = Layout::new(mode, family, 95);
-    Topology::run("bt-l4fl", layout, |topology| exercise(topology, layout))
-        .unwrap_or_else(|error| panic!("{error:#}"));
+    Topology::run("bt-l4fl", layout, exercise).unwrap_or_else(|error| panic!("{error:#}"));
 }
 
-fn exercise(topology: &Topology, layout: Layout) -> Result<()> {
+fn exercise(topology: &Topology) -> Result<()> {
     let etcd = Etcd::start_in(Some(topology.balancer())).context("etcd")?;
-    let runtimes = topology.runtimes()?;
-    let runtime = &runtimes.balancer;
-    let workers = runtimes.start_workers()?;
+    let adjust = |config: &mut GatewayConfig, _: &mut L4Config| {
+        config.breaker.settings.failure_threshold = u32::MAX;
+        config.etcd = Some(EtcdConfig {
+            endpoints: vec![etcd.url()],
+            prefix: "/balancer/".into(),
+        });
+        config.fleet = Some(FleetConfig {
+            replica_id: "gateway".into(),
+            quorum: 2,
+            lease: Duration::from_secs(10),
+        });
+    };
+    // Stopped before etcd, which it was started after.
+    l4e2e::run_gateway(topology, adjust, |gateway| {
+        isolated_by_the_fleet(topology, gateway, &etcd)
+    })
+}
 
-    let urls: Vec<String> = workers.iter().map(|w| w.url()).collect();
-    let mut config = l4e2e::gateway_config(&urls);
-    config.l4 = Some(l4e2e::l4_config(layout));
-    config.breaker.settings.failure_threshold = u32::MAX;
-    config.etcd = Some(EtcdConfig {
-        endpoints: vec![etcd.url()],
-        prefix: "/balancer/".into(),
-    });
-    config.fleet = Some(FleetConfig {
-        replica_id: "gateway".into(),
-        quorum: 2,
-        lease: Duration::from_secs(10),
-    });
-    let clock = Arc::new(ManualClock::new());
-    let gw = runtime
-        .run(Gateway::start_with_clock(config, clock.clone()))?
-        .context("starting the gateway")?;
-
-    let driver = Driver::new(runtime, &gw, &urls);
-    let scenario = Scenario::new(topology, driver, &workers, &clock);
-    let outcome = driver.ready(BOUND).and_then(|()| {
+fn isolated_by_the_fleet(topology: &Topology, gateway: &Running, etcd: &Etcd) -> Result<()> {
+    let (driver, urls) = (gateway.driver, gateway.driver.urls);
+    let scenario = Scenario::new(topology, driver, gateway.workers, gateway.clock);
+    driver.ready(BOUND).and_then(|()| {
         let leases = RefCell::new(Vec::new());
         scenario.breaker_holds_b_back(
             || {
@@ -137,11 +132,5 @@ fn exercise(topology: &Topology, layout: Layout) -> Result<()> {
                 })
             },
         )
-    });
-
-    runtime.run(gw.shutdown())?;
-    runtimes.stop_workers(workers.into_iter().enumerate())?;
-    drop(runtimes);
-    drop(etcd);
-    outcome
+    })
 }

@@ -8,13 +8,11 @@
 //! Addresses are inside the two namespaces the test creates; nothing is sent
 //! anywhere else.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Mutex, PoisonError};
 
-use anyhow::{Context, Result, ensure};
-use balancer::gateway::Gateway;
-use balancer_core::clock::ManualClock;
+use anyhow::{Result, ensure};
 use balancer_tests::ebpf_prerequisites;
-use balancer_tests::l4e2e::{self, Driver, Scenario};
+use balancer_tests::l4e2e::{self, Scenario};
 use balancer_tests::netns::run;
 use balancer_tests::topology::{FRONT_IF, Family, Layout, Mode, Topology};
 
@@ -43,35 +41,23 @@ fn steers_around_isolated_workers(family: Family) {
 
 fn exercise(topology: &Topology) -> Result<()> {
     let host = topology.balancer();
-    let runtimes = topology.runtimes()?;
-    let runtime = &runtimes.balancer;
-    let workers = runtimes.start_workers()?;
-
-    let urls: Vec<String> = workers.iter().map(|w| w.url()).collect();
-    let mut config = l4e2e::gateway_config(&urls);
-    config.l4 = Some(l4e2e::l4_config(topology.layout));
-    let clock = Arc::new(ManualClock::new());
     let (_, tcx_before) = attachments(host)?;
-    let gw = runtime
-        .run(Gateway::start_with_clock(config, clock.clone()))?
-        .context("starting the gateway")?;
-    let (xdp, tcx) = attachments(host)?;
-    ensure!(xdp, "no XDP program on {FRONT_IF} after start");
-    ensure!(tcx > tcx_before, "no TC egress link after start");
-
-    let driver = Driver::new(runtime, &gw, &urls);
-    let scenario = Scenario::new(topology, driver, &workers, &clock);
-    let outcome = scenario.run();
-
-    runtime.run(gw.shutdown())?;
+    let outcome = l4e2e::run_gateway(
+        topology,
+        |_, _| {},
+        |gateway| {
+            let (xdp, tcx) = attachments(host)?;
+            ensure!(xdp, "no XDP program on {FRONT_IF} after start");
+            ensure!(tcx > tcx_before, "no TC egress link after start");
+            Scenario::new(topology, gateway.driver, gateway.workers, gateway.clock).run()
+        },
+    );
     let (xdp, tcx) = attachments(host)?;
     ensure!(!xdp, "XDP program still on {FRONT_IF} after shutdown");
     ensure!(
         tcx == tcx_before,
         "TC egress link still there after shutdown"
     );
-    runtimes.stop_workers(workers.into_iter().enumerate())?;
-    drop(runtimes);
     outcome
 }
 

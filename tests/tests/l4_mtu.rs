@@ -42,12 +42,9 @@ use std::ffi::CString;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{FromRawFd, OwnedFd};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use balancer::gateway::Gateway;
-use balancer_core::clock::ManualClock;
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::l4e2e::{self, Driver};
 use balancer_tests::netns::{self, Namespaces};
@@ -179,29 +176,20 @@ fn exercise(topology: &Topology, narrow: Narrow) -> Result<()> {
         passing.push(link);
     }
 
-    let runtimes = topology.runtimes()?;
-    let runtime = &runtimes.balancer;
-    let workers = runtimes.start_workers()?;
-    let urls: Vec<String> = workers.iter().map(|w| w.url()).collect();
-    let mut config = l4e2e::gateway_config(&urls);
-    config.l4 = Some(l4e2e::l4_config(layout));
-    let gw = runtime
-        .run(Gateway::start_with_clock(
-            config,
-            Arc::new(ManualClock::new()),
-        ))?
-        .context("starting the gateway")?;
-
-    let driver = Driver::new(runtime, &gw, &urls);
     let client = behind.as_ref().map_or(topology.client(), |ns| ns.name(0));
-    let outcome = driver
-        .ready(READY_BOUND)
-        .and_then(|()| transfer_and_check(topology, client, narrow, mtu, &driver));
-    let stopped = runtimes.shutdown(Some(gw), workers.into_iter().enumerate());
+    let outcome = l4e2e::run_gateway(
+        topology,
+        |_, _| {},
+        |gateway| {
+            let driver = gateway.driver;
+            driver
+                .ready(READY_BOUND)
+                .and_then(|()| transfer_and_check(topology, client, narrow, mtu, &driver))
+        },
+    );
     drop(passing);
     let deleted = behind.map_or(Ok(()), Namespaces::delete);
     outcome?;
-    stopped?;
     deleted
 }
 

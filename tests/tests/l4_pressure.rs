@@ -26,13 +26,10 @@
 use std::io;
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use balancer::gateway::Gateway;
 use balancer_common::l4::{CLOSE_GRACE, CLOSED_SHIFT};
-use balancer_core::clock::ManualClock;
 use balancer_mock_worker::MockWorker;
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::http1::{self, Answer};
@@ -635,35 +632,24 @@ fn start_and_run(
     test: fn(&Env) -> Result<()>,
 ) -> Result<()> {
     let layout = topology.layout;
-    let mode = layout.mode;
-    let runtimes = topology.runtimes()?;
-    let workers = runtimes.start_workers()?;
-
-    let urls: Vec<String> = workers.iter().map(MockWorker::url).collect();
-    let mut config = l4e2e::gateway_config(&urls);
-    let mut l4 = l4e2e::l4_config(layout);
-    l4.conntrack_size = conntrack_size;
-    config.l4 = Some(l4);
-    // The breaker's open timeout never passes: an isolated worker stays so.
-    let clock = Arc::new(ManualClock::new());
-    let gw = runtimes
-        .balancer
-        .run(Gateway::start_with_clock(config, clock))?
-        .context("starting the gateway")?;
-
-    let env = Env {
-        layout,
-        client_ns: topology.client(),
-        driver: Driver::new(&runtimes.balancer, &gw, &urls),
-        workers: &workers,
-    };
-    let started = Instant::now();
-    let outcome = test(&env);
-    eprintln!("[{mode:?}] test body took {:?}", started.elapsed());
-
-    let stopped = runtimes.shutdown(Some(gw), workers.into_iter().enumerate());
-    outcome?;
-    stopped
+    // On the manual clock the breaker's open timeout never passes: an
+    // isolated worker stays so.
+    l4e2e::run_gateway(
+        topology,
+        |_, l4| l4.conntrack_size = conntrack_size,
+        |gateway| {
+            let env = Env {
+                layout,
+                client_ns: topology.client(),
+                driver: gateway.driver,
+                workers: gateway.workers,
+            };
+            let started = Instant::now();
+            let outcome = test(&env);
+            eprintln!("[{:?}] test body took {:?}", layout.mode, started.elapsed());
+            outcome
+        },
+    )
 }
 
 struct Env<'a> {

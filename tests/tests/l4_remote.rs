@@ -10,13 +10,9 @@
 //! Addresses are inside the five namespaces the test creates; nothing is
 //! sent anywhere else.
 
-use std::sync::Arc;
-
 use anyhow::{Context, Result, ensure};
-use balancer::gateway::Gateway;
-use balancer_core::clock::ManualClock;
 use balancer_tests::ebpf_prerequisites;
-use balancer_tests::l4e2e::{self, Driver, Scenario};
+use balancer_tests::l4e2e::{self, Scenario};
 use balancer_tests::netns::run;
 use balancer_tests::topology::{Family, Layout, Mode, Topology};
 
@@ -41,26 +37,18 @@ fn steers_around_isolated_workers(family: Family) {
 }
 
 fn exercise(topology: &Topology) -> Result<()> {
-    let runtimes = topology.runtimes()?;
-    let runtime = &runtimes.balancer;
-    let workers = runtimes.start_workers()?;
-
-    let urls: Vec<String> = workers.iter().map(|w| w.url()).collect();
-    let mut config = l4e2e::gateway_config(&urls);
     let ifaces = topology.layout.mode.ifaces();
-    config.l4 = Some(l4e2e::l4_config(topology.layout));
-    let clock = Arc::new(ManualClock::new());
-    let gw = runtime
-        .run(Gateway::start_with_clock(config, clock.clone()))?
-        .context("starting the gateway")?;
-    let attached = gw.steering().context("no dataplane")?.interfaces();
-    ensure!(attached.len() == ifaces.len(), "attached to {attached:?}");
-
-    let driver = Driver::new(runtime, &gw, &urls);
-    let scenario = Scenario::new(topology, driver, &workers, &clock);
-    let outcome = scenario.run().and_then(|()| redirected(&scenario));
-
-    runtime.run(gw.shutdown())?;
+    let outcome = l4e2e::run_gateway(
+        topology,
+        |_, _| {},
+        |gateway| {
+            let steering = gateway.driver.gw.steering().context("no dataplane")?;
+            let attached = steering.interfaces();
+            ensure!(attached.len() == ifaces.len(), "attached to {attached:?}");
+            let scenario = Scenario::new(topology, gateway.driver, gateway.workers, gateway.clock);
+            scenario.run().and_then(|()| redirected(&scenario))
+        },
+    );
     for iface in &ifaces {
         let link = run(
             "ip",
@@ -71,7 +59,6 @@ fn exercise(topology: &Topology) -> Result<()> {
             "XDP program still on {iface} after shutdown"
         );
     }
-    runtimes.stop_workers(workers.into_iter().enumerate())?;
     outcome
 }
 

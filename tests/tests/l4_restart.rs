@@ -714,15 +714,18 @@ fn exercise(topology: &Topology, dir: &Path, object: &Path) -> Result<()> {
     let workers = runtimes.start_workers()?;
 
     let urls: Vec<String> = workers.iter().map(MockWorker::url).collect();
-    let mut config = l4e2e::gateway_config(&urls);
-    let mut l4 = l4e2e::l4_config(layout);
+    let config = l4e2e::l4_gateway_config(&urls, layout, |_, l4| {
+        l4.bpffs_dir = Some(dir.to_path_buf());
+        l4.detach_on_exit = false;
+    });
+    let sizes = config
+        .l4
+        .as_ref()
+        .map(|l4| (l4.table_size, l4.conntrack_size));
     ensure!(
-        (l4.table_size, l4.conntrack_size) == (TABLE_SIZE, CONNTRACK_SIZE),
+        sizes == Some((TABLE_SIZE, CONNTRACK_SIZE)),
         "l4e2e::l4_config's map sizes changed; update TABLE_SIZE and CONNTRACK_SIZE"
     );
-    l4.bpffs_dir = Some(dir.to_path_buf());
-    l4.detach_on_exit = false;
-    config.l4 = Some(l4);
 
     let env = Env {
         layout,

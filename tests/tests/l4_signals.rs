@@ -531,18 +531,17 @@ fn start_and_run(topology: &Topology) -> Result<()> {
     let urls: Vec<String> = workers.iter().map(MockWorker::url).collect();
     let workers: Vec<Option<MockWorker>> = workers.into_iter().map(Some).collect();
 
-    let mut config = l4e2e::gateway_config(&urls);
-    // Health checks play no part: only the kernel's signals move breakers.
-    config.health_check.interval = Duration::from_secs(60);
-    config.breaker.l4_signals = true;
-    config.breaker.settings.failure_threshold = FAILURE_THRESHOLD;
-    config.breaker.settings.success_threshold = SUCCESS_THRESHOLD;
-    config.breaker.settings.open_timeout = OPEN_TIMEOUT;
-    config.breaker.settings.half_open_max_inflight = TRIALS_PER_SECOND;
-    let mut l4 = l4e2e::l4_config(layout);
-    l4.signal_interval = SIGNAL_INTERVAL;
-    l4.bpffs_dir = None;
-    config.l4 = Some(l4);
+    let config = l4e2e::l4_gateway_config(&urls, layout, |config, l4| {
+        // Health checks play no part: only the kernel's signals move breakers.
+        config.health_check.interval = Duration::from_secs(60);
+        config.breaker.l4_signals = true;
+        config.breaker.settings.failure_threshold = FAILURE_THRESHOLD;
+        config.breaker.settings.success_threshold = SUCCESS_THRESHOLD;
+        config.breaker.settings.open_timeout = OPEN_TIMEOUT;
+        config.breaker.settings.half_open_max_inflight = TRIALS_PER_SECOND;
+        l4.signal_interval = SIGNAL_INTERVAL;
+        l4.bpffs_dir = None;
+    });
     // The real clock: the breakers' open timeouts pass by themselves.
     let gw = match runtimes
         .balancer
