@@ -71,7 +71,7 @@ fn exercise(topology: &Topology) -> Result<()> {
             lease: Duration::from_secs(10),
         });
     };
-    // Stopped before etcd, which it was started after.
+    // The gateway stops before etcd, dropped on return.
     l4e2e::run_gateway(topology, adjust, |gateway| {
         isolated_by_the_fleet(topology, gateway, &etcd)
     })
