@@ -357,7 +357,6 @@ fn admit<F: Family>(
         checked: 0,
     };
     if syn {
-        conntrack::forget::<F>(key);
         conntrack::open::<F>(key, &flow);
         outcome(Outcome::NewFlow);
     } else {
