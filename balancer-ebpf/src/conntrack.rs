@@ -355,7 +355,6 @@ fn track<F: Family>(
     // lookup in `table`; map values outlive the program run.
     let own = unsafe { Sent::of(entry) };
     let (checked, backend) = unsafe { ((*entry).checked, (*entry).backend) };
-    let peer_key = unsafe { (*entry).peer_key(key) };
     // The other entry is looked at when this packet needs it (a FIN or a
     // reset closes both; a handshake completes against it) and otherwise
     // at most every PEER_CHECK: TCP sends packets both ways, so the LRU
@@ -372,6 +371,10 @@ fn track<F: Family>(
     } else {
         // SAFETY: as above.
         unsafe { (*entry).checked = now };
+        // Only here: an IPv6 address copied out of a map value becomes a
+        // byte-by-byte `memmove` call on this target (the known flow's
+        // costliest instructions while every packet made this key).
+        let peer_key = unsafe { (*entry).peer_key(key) };
         let awaited = awaits_forward::<F>(table, &own);
         let found = table.get_ptr_mut(&peer_key);
         let usable = match found {
