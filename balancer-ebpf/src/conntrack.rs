@@ -176,12 +176,17 @@ pub fn reply<F: Family>(
     if let Some(entry) = F::conns().get_ptr_mut(key) {
         let flow = copy_out(entry, out);
         if flow.flags & FLAG_REPLY != 0 {
-            if !stale(flow, seg.is_syn_ack()) {
+            let syn_ack = seg.is_syn_ack();
+            // A SYN-ACK on an open connection's four-tuple answers a new
+            // SYN when that SYN's handshake waits for it: the client
+            // reused the port, and the old entries go (see `forget`).
+            if !stale(flow, syn_ack) && !(syn_ack && handshake_waits::<F>(key)) {
                 track::<F>(F::conns(), key, entry, seg);
                 return true;
             }
-            // A later connection on the same four-tuple that did not come
-            // through here: not ours to rewrite.
+            // A later connection on the same four-tuple, which did not come
+            // through here (not ours to rewrite) or which did (its own
+            // entries follow).
             let _ = F::conns().remove(key);
         }
     }
@@ -251,8 +256,9 @@ fn fill<A: Addr>(found: Option<Flow<A>>, out: &mut MaybeUninit<Flow<A>>) -> bool
 /// unanswered, the backend's handshake timed out, which its counters
 /// record, and the entries stay (one lookup instead of an insert, which
 /// costs an LRU node; a retransmitted SYN is what a SYN flood of one
-/// four-tuple is made of). A forward entry an earlier connection on the
-/// four-tuple left is replaced when the backend answers ([`track`]).
+/// four-tuple is made of). What an earlier connection on the four-tuple
+/// left (a forward entry of an abandoned handshake, an established
+/// connection's entries) goes when the backend answers ([`track`]).
 #[inline(always)]
 pub fn open<F: Family>(key: &FlowKey<F::Addr>, flow: &Flow<F::Addr>) {
     let (peer_key, mut peer) = flow.peer(key);
@@ -314,8 +320,13 @@ fn retransmitted<F: Family>(reply_key: &FlowKey<F::Addr>, fresh: &Flow<F::Addr>)
     true
 }
 
-/// Forgets an established connection whose four-tuple a new SYN reuses, so
-/// that the new connection's packets do not follow the old entry.
+/// Forgets an established connection whose four-tuple a new handshake
+/// reuses, so that the new connection's packets do not follow the old
+/// entry: called when the backend answers the new SYN ([`track`]), not at
+/// the SYN, so that a SYN (a SYN flood's packet) looks up one table, not
+/// two. Until the answer the old entry stands, which changes nothing: the
+/// client sends nothing but SYNs before it has the SYN-ACK, and every SYN
+/// gets a fresh decision.
 #[inline(always)]
 pub fn forget<F: Family>(key: &FlowKey<F::Addr>) {
     if let Some(entry) = F::conns().get_ptr(key) {
@@ -344,7 +355,6 @@ fn track<F: Family>(
     // lookup in `table`; map values outlive the program run.
     let own = unsafe { Sent::of(entry) };
     let (checked, backend) = unsafe { ((*entry).checked, (*entry).backend) };
-    let peer_key = unsafe { (*entry).peer_key(key) };
     // The other entry is looked at when this packet needs it (a FIN or a
     // reset closes both; a handshake completes against it) and otherwise
     // at most every PEER_CHECK: TCP sends packets both ways, so the LRU
@@ -361,6 +371,10 @@ fn track<F: Family>(
     } else {
         // SAFETY: as above.
         unsafe { (*entry).checked = now };
+        // Only here: an IPv6 address copied out of a map value becomes a
+        // byte-by-byte `memmove` call on this target (the known flow's
+        // costliest instructions while every packet made this key).
+        let peer_key = unsafe { (*entry).peer_key(key) };
         let awaited = awaits_forward::<F>(table, &own);
         let found = table.get_ptr_mut(&peer_key);
         let usable = match found {
@@ -377,9 +391,16 @@ fn track<F: Family>(
                 // The backend answers a SYN: the forward entry starts at
                 // the client's next sequence number, which the SYN left in
                 // this entry (see `open`); one found there belongs to an
-                // earlier connection on the four-tuple and is replaced.
+                // earlier connection on the four-tuple and is replaced, as
+                // is an established one.
+                forget::<F>(&peer_key);
                 fresh.seq = own.ack;
-                fresh.flags |= FLAG_SEQ;
+                // An entry without the client's number (`ack` 0) was
+                // written by an earlier build, which made the forward entry
+                // at the SYN: this one learns it from the client's next
+                // packet instead. (Kept out of `awaits_forward`, where the
+                // condition cost the verifier 70,000 instructions a program.)
+                fresh.flags |= FLAG_SEQ * u32::from(own.ack != 0);
             } else {
                 outcome(Outcome::PeerRestored);
             }
@@ -442,15 +463,23 @@ fn track<F: Family>(
     found
 }
 
+/// Whether the embryonic table holds, at `key`, the reply entry of a SYN's
+/// handshake the backend has not answered yet ([`awaits_forward`]).
+#[inline(always)]
+fn handshake_waits<F: Family>(key: &FlowKey<F::Addr>) -> bool {
+    F::embryonic().get_ptr(key).is_some_and(|entry| {
+        // SAFETY: a successful lookup.
+        let own = unsafe { Sent::of(entry) };
+        awaits_forward::<F>(F::embryonic(), &own)
+    })
+}
+
 /// Whether `own` is a reply entry of a SYN's handshake the backend has not
 /// answered yet, whose forward entry is made when it answers ([`open`]).
-/// (An entry without the client's number, `ack` 0, was written by an
-/// earlier build, which wrote the forward entry at the SYN.)
 #[inline(always)]
 fn awaits_forward<F: Family>(table: &'static Table<F::Addr>, own: &Sent) -> bool {
     core::ptr::eq(table, F::embryonic())
         && own.flags & (FLAG_REPLY | FLAG_SEQ | FLAG_RECOVERED) == FLAG_REPLY
-        && own.ack != 0
 }
 
 /// Whether the forward entry `entry` is the one a handshake's SYN would

@@ -32,10 +32,8 @@ pub trait Family: 'static {
     fn embryonic() -> &'static LruHashMap<FlowKey<Self::Addr>, Flow<Self::Addr>>;
     /// Where steering keeps its largest locals: a per-CPU slot, because on
     /// the stack they would push the call chain past the verifier's 512
-    /// bytes (IPv6's, and IPv4's whose steering is inlined into the parser).
+    /// bytes (steering is inlined into the parser, whose frame it shares).
     fn scratch() -> &'static PerCpuArray<Scratch<Self::Addr>>;
-    /// Whether steering is inlined into the parser ([`crate::l4::steer`]).
-    const STEER_INLINE: bool;
 }
 
 /// An IP header as steering reads and rewrites it.
@@ -121,7 +119,6 @@ impl Family for V4 {
     fn scratch() -> &'static PerCpuArray<Scratch<u32>> {
         &maps::SCRATCH4
     }
-    const STEER_INLINE: bool = true;
 }
 
 impl Family for V6 {
@@ -155,7 +152,6 @@ impl Family for V6 {
     fn scratch() -> &'static PerCpuArray<Scratch<Addr6>> {
         &maps::SCRATCH6
     }
-    const STEER_INLINE: bool = false;
 }
 
 impl IpHeader for Ipv4Hdr {

@@ -204,26 +204,12 @@ enum Rewrite<A> {
     Src(A, u16),
 }
 
-/// Steers a TCP segment whose ports may be a service's: inlined into the
-/// parser where the call chain's 512 bytes of stack allow it
-/// (`Family::STEER_INLINE`, IPv4), a subprogram of its own otherwise (the
-/// call costs the known flow a few nanoseconds).
+/// Steers a TCP segment whose ports may be a service's, inlined into the
+/// parser of each family's program (a call would cost the known flow a few
+/// nanoseconds, and the verifier walks a subprogram once per call site
+/// anyway: inlined, `balancer6` verifies in half the instructions).
 #[inline(always)]
 pub fn steer<F: Family>(ctx: *mut xdp_md, ip: *mut F::Hdr, tcp: *mut TcpHdr, marks: u32) -> u32 {
-    if F::STEER_INLINE {
-        steer_here::<F>(ctx, ip, tcp, marks)
-    } else {
-        steer_apart::<F>(ctx, ip, tcp, marks)
-    }
-}
-
-#[inline(never)]
-fn steer_apart<F: Family>(ctx: *mut xdp_md, ip: *mut F::Hdr, tcp: *mut TcpHdr, marks: u32) -> u32 {
-    steer_here::<F>(ctx, ip, tcp, marks)
-}
-
-#[inline(always)]
-fn steer_here<F: Family>(ctx: *mut xdp_md, ip: *mut F::Hdr, tcp: *mut TcpHdr, marks: u32) -> u32 {
     let ctx = &XdpContext::new(ctx);
     let packet = &TcpPacket::<F> {
         ip,
@@ -357,7 +343,6 @@ fn admit<F: Family>(
         checked: 0,
     };
     if syn {
-        conntrack::forget::<F>(key);
         conntrack::open::<F>(key, &flow);
         outcome(Outcome::NewFlow);
     } else {

@@ -48,8 +48,8 @@ use headers::{EthHdr, IcmpHdr, Ipv4Hdr, Ipv6Hdr, TcpHdr, VlanHdr};
 use l4::TcpPacket;
 
 // Inlined into the entry point the macro makes, which LLVM stops doing by
-// itself once IPv4 steering is inlined here: a tail call may not be made
-// from a subprogram.
+// itself once steering is inlined here: a tail call may not be made from a
+// subprogram. (The same for `balancer6`.)
 #[xdp]
 #[inline(always)]
 pub fn balancer(ctx: XdpContext) -> u32 {
@@ -63,13 +63,14 @@ pub fn balancer(ctx: XdpContext) -> u32 {
 /// chain, a million instructions walked) do not hold both families'
 /// steering in one.
 #[xdp]
+#[inline(always)]
 pub fn balancer6(ctx: XdpContext) -> u32 {
     let action = dispatch::<true>(&ctx);
     if action != icmp6::ANSWER {
         return action;
     }
-    // Remote mode answers the packet (hop limit, MTU): steering, a
-    // subprogram, may not make the tail call itself.
+    // Remote mode answers the packet (hop limit, MTU): steering says so
+    // and the call is made here, where nothing can make it a subprogram's.
     icmp6::call(&ctx);
     // No ICMPv6 program: the packet goes to the kernel as it came.
     xdp_action::XDP_PASS

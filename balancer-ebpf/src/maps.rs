@@ -126,9 +126,8 @@ pub static FIB_SCRATCH: PerCpuArray<FibParams> = PerCpuArray::with_max_entries(1
 #[map]
 pub static SCRATCH6: PerCpuArray<Scratch<Addr6>> = PerCpuArray::with_max_entries(2, 0);
 
-/// The same for IPv4 (and its ICMP subprogram), whose steering is inlined
-/// into the parser's frame (`Family::STEER_INLINE`), which the ICMP
-/// subprogram's frame adds to.
+/// The same for IPv4 (and its ICMP subprogram): steering is inlined into
+/// the parser's frame, which the ICMP subprogram's frame adds to.
 #[map]
 pub static SCRATCH4: PerCpuArray<Scratch<u32>> = PerCpuArray::with_max_entries(2, 0);
 

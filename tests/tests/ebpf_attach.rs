@@ -20,7 +20,9 @@ const XDP_IF: &str = "lb0";
 const PEER_IF: &str = "peer0";
 const SERVER_IP: Ipv4Addr = Ipv4Addr::new(10, 231, 0, 1);
 const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(10, 231, 0, 2);
-const STEP_TIMEOUT: Duration = Duration::from_secs(10);
+// Loading verifies every program (over a million instructions together),
+// which a loaded machine (a CI run's parallel tests) stretches past 10 s.
+const STEP_TIMEOUT: Duration = Duration::from_secs(30);
 const IO_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[test]

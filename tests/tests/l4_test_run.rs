@@ -314,6 +314,56 @@ fn a_new_handshake_replaces_what_an_abandoned_one_left() {
 }
 
 #[test]
+fn a_new_handshake_on_the_same_backend_replaces_an_open_connection() {
+    let Some(mut steered) = local() else { return };
+    let tcp = |src, dst, flags, seq, ack| packet::Tcp::new(src, dst, flags, seq, ack).frame();
+    let syn_ack = packet::TCP_SYN | packet::TCP_ACK;
+    // One routable backend, so that both connections go to it and their
+    // reply entries share a key.
+    for i in 1..BACKENDS.len() {
+        steered.set_state(i, BackendState::Isolated).unwrap();
+    }
+    steered.rebuild().unwrap();
+    let backend = BACKENDS[0];
+    // A connection that never closed here (the client's host restarted).
+    let (_, out) = xdp(&steered, &tcp(CLIENT, VIP, packet::TCP_SYN, 1_000, 0), None);
+    assert_eq!(packet::endpoints(&out).1, backend);
+    steered
+        .dataplane
+        .test_run_egress(&tcp(backend, CLIENT, syn_ack, 5_000, 1_001))
+        .unwrap();
+    xdp(
+        &steered,
+        &tcp(CLIENT, VIP, packet::TCP_ACK, 1_001, 5_001),
+        None,
+    );
+    assert_eq!(steered.maps.outcomes().unwrap().get(Outcome::Promoted), 1);
+    // The client opens a new connection on the same four-tuple. The
+    // backend's answer is the new handshake's (restored, and it replaces
+    // the open connection's entries), so the client's ACK completes it
+    // rather than riding the old entry.
+    xdp(&steered, &tcp(CLIENT, VIP, packet::TCP_SYN, 9_000, 0), None);
+    let run = steered
+        .dataplane
+        .test_run_egress(&tcp(backend, CLIENT, syn_ack, 7_000, 9_001))
+        .unwrap();
+    assert_eq!(packet::endpoints(&run.packet), (VIP, CLIENT));
+    let before = steered.maps.outcomes().unwrap();
+    let (_, out) = xdp(
+        &steered,
+        &tcp(CLIENT, VIP, packet::TCP_ACK, 9_001, 7_001),
+        None,
+    );
+    assert_eq!(packet::endpoints(&out).1, backend);
+    let moved = steered.maps.outcomes().unwrap().since(&before);
+    assert_eq!(
+        moved.get(Outcome::Promoted),
+        1,
+        "the new handshake did not complete: {moved:?}"
+    );
+}
+
+#[test]
 fn unknown_flow_is_recovered_onto_its_live_backend() {
     let Some(steered) = local() else { return };
     // An ACK without a SYN seen first (the tables lost it, or the
