@@ -180,7 +180,7 @@ pub fn reply<F: Family>(
             // A SYN-ACK on an open connection's four-tuple answers a new
             // SYN when that SYN's handshake waits for it: the client
             // reused the port, and the old entries go (see `forget`).
-            if !stale(flow, syn_ack) && !(syn_ack && handshake_waits::<F>(key)) {
+            if !(stale(flow, syn_ack) || syn_ack && handshake_waits::<F>(key)) {
                 track::<F>(F::conns(), key, entry, seg);
                 return true;
             }
