@@ -287,30 +287,46 @@ fn a_new_handshake_replaces_what_an_abandoned_one_left() {
         .set_state(steered.backend_of(first).unwrap(), BackendState::Isolated)
         .unwrap();
     steered.rebuild().unwrap();
-    let (_, out) = xdp(&steered, &tcp(CLIENT, VIP, packet::TCP_SYN, 9_000, 0), None);
-    let second = packet::endpoints(&out).1;
+    let second = second_handshake(&steered);
     assert_ne!(
         second, first,
         "a new connection went to the isolated backend"
     );
+}
+
+/// The client's next handshake on the four-tuple (initial sequence number
+/// 9,000): the backend its SYN goes to answers, the answer is restored to
+/// the service, and the client's ACK completes that handshake on that
+/// backend (rather than following what an earlier connection left).
+/// Returns the backend.
+fn second_handshake(steered: &Steered) -> SocketAddrV4 {
+    let tcp = |src, dst, flags, seq, ack| packet::Tcp::new(src, dst, flags, seq, ack).frame();
+    let (_, out) = xdp(steered, &tcp(CLIENT, VIP, packet::TCP_SYN, 9_000, 0), None);
+    let backend = packet::endpoints(&out).1;
+    let syn_ack = packet::TCP_SYN | packet::TCP_ACK;
     let run = steered
         .dataplane
-        .test_run_egress(&tcp(second, CLIENT, syn_ack, 7_000, 9_001))
+        .test_run_egress(&tcp(backend, CLIENT, syn_ack, 7_000, 9_001))
         .unwrap();
     assert_eq!(packet::endpoints(&run.packet), (VIP, CLIENT));
     let before = steered.maps.outcomes().unwrap();
     let (_, out) = xdp(
-        &steered,
+        steered,
         &tcp(CLIENT, VIP, packet::TCP_ACK, 9_001, 7_001),
         None,
     );
     assert_eq!(
         packet::endpoints(&out).1,
-        second,
+        backend,
         "the ACK followed the old entry"
     );
     let moved = steered.maps.outcomes().unwrap().since(&before);
-    assert_eq!(moved.get(Outcome::Promoted), 1, "{moved:?}");
+    assert_eq!(
+        moved.get(Outcome::Promoted),
+        1,
+        "the new handshake did not complete: {moved:?}"
+    );
+    backend
 }
 
 #[test]
@@ -342,25 +358,7 @@ fn a_new_handshake_on_the_same_backend_replaces_an_open_connection() {
     // backend's answer is the new handshake's (restored, and it replaces
     // the open connection's entries), so the client's ACK completes it
     // rather than riding the old entry.
-    xdp(&steered, &tcp(CLIENT, VIP, packet::TCP_SYN, 9_000, 0), None);
-    let run = steered
-        .dataplane
-        .test_run_egress(&tcp(backend, CLIENT, syn_ack, 7_000, 9_001))
-        .unwrap();
-    assert_eq!(packet::endpoints(&run.packet), (VIP, CLIENT));
-    let before = steered.maps.outcomes().unwrap();
-    let (_, out) = xdp(
-        &steered,
-        &tcp(CLIENT, VIP, packet::TCP_ACK, 9_001, 7_001),
-        None,
-    );
-    assert_eq!(packet::endpoints(&out).1, backend);
-    let moved = steered.maps.outcomes().unwrap().since(&before);
-    assert_eq!(
-        moved.get(Outcome::Promoted),
-        1,
-        "the new handshake did not complete: {moved:?}"
-    );
+    assert_eq!(second_handshake(&steered), backend);
 }
 
 #[test]
