@@ -781,9 +781,6 @@ impl L4Maps {
     }
 }
 
-/// Writes `wanted` into `map` at `offset`, skipping the slots `mirror`
-/// says already hold their value; `mirror` then holds `wanted`, or is
-/// emptied if a write failed (so the next call rewrites every slot).
 fn read_port(ports: &Array<MapData, u32>, port: u16) -> Result<u32, DataplaneError> {
     ports
         .get(&u32::from(port), 0)
@@ -796,6 +793,9 @@ fn write_port(ports: &mut Array<MapData, u32>, port: u16, bits: u32) -> Result<(
         .map_err(map_error(common::PORTS))
 }
 
+/// Writes `wanted` into `map` at `offset`, skipping the slots `mirror`
+/// says already hold their value; `mirror` then holds `wanted`, or is
+/// emptied if a write failed (so the next call rewrites every slot).
 fn write_slice(
     map: &Mutex<Array<MapData, u32>>,
     name: &'static str,
