@@ -150,6 +150,8 @@ pub const PORT_MARKS: u32 = PORT_SERVICE | PORT_REPLY_INGRESS | PORT_REPLY_EGRES
 /// one of that family on the port: its index + 1 in the byte at
 /// [`Addr::SOLE_SHIFT`] (0: no service, or more than one).
 pub const fn port_sole<A: Addr>(index: u32) -> u32 {
+    // Every index + 1 fits the field's byte.
+    const { assert!(MAX_SERVICES < 0xff) };
     (index + 1) << A::SOLE_SHIFT
 }
 
