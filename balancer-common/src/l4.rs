@@ -39,6 +39,12 @@ pub const ICMP6_PROGRAM: &str = "ICMP6_PROGRAM";
 
 /// `ServiceKey` → [`Service`] (hash).
 pub const SERVICES: &str = "SERVICES";
+/// Service index → [`SoleService`] (array of [`MAX_SERVICES`]): each
+/// IPv4 service's key and entry, written with its [`SERVICES`] entry, where
+/// a SYN to a port the service has to itself ([`port_sole`]) finds it with
+/// an array read instead of a hash lookup (which costs a call into the
+/// kernel; array reads are inlined).
+pub const SOLE_SERVICES: &str = "SOLE_SERVICES";
 /// Backend index → [`Backend`] (array of [`MAX_BACKENDS`]).
 pub const BACKENDS: &str = "BACKENDS";
 /// Backend index → [`NextHop`] toward the backend (array, remote mode).
@@ -68,8 +74,10 @@ pub const CONNS: &str = "CONNS";
 /// the backend answers with something other than a reset.
 pub const EMBRYONIC: &str = "EMBRYONIC";
 /// Port (host order) → [`PORT_SERVICE`] | [`PORT_REPLY_INGRESS`] |
-/// [`PORT_REPLY_EGRESS`] bits (`u32` array of 65536): lets the program skip
-/// the hash lookups for traffic on ports nothing is steered on.
+/// [`PORT_REPLY_EGRESS`] bits, and per family the service the port
+/// belongs to alone ([`port_sole`]) (`u32` array of 65536): lets the
+/// program skip the hash lookups for traffic on ports nothing is steered
+/// on, and the service lookup on a port one service has to itself.
 pub const PORTS: &str = "PORTS";
 /// Index 0 → [`Config`] (array of 1).
 pub const CONFIG: &str = "CONFIG";
@@ -123,6 +131,8 @@ pub const CLIENT_HOPS6: &str = "CLIENT_HOPS6";
 pub const CONNS6: &str = "CONNS6";
 /// [`EMBRYONIC`] of IPv6 connections.
 pub const EMBRYONIC6: &str = "EMBRYONIC6";
+/// [`SOLE_SERVICES`] of IPv6 services.
+pub const SOLE_SERVICES6: &str = "SOLE_SERVICES6";
 
 /// `PORTS` bit: some service listens on this destination port.
 pub const PORT_SERVICE: u32 = 1;
@@ -132,6 +142,30 @@ pub const PORT_REPLY_INGRESS: u32 = 2;
 /// `PORTS` bit: some local backend sends replies from this source port, and
 /// they leave through the TC egress program.
 pub const PORT_REPLY_EGRESS: u32 = 4;
+/// The `PORTS` bits above: what the agent marks ports with, as opposed to
+/// the sole-service fields ([`port_sole`]), which follow the services.
+pub const PORT_MARKS: u32 = PORT_SERVICE | PORT_REPLY_INGRESS | PORT_REPLY_EGRESS;
+
+/// The `PORTS` field of family `A` that says service `index` is the only
+/// one of that family on the port: its index + 1 in the byte at
+/// [`Addr::SOLE_SHIFT`] (0: no service, or more than one).
+pub const fn port_sole<A: Addr>(index: u32) -> u32 {
+    // Every index + 1 fits the field's byte.
+    const { assert!(MAX_SERVICES < 0xff) };
+    (index + 1) << A::SOLE_SHIFT
+}
+
+/// The `PORTS` bits of family `A`'s sole-service field.
+pub const fn sole_mask<A: Addr>() -> u32 {
+    0xff << A::SOLE_SHIFT
+}
+
+/// The index + 1 of the only service of family `A` that the `PORTS` bits
+/// `bits` name, 0 if none.
+#[inline(always)]
+pub const fn sole_of<A: Addr>(bits: u32) -> u32 {
+    (bits & sole_mask::<A>()) >> A::SOLE_SHIFT
+}
 
 /// [`Service::flags`] and [`Flow::flags`]: forward to a backend on another
 /// host (rewrite, then redirect) instead of passing up to a local one.
@@ -165,6 +199,8 @@ pub const PROTO_TCP: u8 = 6;
 /// An address as it sits in a packet, in the maps' keys and values: IPv4
 /// (`u32`) or IPv6 ([`Addr6`]).
 pub trait Addr: Copy + Default + Eq + core::hash::Hash + core::fmt::Debug + 'static {
+    /// Where the family's sole-service field sits in `PORTS` ([`port_sole`]).
+    const SOLE_SHIFT: u32;
     /// 32 bits of the address, for hashes and checks: the IPv4 address
     /// itself (so IPv4 hashes are what they were before IPv6), an IPv6
     /// address's words folded.
@@ -172,6 +208,7 @@ pub trait Addr: Copy + Default + Eq + core::hash::Hash + core::fmt::Debug + 'sta
 }
 
 impl Addr for u32 {
+    const SOLE_SHIFT: u32 = 8;
     #[inline(always)]
     fn fold(self) -> u32 {
         self
@@ -184,6 +221,7 @@ impl Addr for u32 {
 pub type Addr6 = [u32; 4];
 
 impl Addr for Addr6 {
+    const SOLE_SHIFT: u32 = 16;
     #[inline(always)]
     fn fold(self) -> u32 {
         // Rotated so that equal words in different places do not cancel
@@ -267,6 +305,16 @@ pub struct Service {
     /// Where the service's current backend list starts in
     /// `SERVICE_BACKENDS` (switched like `table_offset`).
     pub list_offset: u32,
+}
+
+/// A service's key and entry, by service index ([`SOLE_SERVICES`]): the
+/// program checks the key against the packet's destination before it uses
+/// the entry.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SoleService<A = u32> {
+    pub key: ServiceKey<A>,
+    pub service: Service,
 }
 
 /// Whether a backend may take connections. Every state but `Unused` is
@@ -726,6 +774,7 @@ mod pod {
     // layouts are the same for both (the size assertions above check it).
     unsafe impl<A: Addr + aya::Pod> aya::Pod for ServiceKey<A> {}
     unsafe impl aya::Pod for Service {}
+    unsafe impl<A: Addr + aya::Pod> aya::Pod for SoleService<A> {}
     unsafe impl<A: Addr + aya::Pod> aya::Pod for Backend<A> {}
     unsafe impl<A: Addr + aya::Pod> aya::Pod for NextHop<A> {}
     unsafe impl aya::Pod for Config {}

@@ -14,6 +14,12 @@
 //! and connection tables ([`FamilyMaps`]); the code that reads and writes
 //! them is generic over the family's address type ([`Family`]), and the
 //! methods that take a `SocketAddr` pick the family by its address.
+//!
+//! The sole-service fields of `PORTS` and the `SOLE_SERVICES` copies are
+//! this module's alone: every write of a service entry writes its copy, and
+//! adding or removing a service repoints the field of its port at the one
+//! service of the family left there, or clears it. Callers set only the
+//! mark bits ([`L4Maps::set_port_bits`]).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -22,8 +28,9 @@ use aya::Ebpf;
 use aya::maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray};
 use balancer_common::l4::{
     self as common, Addr, Addr6, Backend, BackendState, BackendStats, Config, Flow, FlowKey,
-    MAX_SERVICE_BACKENDS, MAX_SERVICES, NextHop, Outcome, Service, ServiceKey, ServiceStats,
-    addr_be, addr6_be, addr6_octets, port_be,
+    MAX_SERVICE_BACKENDS, MAX_SERVICES, NextHop, Outcome, PORT_MARKS, Service, ServiceKey,
+    ServiceStats, SoleService, addr_be, addr6_be, addr6_octets, port_be, port_sole, sole_mask,
+    sole_of,
 };
 
 use crate::{DataplaneError, LoadOptions};
@@ -52,6 +59,7 @@ macro_rules! typed {
 /// its maps, and where [`L4Maps`] keeps them.
 pub trait Family: Addr + aya::Pod {
     const SERVICES: &'static str;
+    const SOLE_SERVICES: &'static str;
     const BACKENDS: &'static str;
     const NEXT_HOPS: &'static str;
     const CONNS: &'static str;
@@ -64,6 +72,7 @@ pub trait Family: Addr + aya::Pod {
 
 impl Family for u32 {
     const SERVICES: &'static str = common::SERVICES;
+    const SOLE_SERVICES: &'static str = common::SOLE_SERVICES;
     const BACKENDS: &'static str = common::BACKENDS;
     const NEXT_HOPS: &'static str = common::NEXT_HOPS;
     const CONNS: &'static str = common::CONNS;
@@ -84,6 +93,7 @@ impl Family for u32 {
 
 impl Family for Addr6 {
     const SERVICES: &'static str = common::SERVICES6;
+    const SOLE_SERVICES: &'static str = common::SOLE_SERVICES6;
     const BACKENDS: &'static str = common::BACKENDS6;
     const NEXT_HOPS: &'static str = common::NEXT_HOPS6;
     const CONNS: &'static str = common::CONNS6;
@@ -105,6 +115,7 @@ impl Family for Addr6 {
 /// The maps of one address family.
 pub struct FamilyMaps<A: Family> {
     services: Mutex<HashMap<MapData, ServiceKey<A>, Service>>,
+    sole_services: Mutex<Array<MapData, SoleService<A>>>,
     backends: Mutex<Array<MapData, Backend<A>>>,
     next_hops: Mutex<Array<MapData, NextHop<A>>>,
     conns: Mutex<HashMap<MapData, FlowKey<A>, Flow<A>>>,
@@ -115,6 +126,7 @@ impl<A: Family> FamilyMaps<A> {
     fn take(ebpf: &mut Ebpf) -> Result<Self, DataplaneError> {
         Ok(Self {
             services: Mutex::new(typed!(ebpf, A::SERVICES)),
+            sole_services: Mutex::new(typed!(ebpf, A::SOLE_SERVICES)),
             backends: Mutex::new(typed!(ebpf, A::BACKENDS)),
             next_hops: Mutex::new(typed!(ebpf, A::NEXT_HOPS)),
             conns: Mutex::new(typed!(ebpf, A::CONNS)),
@@ -143,22 +155,35 @@ impl<A: Family> FamilyMaps<A> {
         Ok(())
     }
 
-    /// Removes service entries not among `kept`.
-    fn retain_services(&self, kept: &[ServiceState]) -> Result<(), DataplaneError> {
+    /// Removes service entries not among `kept`; returns their ports (host
+    /// order).
+    fn retain_services(&self, kept: &[ServiceState]) -> Result<Vec<u16>, DataplaneError> {
         let mut services = lock(&self.services);
         let stale: Vec<ServiceKey<A>> = services
             .keys()
             .filter_map(Result::ok)
             .filter(|key| kept.iter().all(|s| service_key::<A>(s.addr) != Some(*key)))
             .collect();
+        let mut ports = Vec::new();
         for key in stale {
             tracing::info!(
                 service = %SocketAddr::new(key.addr.ip(), u16::from_be(key.port)),
                 "removing a service the adopted maps had and the configuration has not"
             );
             services.remove(&key).map_err(map_error(A::SERVICES))?;
+            ports.push(u16::from_be(key.port));
         }
-        Ok(())
+        Ok(ports)
+    }
+
+    /// The entries of the family's services on `port` (host order).
+    fn services_on(&self, port: u16) -> Vec<Service> {
+        lock(&self.services)
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(key, _)| key.port == port_be(port))
+            .map(|(_, service)| service)
+            .collect()
     }
 
     fn count(map: &Mutex<HashMap<MapData, FlowKey<A>, Flow<A>>>) -> usize {
@@ -377,11 +402,29 @@ impl L4Maps {
             .map_err(map_error(common::NEXT_HOPS))
     }
 
-    /// Sets the `PORTS` bits of `port` (host order).
+    /// Sets the mark bits (`PORT_MARKS`) of `port` (host order) to those
+    /// of `bits`; its sole-service fields stay as the services have them.
     pub fn set_port_bits(&self, port: u16, bits: u32) -> Result<(), DataplaneError> {
-        lock(&self.ports)
-            .set(u32::from(port), bits, 0)
-            .map_err(map_error(common::PORTS))
+        let mut ports = lock(&self.ports);
+        let old = read_port(&ports, port)?;
+        write_port(&mut ports, port, old & !PORT_MARKS | bits & PORT_MARKS)
+    }
+
+    /// Points the sole-service field of family `A` on `port` (host order)
+    /// at the one service of the family there, or clears it when there is
+    /// none or more than one (the program then looks the service up).
+    fn refresh_sole<A: Family>(&self, port: u16) -> Result<(), DataplaneError> {
+        let field = match A::maps(self).services_on(port).as_slice() {
+            [only] => port_sole::<A>(only.index),
+            _ => 0,
+        };
+        let mut ports = lock(&self.ports);
+        let old = read_port(&ports, port)?;
+        let new = old & !sole_mask::<A>() | field;
+        if new != old {
+            write_port(&mut ports, port, new)?;
+        }
+        Ok(())
     }
 
     /// Registers service `addr` in slot `index`, with no backends yet.
@@ -438,6 +481,7 @@ impl L4Maps {
         if existing.is_none() {
             self.write_service(&state)?;
         }
+        self.refresh_sole::<A>(addr.port())?;
         Ok(state)
     }
 
@@ -516,9 +560,34 @@ impl L4Maps {
             entry: Service,
         ) -> Result<(), DataplaneError> {
             let key = service_key::<A>(addr).expect("matched by the caller");
-            lock(&A::maps(maps).services)
+            let family = A::maps(maps);
+            // The copy is written in place: a packet reading it meanwhile
+            // could see half of each version. So a port that uses it is
+            // taken off it for the write (its SYNs look the service up in
+            // the hash, which replaces entries whole), and put back after.
+            let mut ports = lock(&maps.ports);
+            let bits = read_port(&ports, addr.port())?;
+            let parked = sole_of::<A>(bits) == entry.index + 1;
+            if parked {
+                write_port(&mut ports, addr.port(), bits & !sole_mask::<A>())?;
+            }
+            lock(&family.sole_services)
+                .set(
+                    entry.index,
+                    SoleService {
+                        key,
+                        service: entry,
+                    },
+                    0,
+                )
+                .map_err(map_error(A::SOLE_SERVICES))?;
+            lock(&family.services)
                 .insert(key, entry, 0)
-                .map_err(map_error(A::SERVICES))
+                .map_err(map_error(A::SERVICES))?;
+            if parked {
+                write_port(&mut ports, addr.port(), bits)?;
+            }
+            Ok(())
         }
         match service.addr {
             SocketAddr::V4(_) => insert::<u32>(self, service.addr, entry),
@@ -528,9 +597,15 @@ impl L4Maps {
 
     /// Removes service entries of adopted maps that are not among `kept`
     /// (their established connections still follow the connection table).
+    /// The ports they leave go back to the service left there, if only one.
     pub fn retain_services(&self, kept: &[ServiceState]) -> Result<(), DataplaneError> {
-        self.v4.retain_services(kept)?;
-        self.v6.retain_services(kept)
+        for port in self.v4.retain_services(kept)? {
+            self.refresh_sole::<u32>(port)?;
+        }
+        for port in self.v6.retain_services(kept)? {
+            self.refresh_sole::<Addr6>(port)?;
+        }
+        Ok(())
     }
 
     /// Backends in use (any state but unused) by slot, either family: what
@@ -542,11 +617,16 @@ impl L4Maps {
         Ok(live)
     }
 
-    /// The `PORTS` bits of `port` (host order).
+    /// The `PORTS` bits of `port` (host order), sole-service fields
+    /// included.
     pub fn port_bits(&self, port: u16) -> Result<u32, DataplaneError> {
-        lock(&self.ports)
-            .get(&u32::from(port), 0)
-            .map_err(map_error(common::PORTS))
+        read_port(&lock(&self.ports), port)
+    }
+
+    /// The slot of the only service of family `A` on `port` (host order)
+    /// as `PORTS` says it, if there is exactly one.
+    pub fn sole_service<A: Family>(&self, port: u16) -> Result<Option<u32>, DataplaneError> {
+        Ok(sole_of::<A>(self.port_bits(port)?).checked_sub(1))
     }
 
     /// The service entry as the program sees it.
@@ -699,6 +779,18 @@ impl L4Maps {
         }
         Ok(counts)
     }
+}
+
+fn read_port(ports: &Array<MapData, u32>, port: u16) -> Result<u32, DataplaneError> {
+    ports
+        .get(&u32::from(port), 0)
+        .map_err(map_error(common::PORTS))
+}
+
+fn write_port(ports: &mut Array<MapData, u32>, port: u16, bits: u32) -> Result<(), DataplaneError> {
+    ports
+        .set(u32::from(port), bits, 0)
+        .map_err(map_error(common::PORTS))
 }
 
 /// Writes `wanted` into `map` at `offset`, skipping the slots `mirror`

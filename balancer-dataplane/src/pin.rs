@@ -24,7 +24,7 @@ use std::time::Duration;
 use balancer_common::Verdict;
 use balancer_common::l4::{
     self as common, Addr6, Backend, BackendStats, Config, Flow, FlowKey, NextHop, Outcome, Service,
-    ServiceKey, ServiceStats,
+    ServiceKey, ServiceStats, SoleService,
 };
 
 use crate::LoadOptions;
@@ -41,8 +41,9 @@ const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 /// array when its last user reference goes, and a pin is one, so IPv6 keeps
 /// being steered (and ICMPv6 translated) while no agent runs; the next
 /// agent replaces the entries with its own programs.
-pub const PINNED_MAPS: [&str; 22] = [
+pub const PINNED_MAPS: [&str; 24] = [
     common::SERVICES,
+    common::SOLE_SERVICES,
     common::BACKENDS,
     common::NEXT_HOPS,
     common::CLIENT_HOPS,
@@ -51,6 +52,7 @@ pub const PINNED_MAPS: [&str; 22] = [
     common::CONNS,
     common::EMBRYONIC,
     common::SERVICES6,
+    common::SOLE_SERVICES6,
     common::BACKENDS6,
     common::NEXT_HOPS6,
     common::CLIENT_HOPS6,
@@ -284,6 +286,9 @@ pub fn types_id() -> String {
     fnv(&[
         size_of::<ServiceKey>(),
         size_of::<Service>(),
+        // The sole-service copies, and the `PORTS` fields that point at them.
+        size_of::<SoleService>(),
+        size_of::<SoleService<Addr6>>(),
         size_of::<Backend>(),
         size_of::<NextHop>(),
         size_of::<Config>(),

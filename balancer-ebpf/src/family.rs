@@ -10,7 +10,8 @@ use aya_ebpf::bindings::{BPF_F_PSEUDO_HDR, bpf_fib_lookup as FibParams};
 use aya_ebpf::maps::{Array, HashMap, LruHashMap, PerCpuArray};
 use aya_ebpf::programs::{TcContext, XdpContext};
 use balancer_common::l4::{
-    Addr, Addr6, Backend, Flow, FlowKey, NextHop, Service, ServiceKey, addr6_be, addr6_octets,
+    Addr, Addr6, Backend, Flow, FlowKey, NextHop, Service, ServiceKey, SoleService, addr6_be,
+    addr6_octets,
 };
 
 use crate::csum;
@@ -25,6 +26,7 @@ pub trait Family: 'static {
     type Addr: Addr;
     type Hdr: IpHeader<Addr = Self::Addr>;
     fn services() -> &'static HashMap<ServiceKey<Self::Addr>, Service>;
+    fn sole_services() -> &'static Array<SoleService<Self::Addr>>;
     fn backends() -> &'static Array<Backend<Self::Addr>>;
     fn next_hops() -> &'static Array<NextHop<Self::Addr>>;
     fn client_hops() -> &'static LruHashMap<Self::Addr, NextHop<Self::Addr>>;
@@ -96,6 +98,10 @@ impl Family for V4 {
         &maps::SERVICES
     }
     #[inline(always)]
+    fn sole_services() -> &'static Array<SoleService> {
+        &maps::SOLE_SERVICES
+    }
+    #[inline(always)]
     fn backends() -> &'static Array<Backend> {
         &maps::BACKENDS
     }
@@ -127,6 +133,10 @@ impl Family for V6 {
     #[inline(always)]
     fn services() -> &'static HashMap<ServiceKey<Addr6>, Service> {
         &maps::SERVICES6
+    }
+    #[inline(always)]
+    fn sole_services() -> &'static Array<SoleService<Addr6>> {
+        &maps::SOLE_SERVICES6
     }
     #[inline(always)]
     fn backends() -> &'static Array<Backend<Addr6>> {

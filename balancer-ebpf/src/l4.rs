@@ -9,7 +9,8 @@
 //! pays two array reads: the `PORTS` bits of the destination and source
 //! ports (read by the parser, before it calls in here); then the
 //! established table (known flows skip the service lookup); then the
-//! service; then the embryonic table.
+//! service (an array read on a port one service has to itself, else a hash
+//! lookup); then the embryonic table.
 //!
 //! This module rewrites and forwards; it leaves what a connection's entries
 //! mean to [`conntrack`] and the wire formats to [`crate::headers`].
@@ -27,7 +28,7 @@ use aya_ebpf::programs::XdpContext;
 use balancer_common::l4::{
     Backend, BackendState, FLAG_RECOVERED, FLAG_REMOTE, FLAG_SEQ, Flow, FlowKey, LIST_TRIES,
     MAX_PROBES, MAX_SERVICE_BACKENDS, NextHop, Outcome, PROTO_TCP, Service, ServiceKey, flow_hash,
-    mix64, probe_hash,
+    mix64, probe_hash, sole_of,
 };
 
 use crate::atomic;
@@ -36,7 +37,8 @@ use crate::csum;
 use crate::family::{Family, IpHeader};
 use crate::headers::{EthHdr, Ipv6Hdr, Segment, TcpHdr};
 use crate::maps::{
-    CONFIG, FIB_SCRATCH, MAGLEV, SERVICE_BACKENDS, TRIALS, backend_stats, outcome, service_stats,
+    CONFIG, FIB_SCRATCH, MAGLEV, SERVICE_BACKENDS, TRIALS, backend_stats, outcome, port_bits,
+    service_stats,
 };
 
 /// A parsed IP/TCP packet of family `F`, bounds-checked by the parser.
@@ -247,9 +249,7 @@ pub fn steer<F: Family>(ctx: *mut xdp_md, ip: *mut F::Hdr, tcp: *mut TcpHdr, mar
         }
         // The service before the embryonic table: traffic to the service
         // port of another address pays one lookup less.
-        if let Some(service) = F::services().get_ptr(ServiceKey::tcp(key.dst_addr, key.dst_port)) {
-            // SAFETY: a successful lookup, copied at once.
-            let service = unsafe { *service };
+        if let Some(service) = service::<F>(key) {
             if !packet.has(TcpPacket::<F>::SYN) && conntrack::handshaking::<F>(key, seg, found) {
                 // SAFETY: `handshaking` wrote it.
                 return known(ctx, packet, unsafe { found.assume_init_ref() });
@@ -281,6 +281,27 @@ pub fn steer<F: Family>(ctx: *mut xdp_md, ip: *mut F::Hdr, tcp: *mut TcpHdr, mar
     }
     outcome(Outcome::NotService);
     xdp_action::XDP_PASS
+}
+
+/// The service `key` is addressed to, if any. On a port one service of
+/// the family has to itself (its `PORTS` entry names it:
+/// `balancer_common::l4::port_sole`), its copy in the family's
+/// `SOLE_SERVICES` array decides: two array reads, which the verifier
+/// inlines, where the hash lookup is a call into the kernel.
+#[inline(always)]
+fn service<F: Family>(key: &FlowKey<F::Addr>) -> Option<Service> {
+    let sole = sole_of::<F::Addr>(port_bits(u16::from_be(key.dst_port)));
+    if sole == 0 {
+        // SAFETY: a successful lookup, copied at once.
+        F::services()
+            .get_ptr(ServiceKey::tcp(key.dst_addr, key.dst_port))
+            .map(|service| unsafe { *service })
+    } else {
+        F::sole_services()
+            .get(sole - 1)
+            .filter(|sole| sole.key.addr == key.dst_addr && sole.key.port == key.dst_port)
+            .map(|sole| sole.service)
+    }
 }
 
 /// A client packet of a connection a table knows: to its backend.

@@ -13,7 +13,7 @@ use balancer_common::Verdict;
 use balancer_common::l4::{
     Addr6, Backend, BackendStats, CONNTRACK_MAP_FLAGS, Config, DEFAULT_CONNTRACK_SIZE,
     DEFAULT_TABLE_SIZE, Flow, FlowKey, MAX_BACKENDS, MAX_SERVICE_BACKENDS, MAX_SERVICES, NextHop,
-    Outcome, Service, ServiceKey, ServiceStats, Trial,
+    Outcome, Service, ServiceKey, ServiceStats, SoleService, Trial,
 };
 
 #[map]
@@ -24,6 +24,9 @@ pub static OUTCOMES: PerCpuArray<u64> = PerCpuArray::with_max_entries(Outcome::C
 
 #[map]
 pub static SERVICES: HashMap<ServiceKey, Service> = HashMap::with_max_entries(MAX_SERVICES, 0);
+
+#[map]
+pub static SOLE_SERVICES: Array<SoleService> = Array::with_max_entries(MAX_SERVICES, 0);
 
 #[map]
 pub static BACKENDS: Array<Backend> = Array::with_max_entries(MAX_BACKENDS, 0);
@@ -64,6 +67,9 @@ pub static EMBRYONIC: LruHashMap<FlowKey, Flow> =
 #[map]
 pub static SERVICES6: HashMap<ServiceKey<Addr6>, Service> =
     HashMap::with_max_entries(MAX_SERVICES, 0);
+
+#[map]
+pub static SOLE_SERVICES6: Array<SoleService<Addr6>> = Array::with_max_entries(MAX_SERVICES, 0);
 
 #[map]
 pub static BACKENDS6: Array<Backend<Addr6>> = Array::with_max_entries(MAX_BACKENDS, 0);
@@ -162,8 +168,14 @@ pub fn backend_stats(index: u32) -> Option<&'static mut BackendStats> {
     BACKEND_STATS.get_ptr_mut(index).map(|p| unsafe { &mut *p })
 }
 
+/// The `PORTS` entry of `port` (host order).
+#[inline(always)]
+pub fn port_bits(port: u16) -> u32 {
+    PORTS.get(u32::from(port)).copied().unwrap_or(0)
+}
+
 /// Whether `port` (host order) has any of `bits` set in `PORTS`.
 #[inline(always)]
 pub fn port_has(port: u16, bits: u32) -> bool {
-    PORTS.get(u32::from(port)).is_some_and(|b| b & bits != 0)
+    port_bits(port) & bits != 0
 }

@@ -1,16 +1,21 @@
 //! The pinned state on its own, without interfaces: a second load adopts
 //! the maps a first one left (the connection table carries over), a load
 //! with other map sizes copies the connection table into its new maps and
-//! retires the old ones, and `detach_all` leaves nothing behind. Each test
+//! retires the old ones, `detach_all` leaves nothing behind, and the
+//! sole-service marks of `PORTS` follow the services across an adoption. Each test
 //! pins under a folder of its own on bpffs and removes it on every way out.
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::{Path, PathBuf};
 
-use balancer_common::l4::{FLAG_REPLY, Flow, FlowKey, addr_be, port_be};
+use balancer_common::l4::{
+    BackendState, FLAG_REPLY, Flow, FlowKey, Outcome, PORT_SERVICE, addr_be, port_be,
+};
+use balancer_dataplane::l4::ServiceState;
+use balancer_dataplane::maglev::{self, Member};
 use balancer_dataplane::pin::{self, PinDir};
-use balancer_dataplane::{Dataplane, LoadOptions, status};
-use balancer_tests::ebpf_prerequisites;
+use balancer_dataplane::{Dataplane, L4Maps, LoadOptions, status};
+use balancer_tests::{ebpf_prerequisites, packet};
 
 /// A bpffs folder of the test's own, removed (with everything pinned in
 /// it) when dropped.
@@ -177,4 +182,122 @@ fn detach_all_removes_everything_pinned() {
     assert_eq!(removed, vec!["local-eth9".to_owned()]);
     assert!(!pins.0.exists(), "{} still exists", pins.0.display());
     assert!(status::report(&pins.0).starts_with("nothing attached: nothing pinned"));
+}
+
+/// Runs a SYN from a fresh client to `vip` through `dataplane`'s XDP
+/// program; returns where it went and what it was counted as.
+fn syn_to(dataplane: &Dataplane, maps: &L4Maps, vip: SocketAddrV4) -> (SocketAddrV4, Outcome) {
+    let client = SocketAddrV4::new(Ipv4Addr::new(10, 1, 9, 2), 40_000);
+    let before = maps.outcomes().unwrap();
+    let run = dataplane
+        .test_run(&packet::tcp_frame(client, vip, packet::TCP_SYN), 1, None)
+        .unwrap();
+    let moved = maps.outcomes().unwrap().since(&before);
+    let outcome = Outcome::ALL
+        .into_iter()
+        .find(|o| moved.get(*o) == 1)
+        .expect("one outcome counted");
+    (packet::endpoints(&run.packet).1, outcome)
+}
+
+/// Programs service `vip` in slot `index` over backend `backend` (slot
+/// `index` too), as the agent would.
+fn serve(maps: &L4Maps, vip: SocketAddrV4, index: u32, backend: SocketAddrV4) -> ServiceState {
+    let mut service = maps.add_service(vip, index, 0).unwrap();
+    maps.set_port_bits(vip.port(), PORT_SERVICE).unwrap();
+    maps.set_backend_state(index, backend, BackendState::Routable)
+        .unwrap();
+    let member = Member {
+        index,
+        key: maglev::member_key(backend.into()),
+    };
+    let table = maglev::build(&[member], 1009);
+    maps.update_service(&mut service, &[index], Some(&table))
+        .unwrap();
+    service
+}
+
+/// A port one service has to itself names it in `PORTS`, and its SYNs find
+/// it in the service's copy without the hash lookup (proved here by
+/// deleting the hash entry behind the agent's back); a second service on
+/// the port clears that, so both are looked up; and when an adopting agent
+/// removes one of them the other gets the port to itself again.
+#[test]
+fn a_port_one_service_has_to_itself_skips_the_service_lookup() {
+    let Some(object) = ebpf_prerequisites() else {
+        return;
+    };
+    let pins = Pins::new("sole");
+    let two = LoadOptions {
+        services: 2,
+        ..options(1024)
+    };
+    let vip = SocketAddrV4::new(Ipv4Addr::new(10, 1, 0, 100), 80);
+    let other = SocketAddrV4::new(Ipv4Addr::new(10, 1, 0, 101), 80);
+    let backends = [
+        SocketAddrV4::new(Ipv4Addr::new(10, 1, 1, 11), 8000),
+        SocketAddrV4::new(Ipv4Addr::new(10, 1, 1, 12), 8000),
+    ];
+    let load = || Dataplane::load_pinned(&object, two, Some(pins.state())).unwrap();
+    {
+        let mut dataplane = load();
+        let maps = dataplane.take_l4_maps().unwrap();
+        maps.set_generation(1).unwrap();
+        let first = serve(&maps, vip, 0, backends[0]);
+        assert_eq!(maps.sole_service::<u32>(80).unwrap(), Some(0));
+        assert_eq!(maps.port_bits(80).unwrap() & PORT_SERVICE, PORT_SERVICE);
+
+        // Without its hash entry the service is still steered: the SYN
+        // never looked there.
+        let services = pins
+            .state()
+            .maps_dir(&two)
+            .join(balancer_common::l4::SERVICES);
+        let deleted = std::process::Command::new("bpftool")
+            .args(["map", "delete", "pinned"])
+            .arg(&services)
+            .args(["key", "10", "1", "0", "100", "0", "80", "6", "0"])
+            .status()
+            .expect("bpftool runs");
+        assert!(deleted.success(), "bpftool map delete");
+        assert!(maps.service_of(&first).unwrap().is_none());
+        assert_eq!(
+            syn_to(&dataplane, &maps, vip),
+            (backends[0], Outcome::NewFlow)
+        );
+        // Another address on the port is no service, as after a hash miss.
+        assert_eq!(
+            syn_to(&dataplane, &maps, other),
+            (other, Outcome::NotService)
+        );
+
+        // A second service on the port: both are looked up in the hash.
+        let mut first = first;
+        maps.update_service(&mut first, &[0], None).unwrap();
+        serve(&maps, other, 1, backends[1]);
+        assert_eq!(maps.sole_service::<u32>(80).unwrap(), None);
+        assert_eq!(
+            syn_to(&dataplane, &maps, vip),
+            (backends[0], Outcome::NewFlow)
+        );
+        assert_eq!(
+            syn_to(&dataplane, &maps, other),
+            (backends[1], Outcome::NewFlow)
+        );
+        // Dropped with the state kept.
+    }
+    // An agent configured with the second service only adopts the maps
+    // and removes the first: the port is the second's alone again.
+    let mut dataplane = load();
+    let maps = dataplane.take_l4_maps().unwrap();
+    let kept = maps.add_service(other, 1, 0).unwrap();
+    assert_eq!(maps.sole_service::<u32>(80).unwrap(), None);
+    maps.retain_services(&[kept]).unwrap();
+    assert_eq!(maps.sole_service::<u32>(80).unwrap(), Some(1));
+    assert_eq!(maps.port_bits(80).unwrap() & PORT_SERVICE, PORT_SERVICE);
+    assert_eq!(
+        syn_to(&dataplane, &maps, other),
+        (backends[1], Outcome::NewFlow)
+    );
+    assert_eq!(syn_to(&dataplane, &maps, vip), (vip, Outcome::NotService));
 }

@@ -12,7 +12,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use balancer_common::Verdict;
-use balancer_common::l4::{BackendState, FLAG_RECOVERED, FlowKey, Outcome, addr_be, port_be};
+use balancer_common::l4::{
+    Addr6, BackendState, FLAG_RECOVERED, FlowKey, Outcome, addr_be, port_be,
+};
 use balancer_dataplane::maglev::{self, Member};
 use balancer_dataplane::{Dataplane, LoadOptions, VerdictCounts, XdpAction};
 use balancer_tests::ebpf_prerequisites;
@@ -714,6 +716,9 @@ fn ipv6_services_and_backends_are_kept_in_their_family_maps() {
     let backend6: SocketAddr = "[fd77:0:0:2::11]:8000".parse().unwrap();
     let mut v4 = maps.add_service(VIP, 0, 0).unwrap();
     let mut v6 = maps.add_service(vip6, 1, 0).unwrap();
+    // One service of each family on port 80: each has it to itself.
+    assert_eq!(maps.sole_service::<u32>(80).unwrap(), Some(0));
+    assert_eq!(maps.sole_service::<Addr6>(80).unwrap(), Some(1));
     maps.set_backend_state(0, BACKENDS[0], BackendState::Routable)
         .unwrap();
     maps.set_backend_state(1, backend6, BackendState::Isolated)
@@ -754,4 +759,6 @@ fn ipv6_services_and_backends_are_kept_in_their_family_maps() {
     maps.retain_services(std::slice::from_ref(&v6)).unwrap();
     assert!(maps.service_of(&v4).unwrap().is_none());
     assert!(maps.service_of(&v6).unwrap().is_some());
+    assert_eq!(maps.sole_service::<u32>(80).unwrap(), None);
+    assert_eq!(maps.sole_service::<Addr6>(80).unwrap(), Some(1));
 }
