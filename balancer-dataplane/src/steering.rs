@@ -438,7 +438,8 @@ struct Shared {
     /// Whether every service's table has been written since the last
     /// failure (or since the start).
     built: AtomicBool,
-    /// `PORTS` bits as written.
+    /// `PORTS` mark bits as written (`set_port_bits` writes only those;
+    /// the sole-service fields beside them are `L4Maps`' own).
     ports: Mutex<HashMap<u16, u32>>,
     /// Delay from a breaker transition to the map write that made the
     /// kernel follow it, in the registry clock's time.
