@@ -39,11 +39,11 @@ pub const ICMP6_PROGRAM: &str = "ICMP6_PROGRAM";
 
 /// `ServiceKey` → [`Service`] (hash).
 pub const SERVICES: &str = "SERVICES";
-/// Service index → [`SoleService`] (array of [`MAX_SERVICES`]): each
-/// IPv4 service's key and entry, written with its [`SERVICES`] entry, where
-/// a SYN to a port the service has to itself ([`port_sole`]) finds it with
-/// an array read instead of a hash lookup (which costs a call into the
-/// kernel; array reads are inlined).
+/// Slot → [`SoleService`] (array of [`SOLE_SLOTS`], two per service
+/// index): the key and entry of an IPv4 service that has its port to
+/// itself, where a SYN to that port ([`port_sole`]) finds it with an array
+/// read instead of a hash lookup (which costs a call into the kernel;
+/// array reads are inlined).
 pub const SOLE_SERVICES: &str = "SOLE_SERVICES";
 /// Backend index → [`Backend`] (array of [`MAX_BACKENDS`]).
 pub const BACKENDS: &str = "BACKENDS";
@@ -146,13 +146,18 @@ pub const PORT_REPLY_EGRESS: u32 = 4;
 /// the sole-service fields ([`port_sole`]), which follow the services.
 pub const PORT_MARKS: u32 = PORT_SERVICE | PORT_REPLY_INGRESS | PORT_REPLY_EGRESS;
 
-/// The `PORTS` field of family `A` that says service `index` is the only
-/// one of that family on the port: its index + 1 in the byte at
-/// [`Addr::SOLE_SHIFT`] (0: no service, or more than one).
-pub const fn port_sole<A: Addr>(index: u32) -> u32 {
-    // Every index + 1 fits the field's byte.
-    const { assert!(MAX_SERVICES < 0xff) };
-    (index + 1) << A::SOLE_SHIFT
+/// Slots of [`SOLE_SERVICES`]: two per service (`2 * index` and
+/// `2 * index + 1`), the copy packets may be reading and the one the agent
+/// writes next, as the Maglev tables are switched.
+pub const SOLE_SLOTS: u32 = 2 * MAX_SERVICES;
+
+/// The `PORTS` field of family `A` that says the port's only service of
+/// that family has its copy in [`SOLE_SERVICES`] slot `slot`: slot + 1 in
+/// the byte at [`Addr::SOLE_SHIFT`] (0: no service, or more than one).
+pub const fn port_sole<A: Addr>(slot: u32) -> u32 {
+    // Every slot + 1 fits the field's byte.
+    const { assert!(SOLE_SLOTS < 0xff) };
+    (slot + 1) << A::SOLE_SHIFT
 }
 
 /// The `PORTS` bits of family `A`'s sole-service field.
@@ -160,8 +165,8 @@ pub const fn sole_mask<A: Addr>() -> u32 {
     0xff << A::SOLE_SHIFT
 }
 
-/// The index + 1 of the only service of family `A` that the `PORTS` bits
-/// `bits` name, 0 if none.
+/// The slot + 1 of the copy of the only service of family `A` that the
+/// `PORTS` bits `bits` name, 0 if none.
 #[inline(always)]
 pub const fn sole_of<A: Addr>(bits: u32) -> u32 {
     (bits & sole_mask::<A>()) >> A::SOLE_SHIFT
@@ -307,7 +312,7 @@ pub struct Service {
     pub list_offset: u32,
 }
 
-/// A service's key and entry, by service index ([`SOLE_SERVICES`]): the
+/// A service's key and entry, in a slot of [`SOLE_SERVICES`]: the
 /// program checks the key against the packet's destination before it uses
 /// the entry.
 #[repr(C)]

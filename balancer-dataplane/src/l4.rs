@@ -16,10 +16,12 @@
 //! methods that take a `SocketAddr` pick the family by its address.
 //!
 //! The sole-service fields of `PORTS` and the `SOLE_SERVICES` copies are
-//! this module's alone: every write of a service entry writes its copy, and
-//! adding or removing a service repoints the field of its port at the one
-//! service of the family left there, or clears it. Callers set only the
-//! mark bits ([`L4Maps::set_port_bits`]).
+//! this module's alone: a copy is written into the slot of its service
+//! that no packet reads and the port's field then pointed at it
+//! ([`L4Maps::publish_sole`]), on every write of a service entry whose port
+//! it has to itself, and when adding or removing a service leaves one
+//! service of the family on a port (a port with none or several has its
+//! field cleared). Callers set only the mark bits ([`L4Maps::set_port_bits`]).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -176,13 +178,13 @@ impl<A: Family> FamilyMaps<A> {
         Ok(ports)
     }
 
-    /// The entries of the family's services on `port` (host order).
-    fn services_on(&self, port: u16) -> Vec<Service> {
+    /// The family's services on `port` (host order), as copies.
+    fn services_on(&self, port: u16) -> Vec<SoleService<A>> {
         lock(&self.services)
             .iter()
             .filter_map(Result::ok)
             .filter(|(key, _)| key.port == port_be(port))
-            .map(|(_, service)| service)
+            .map(|(key, service)| SoleService { key, service })
             .collect()
     }
 
@@ -414,17 +416,38 @@ impl L4Maps {
     /// at the one service of the family there, or clears it when there is
     /// none or more than one (the program then looks the service up).
     fn refresh_sole<A: Family>(&self, port: u16) -> Result<(), DataplaneError> {
-        let field = match A::maps(self).services_on(port).as_slice() {
-            [only] => port_sole::<A>(only.index),
-            _ => 0,
-        };
+        let services = A::maps(self).services_on(port);
         let mut ports = lock(&self.ports);
         let old = read_port(&ports, port)?;
-        let new = old & !sole_mask::<A>() | field;
-        if new != old {
-            write_port(&mut ports, port, new)?;
+        match services.as_slice() {
+            [only] => self.publish_sole(&mut ports, port, old, only),
+            _ if sole_of::<A>(old) != 0 => write_port(&mut ports, port, old & !sole_mask::<A>()),
+            _ => Ok(()),
         }
-        Ok(())
+    }
+
+    /// Writes `copy` into the slot of its service that the field of `port`
+    /// (whose `PORTS` word is `bits`) does not name, then points the field
+    /// at it in one write of the word: a packet that read the field before
+    /// reads the other slot, which stays as it was (as a service's Maglev
+    /// tables are switched).
+    fn publish_sole<A: Family>(
+        &self,
+        ports: &mut Array<MapData, u32>,
+        port: u16,
+        bits: u32,
+        copy: &SoleService<A>,
+    ) -> Result<(), DataplaneError> {
+        let first = 2 * copy.service.index;
+        let slot = if sole_of::<A>(bits) == first + 1 {
+            first + 1
+        } else {
+            first
+        };
+        lock(&A::maps(self).sole_services)
+            .set(slot, *copy, 0)
+            .map_err(map_error(A::SOLE_SERVICES))?;
+        write_port(ports, port, bits & !sole_mask::<A>() | port_sole::<A>(slot))
     }
 
     /// Registers service `addr` in slot `index`, with no backends yet.
@@ -560,32 +583,18 @@ impl L4Maps {
             entry: Service,
         ) -> Result<(), DataplaneError> {
             let key = service_key::<A>(addr).expect("matched by the caller");
-            let family = A::maps(maps);
-            // The copy is written in place: a packet reading it meanwhile
-            // could see half of each version. So a port that uses it is
-            // taken off it for the write (its SYNs look the service up in
-            // the hash, which replaces entries whole), and put back after.
-            let mut ports = lock(&maps.ports);
-            let bits = read_port(&ports, addr.port())?;
-            let parked = sole_of::<A>(bits) == entry.index + 1;
-            if parked {
-                write_port(&mut ports, addr.port(), bits & !sole_mask::<A>())?;
-            }
-            lock(&family.sole_services)
-                .set(
-                    entry.index,
-                    SoleService {
-                        key,
-                        service: entry,
-                    },
-                    0,
-                )
-                .map_err(map_error(A::SOLE_SERVICES))?;
-            lock(&family.services)
+            lock(&A::maps(maps).services)
                 .insert(key, entry, 0)
                 .map_err(map_error(A::SERVICES))?;
-            if parked {
-                write_port(&mut ports, addr.port(), bits)?;
+            // A port the service has to itself gets the new copy too.
+            let mut ports = lock(&maps.ports);
+            let bits = read_port(&ports, addr.port())?;
+            if sole_of::<A>(bits).wrapping_sub(1) / 2 == entry.index {
+                let copy = SoleService {
+                    key,
+                    service: entry,
+                };
+                maps.publish_sole(&mut ports, addr.port(), bits, &copy)?;
             }
             Ok(())
         }
@@ -623,10 +632,12 @@ impl L4Maps {
         read_port(&lock(&self.ports), port)
     }
 
-    /// The slot of the only service of family `A` on `port` (host order)
+    /// The index of the only service of family `A` on `port` (host order)
     /// as `PORTS` says it, if there is exactly one.
     pub fn sole_service<A: Family>(&self, port: u16) -> Result<Option<u32>, DataplaneError> {
-        Ok(sole_of::<A>(self.port_bits(port)?).checked_sub(1))
+        Ok(sole_of::<A>(self.port_bits(port)?)
+            .checked_sub(1)
+            .map(|slot| slot / 2))
     }
 
     /// The service entry as the program sees it.

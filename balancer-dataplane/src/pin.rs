@@ -304,6 +304,7 @@ pub fn types_id() -> String {
         Outcome::COUNT,
         Verdict::COUNT,
         common::MAX_SERVICES as usize,
+        common::SOLE_SLOTS as usize,
         common::MAX_BACKENDS as usize,
         common::MAX_SERVICE_BACKENDS as usize,
     ])

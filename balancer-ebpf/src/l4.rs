@@ -285,9 +285,10 @@ pub fn steer<F: Family>(ctx: *mut xdp_md, ip: *mut F::Hdr, tcp: *mut TcpHdr, mar
 
 /// The service `key` is addressed to, if any. On a port one service of
 /// the family has to itself (its `PORTS` entry names it:
-/// `balancer_common::l4::port_sole`), its copy in the family's
-/// `SOLE_SERVICES` array decides: two array reads, which the verifier
-/// inlines, where the hash lookup is a call into the kernel.
+/// `balancer_common::l4::port_sole`), the copy in the `SOLE_SERVICES` slot
+/// it names decides: two array reads, which the verifier inlines, where the
+/// hash lookup is a call into the kernel. (The agent writes a service's
+/// other slot and then repoints the field, so the slot read here is whole.)
 #[inline(always)]
 fn service<F: Family>(key: &FlowKey<F::Addr>) -> Option<Service> {
     let sole = sole_of::<F::Addr>(port_bits(u16::from_be(key.dst_port)));

@@ -13,7 +13,7 @@ use balancer_common::Verdict;
 use balancer_common::l4::{
     Addr6, Backend, BackendStats, CONNTRACK_MAP_FLAGS, Config, DEFAULT_CONNTRACK_SIZE,
     DEFAULT_TABLE_SIZE, Flow, FlowKey, MAX_BACKENDS, MAX_SERVICE_BACKENDS, MAX_SERVICES, NextHop,
-    Outcome, Service, ServiceKey, ServiceStats, SoleService, Trial,
+    Outcome, SOLE_SLOTS, Service, ServiceKey, ServiceStats, SoleService, Trial,
 };
 
 #[map]
@@ -26,7 +26,7 @@ pub static OUTCOMES: PerCpuArray<u64> = PerCpuArray::with_max_entries(Outcome::C
 pub static SERVICES: HashMap<ServiceKey, Service> = HashMap::with_max_entries(MAX_SERVICES, 0);
 
 #[map]
-pub static SOLE_SERVICES: Array<SoleService> = Array::with_max_entries(MAX_SERVICES, 0);
+pub static SOLE_SERVICES: Array<SoleService> = Array::with_max_entries(SOLE_SLOTS, 0);
 
 #[map]
 pub static BACKENDS: Array<Backend> = Array::with_max_entries(MAX_BACKENDS, 0);
@@ -69,7 +69,7 @@ pub static SERVICES6: HashMap<ServiceKey<Addr6>, Service> =
     HashMap::with_max_entries(MAX_SERVICES, 0);
 
 #[map]
-pub static SOLE_SERVICES6: Array<SoleService<Addr6>> = Array::with_max_entries(MAX_SERVICES, 0);
+pub static SOLE_SERVICES6: Array<SoleService<Addr6>> = Array::with_max_entries(SOLE_SLOTS, 0);
 
 #[map]
 pub static BACKENDS6: Array<Backend<Addr6>> = Array::with_max_entries(MAX_BACKENDS, 0);

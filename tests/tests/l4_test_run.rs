@@ -13,7 +13,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, ensure};
 use balancer_common::Verdict;
 use balancer_common::l4::{
-    Addr6, BackendState, FLAG_RECOVERED, FlowKey, Outcome, addr_be, port_be,
+    Addr6, BackendState, FLAG_RECOVERED, FlowKey, Outcome, addr_be, port_be, sole_of,
 };
 use balancer_dataplane::maglev::{self, Member};
 use balancer_dataplane::{Dataplane, LoadOptions, VerdictCounts, XdpAction};
@@ -743,7 +743,14 @@ fn ipv6_services_and_backends_are_kept_in_their_family_maps() {
     };
     let table4 = maglev::build(&[member(0, BACKENDS[0].into())], TABLE_SIZE);
     let table6 = maglev::build(&[member(1, backend6)], TABLE_SIZE);
+    let slot = || sole_of::<u32>(maps.port_bits(80).unwrap());
+    let before = slot();
     maps.update_service(&mut v4, &[0], Some(&table4)).unwrap();
+    // The new copy went into the service's other slot, which the port now
+    // names: packets that read the old one kept reading a whole copy.
+    let after = slot();
+    assert_ne!(before, after, "the copy was rewritten in place");
+    assert_eq!((before - 1) / 2, (after - 1) / 2, "another service's slot");
     maps.update_service(&mut v6, &[], Some(&table6)).unwrap();
     let entry = maps.service_of(&v6).unwrap().expect("the IPv6 service");
     assert_eq!(
