@@ -478,6 +478,12 @@ fn sum_words(data: &[u8]) -> u32 {
         .sum()
 }
 
+/// An IPv6 socket address from its eight segments, in a `const`.
+pub const fn v6(segments: [u16; 8], port: u16) -> std::net::SocketAddrV6 {
+    let [a, b, c, d, e, f, g, h] = segments;
+    std::net::SocketAddrV6::new(std::net::Ipv6Addr::new(a, b, c, d, e, f, g, h), port, 0, 0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -30,7 +30,7 @@ use balancer_dataplane::{LoadOptions, XdpAction};
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::l4::{Router, Steered, TABLE_SIZE};
 use balancer_tests::netns;
-use balancer_tests::packet::{self, IPV6_HEADER_LEN, IPV6_OFFSET, Ipv4, Ipv6, Tcp};
+use balancer_tests::packet::{self, IPV6_HEADER_LEN, IPV6_OFFSET, Ipv4, Ipv6, Tcp, v6};
 
 const VIP: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 99, 0, 100), 80);
 const CLIENT: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 99, 1, 2), 40_000);
@@ -43,11 +43,6 @@ const BACKENDS: [SocketAddrV4; 3] = [
 /// sources of ICMP errors.
 const CLIENT_ROUTER: Ipv4Addr = Ipv4Addr::new(10, 99, 1, 254);
 const BACKEND_ROUTER: Ipv4Addr = Ipv4Addr::new(10, 99, 2, 254);
-
-const fn v6(segments: [u16; 8], port: u16) -> SocketAddrV6 {
-    let [a, b, c, d, e, f, g, h] = segments;
-    SocketAddrV6::new(Ipv6Addr::new(a, b, c, d, e, f, g, h), port, 0, 0)
-}
 
 // The IPv6 twins of the addresses above, in `Router`'s networks.
 const VIP6: SocketAddrV6 = v6([0x2001, 0xdb8, 0x99, 0, 0, 0, 0, 0x100], 80);

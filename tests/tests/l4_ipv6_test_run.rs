@@ -13,12 +13,7 @@ use balancer_common::l4::{Addr6, BackendState, FlowKey, Outcome, addr6_be, flow_
 use balancer_dataplane::XdpAction;
 use balancer_tests::ebpf_prerequisites;
 use balancer_tests::l4::{Steered, TABLE_SIZE};
-use balancer_tests::packet::{self, IPV6_HEADER_LEN, IPV6_OFFSET};
-
-const fn v6(segments: [u16; 8], port: u16) -> SocketAddrV6 {
-    let [a, b, c, d, e, f, g, h] = segments;
-    SocketAddrV6::new(Ipv6Addr::new(a, b, c, d, e, f, g, h), port, 0, 0)
-}
+use balancer_tests::packet::{self, IPV6_HEADER_LEN, IPV6_OFFSET, v6};
 
 const VIP: SocketAddrV6 = v6([0x2001, 0xdb8, 0x99, 0, 0, 0, 0, 0x100], 80);
 const CLIENT: SocketAddrV6 = v6([0x2001, 0xdb8, 1, 0, 0, 0, 0, 2], 40_000);
