@@ -6,7 +6,7 @@
 //! what IPv6 steering leaves to the kernel (extension headers, ICMPv6
 //! neighbour discovery, anything but TCP) passes untouched and counted.
 
-use std::net::{Ipv6Addr, SocketAddrV6};
+use std::net::SocketAddrV6;
 
 use balancer_common::Verdict;
 use balancer_common::l4::{Addr6, BackendState, FlowKey, Outcome, addr6_be, flow_hash, port_be};
