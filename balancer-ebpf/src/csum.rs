@@ -8,8 +8,20 @@
 /// The checksum `check` after the 32-bit field `old` became `new`.
 #[inline(always)]
 pub fn replace4(check: u16, old: u32, new: u32) -> u16 {
-    let old = !old;
-    let sum = u32::from(!check) + (old & 0xffff) + (old >> 16) + (new & 0xffff) + (new >> 16);
+    replace_words(check, [old], [new])
+}
+
+/// The checksum `check` after the 32-bit words `old` became `new` (an
+/// IPv6 address is four): every halfword summed, and the carries folded
+/// once at the end rather than after each word. (`N` is at most 4 here:
+/// 17 halfwords of at most 0xffff cannot overflow the `u32`.)
+#[inline(always)]
+pub fn replace_words<const N: usize>(check: u16, old: [u32; N], new: [u32; N]) -> u16 {
+    let mut sum = u32::from(!check);
+    for (old, new) in old.into_iter().zip(new) {
+        let old = !old;
+        sum += (old & 0xffff) + (old >> 16) + (new & 0xffff) + (new >> 16);
+    }
     fold(sum)
 }
 

@@ -10,8 +10,7 @@ use aya_ebpf::bindings::{BPF_F_PSEUDO_HDR, bpf_fib_lookup as FibParams};
 use aya_ebpf::maps::{Array, HashMap, LruHashMap, PerCpuArray};
 use aya_ebpf::programs::{TcContext, XdpContext};
 use balancer_common::l4::{
-    Addr, Addr6, Backend, Flow, FlowKey, NextHop, Service, ServiceKey, SoleService, addr6_be,
-    addr6_octets,
+    Addr, Addr6, Backend, Flow, FlowKey, NextHop, Service, ServiceKey, SoleService,
 };
 
 use crate::csum;
@@ -257,20 +256,20 @@ impl IpHeader for Ipv6Hdr {
 
     #[inline(always)]
     fn src(&self) -> Addr6 {
-        addr6_be(self.saddr)
+        self.src6()
     }
     #[inline(always)]
     fn dst(&self) -> Addr6 {
-        addr6_be(self.daddr)
+        self.dst6()
     }
     // No header checksum: the addresses are covered by the transport's.
     #[inline(always)]
     fn set_src(&mut self, addr: Addr6) {
-        self.saddr = addr6_octets(addr);
+        self.set_src6(addr);
     }
     #[inline(always)]
     fn set_dst(&mut self, addr: Addr6) {
-        self.daddr = addr6_octets(addr);
+        self.set_dst6(addr);
     }
     #[inline(always)]
     fn l4_len(&self) -> u32 {
@@ -292,11 +291,7 @@ impl IpHeader for Ipv6Hdr {
     }
     #[inline(always)]
     fn csum_addr(check: u16, old: Addr6, new: Addr6) -> u16 {
-        let mut check = check;
-        for i in 0..4 {
-            check = csum::replace4(check, old[i], new[i]);
-        }
-        check
+        csum::replace_words(check, old, new)
     }
     #[inline(always)]
     fn fib(&self, params: &mut FibParams, dst: Addr6) {

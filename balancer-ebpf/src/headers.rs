@@ -1,11 +1,18 @@
 //! Wire formats of the headers the program reads.
 //!
-//! Multi-byte fields are kept as big-endian byte arrays: the structs then
-//! have alignment 1, so they can sit at any offset in the frame (IPv4
-//! options move the TCP header, a VLAN tag the IPv6 addresses), and the NAT
-//! rewrite can patch bytes and checksums without swapping.
+//! Multi-byte fields are kept as big-endian byte arrays, so the NAT
+//! rewrite can patch bytes and checksums without swapping. The structs
+//! have alignment 2: every header of a frame starts at an even offset (an
+//! Ethernet header is 14 bytes, a VLAN tag 4, IPv4 options come in 4-byte
+//! words, an ICMP header is 8), and the frame itself at an even address.
+//! Knowing that, the compiler reads and writes the 16- and 32-bit fields
+//! in halfwords where alignment 1 cost a byte load or store per byte and
+//! the shifts that join them (the BPF target has no unaligned access; an
+//! IPv6 known flow's program ran about 10% faster with it).
 
-#[repr(C)]
+use balancer_common::l4::Addr6;
+
+#[repr(C, align(2))]
 pub struct EthHdr {
     pub dst: [u8; 6],
     pub src: [u8; 6],
@@ -27,7 +34,7 @@ impl EthHdr {
 
 /// An 802.1Q tag: the VLAN id and priority, then the encapsulated
 /// EtherType.
-#[repr(C)]
+#[repr(C, align(2))]
 pub struct VlanHdr {
     pub tci: [u8; 2],
     pub ether_type: [u8; 2],
@@ -37,7 +44,7 @@ impl VlanHdr {
     pub const LEN: usize = size_of::<Self>();
 }
 
-#[repr(C)]
+#[repr(C, align(2))]
 pub struct Ipv4Hdr {
     pub version_ihl: u8,
     pub tos: u8,
@@ -87,7 +94,7 @@ impl Ipv4Hdr {
     }
 }
 
-#[repr(C)]
+#[repr(C, align(2))]
 pub struct Ipv6Hdr {
     /// Version, traffic class and flow label.
     pub vtc_flow: [u8; 4],
@@ -108,6 +115,28 @@ impl Ipv6Hdr {
         self.vtc_flow[0] >> 4
     }
 
+    /// The source address, as [`Addr6`] words.
+    #[inline(always)]
+    pub fn src6(&self) -> Addr6 {
+        load6(&self.saddr)
+    }
+
+    /// The destination address, as [`Addr6`] words.
+    #[inline(always)]
+    pub fn dst6(&self) -> Addr6 {
+        load6(&self.daddr)
+    }
+
+    #[inline(always)]
+    pub fn set_src6(&mut self, addr: Addr6) {
+        store6(&mut self.saddr, addr);
+    }
+
+    #[inline(always)]
+    pub fn set_dst6(&mut self, addr: Addr6) {
+        store6(&mut self.daddr, addr);
+    }
+
     /// Whether `next` is an extension header (RFC 8200 and the IANA
     /// list: hop-by-hop, routing, destination options, ESP, AH, mobility,
     /// HIP, shim6, experiments), the fragment header aside.
@@ -117,7 +146,7 @@ impl Ipv6Hdr {
     }
 }
 
-#[repr(C)]
+#[repr(C, align(2))]
 pub struct TcpHdr {
     pub source: [u8; 2],
     pub dest: [u8; 2],
@@ -188,7 +217,7 @@ impl Segment {
 /// An ICMP or ICMPv6 header; `rest` is the type-specific word (the next-hop
 /// MTU of "fragmentation needed" sits in its second half, ICMPv6 "packet
 /// too big" takes all of it).
-#[repr(C)]
+#[repr(C, align(2))]
 pub struct IcmpHdr {
     pub kind: u8,
     pub code: u8,
@@ -235,11 +264,45 @@ impl IcmpHdr {
 }
 
 /// The first eight bytes of a TCP header: all an ICMP error must quote.
-#[repr(C)]
+#[repr(C, align(2))]
 pub struct TcpPorts {
     pub source: [u8; 2],
     pub dest: [u8; 2],
     pub seq: [u8; 4],
+}
+
+/// An address field of an [`Ipv6Hdr`] as the native-order words of its
+/// bytes ([`Addr6`], what the maps hold), read as eight 16-bit loads: the
+/// field sits at an even offset of a header of alignment 2, where a byte
+/// array's sixteen byte loads, and the shifts that join them, cost three
+/// times the instructions (every steered IPv6 packet reads two addresses
+/// and writes one).
+#[inline(always)]
+fn load6(field: &[u8; 16]) -> Addr6 {
+    let halves = field.as_ptr().cast::<u16>();
+    let word = |i: usize| {
+        // SAFETY: halves 2i and 2i+1 lie inside `field`, which is 2-aligned
+        // (an even offset of a 2-aligned header, asserted below).
+        let [a, b] = unsafe { [halves.add(2 * i).read(), halves.add(2 * i + 1).read()] };
+        let ([a0, a1], [b0, b1]) = (a.to_ne_bytes(), b.to_ne_bytes());
+        u32::from_ne_bytes([a0, a1, b0, b1])
+    };
+    [word(0), word(1), word(2), word(3)]
+}
+
+/// Writes `addr` into an address field of an [`Ipv6Hdr`] as eight 16-bit
+/// stores (see [`load6`]).
+#[inline(always)]
+fn store6(field: &mut [u8; 16], addr: Addr6) {
+    let halves = field.as_mut_ptr().cast::<u16>();
+    for (i, word) in addr.iter().enumerate() {
+        let [a0, a1, b0, b1] = word.to_ne_bytes();
+        // SAFETY: as in `load6`.
+        unsafe {
+            halves.add(2 * i).write(u16::from_ne_bytes([a0, a1]));
+            halves.add(2 * i + 1).write(u16::from_ne_bytes([b0, b1]));
+        }
+    }
 }
 
 impl Ipv4Hdr {
@@ -257,4 +320,7 @@ const _: () = {
     assert!(Ipv4Hdr::MIN_LEN == 20);
     assert!(Ipv6Hdr::LEN == 40);
     assert!(size_of::<TcpHdr>() == 20);
+    assert!(align_of::<Ipv6Hdr>() == 2);
+    assert!(core::mem::offset_of!(Ipv6Hdr, saddr) % 2 == 0);
+    assert!(core::mem::offset_of!(Ipv6Hdr, daddr) % 2 == 0);
 };
