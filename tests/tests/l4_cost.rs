@@ -2,12 +2,13 @@
 //! BPF_PROG_TEST_RUN (`cargo xtask bench l4` runs this; it is ignored in
 //! normal test runs because it takes a while and wants a quiet machine).
 //!
-//! Each case runs one frame `REPEAT` times, `ROUNDS` times over, and reports
-//! the median of the rounds' averages. The test run feeds the program its own
-//! output, so every case is a fixed point: the service is the backend's own
-//! address with that backend as its only member, and the TTL is kept, so the
-//! rewritten frame is the frame again. The per-path counters prove that the
-//! runs took the path the case is named after.
+//! Each case runs one frame `REPEAT` times, `ROUNDS` times over (a round
+//! runs every case once), and reports the median of the rounds' averages.
+//! The test run feeds the program its own output, so every case is a
+//! fixed point: the service is the backend's own address with that backend
+//! as its only member, and the TTL is kept, so the rewritten frame is the
+//! frame again. The per-path counters prove that the runs took the path
+//! the case is named after.
 //!
 //! "Known flow" is an established connection (its handshake is run first,
 //! so the entries are in the established table). A fixed point hides one
@@ -40,7 +41,7 @@ use balancer_tests::l4::{Router, Steered};
 use balancer_tests::packet::{self, Tcp};
 
 const REPEAT: u32 = 1_000_000;
-const ROUNDS: usize = 5;
+const ROUNDS: usize = 7;
 const CLIENT: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 99, 1, 2), 40_000);
 const BACKEND: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 99, 2, 11), 8000);
 
@@ -304,16 +305,17 @@ fn median(mut values: Vec<f64>) -> f64 {
     values[values.len() / 2]
 }
 
-/// Median nanoseconds per run of each case.
+/// Median nanoseconds per run of each case. A round runs every case once,
+/// so that a burst of the shared VM's other work lands on several cases'
+/// rounds, one each, rather than on every round of one case.
 fn measure<F: Family>(
     steered: &Steered<F>,
     cases: &[Case],
     ifindex: Option<u32>,
 ) -> Result<Vec<f64>> {
-    let mut medians = Vec::new();
-    for case in cases {
-        let mut rounds = Vec::new();
-        for _ in 0..ROUNDS {
+    let mut rounds = vec![Vec::new(); cases.len()];
+    for _ in 0..ROUNDS {
+        for (case, rounds) in cases.iter().zip(&mut rounds) {
             let before = steered.maps.outcomes()?;
             let run = steered.dataplane.test_run(&case.frame, REPEAT, ifindex)?;
             let moved = steered.maps.outcomes()?.since(&before);
@@ -338,9 +340,8 @@ fn measure<F: Family>(
             }
             rounds.push(run.duration.as_secs_f64() * 1e9);
         }
-        medians.push(median(rounds));
     }
-    Ok(medians)
+    Ok(rounds.into_iter().map(median).collect())
 }
 
 fn report(rows: &[(String, f64)]) -> Result<()> {

@@ -2,7 +2,7 @@
 //!
 //! Two parts, in one run:
 //! - Per-packet cost, measured by the kernel through `BPF_PROG_TEST_RUN`
-//!   (1,000,000 runs, median of 5 rounds, inside a namespace with real
+//!   (1,000,000 runs, median of 7 rounds, inside a namespace with real
 //!   routes): the ignored test `tests/tests/l4_cost.rs`, built in release
 //!   and run with `--ignored`; it writes its medians to a file read here.
 //! - New connections per second and request latency in a namespace topology
@@ -148,7 +148,7 @@ fn per_packet_cost(object: &Path) -> Result<Vec<(String, f64)>> {
 
 fn cost_table(rows: &[(String, f64)]) -> String {
     let mut out = String::from(
-        "per-packet cost (BPF_PROG_TEST_RUN, 1,000,000 runs, median of 5; `cargo xtask bench l4`)\n",
+        "per-packet cost (BPF_PROG_TEST_RUN, 1,000,000 runs, median of 7; `cargo xtask bench l4`)\n",
     );
     let (mut met, mut targeted) = (0, 0);
     for (name, ns) in rows {
