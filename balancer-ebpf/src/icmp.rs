@@ -178,7 +178,7 @@ pub(crate) fn relay<F: Family>(
         return xdp_action::XDP_PASS;
     }
     match next_hop::<F>(ctx, ip, dst, cache) {
-        Some(hop) if ip.l3_len() <= hop.mtu => emit(ctx, ip, hop),
+        Some(hop) if ip.l3_len() <= hop.mtu => emit(ctx, ip, &hop),
         _ => xdp_action::XDP_PASS,
     }
 }

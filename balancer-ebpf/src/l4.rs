@@ -139,8 +139,6 @@ pub struct Scratch<A> {
     found: MaybeUninit<Flow<A>>,
     /// The TC program's copy of an IPv6 header.
     ipv6: MaybeUninit<Ipv6Hdr>,
-    /// The next hop a remote-mode packet leaves by ([`next_hop`]).
-    hop: MaybeUninit<NextHop<A>>,
 }
 
 /// The scratch slot of the XDP program; the TC program has its own, in
@@ -559,7 +557,7 @@ fn send<F: Family>(ctx: &XdpContext, packet: &TcpPacket<F>, how: &Delivery<F::Ad
         return xdp_action::XDP_PASS;
     }
     apply::<F>(ip, tcp, rewrite);
-    emit(ctx, ip, hop)
+    emit(ctx, ip, &hop)
 }
 
 fn unresolved(backend: u32) {
@@ -602,21 +600,14 @@ pub fn emit<H: IpHeader>(ctx: &XdpContext, ip: &mut H, hop: &NextHop<H::Addr>) -
 ///
 /// Entries are written by this program on any CPU while others read them,
 /// so a reader copies the entry and checks its `check` field: a torn copy
-/// fails it and counts as a miss. The copy, and the hop returned, are in
-/// this CPU's scratch slot, off the stack, and the copy is made a word at
-/// a time ([`read_words`]).
+/// fails it and counts as a miss.
 #[inline(always)]
-pub fn next_hop<'a, F: Family>(
+pub fn next_hop<F: Family>(
     ctx: &XdpContext,
     ip: &F::Hdr,
     dst: F::Addr,
     cache: HopCache<F::Addr>,
-) -> Option<&'a NextHop<F::Addr>> {
-    let scratch = F::scratch().get_ptr_mut(SCRATCH_XDP)?;
-    // SAFETY: this CPU's slot of the XDP program, whose run owns it; no
-    // other part of it uses the `hop` field. (A pointer: each branch below
-    // makes its own reference.)
-    let hop = unsafe { &raw mut (*scratch).hop }.cast::<NextHop<F::Addr>>();
+) -> Option<NextHop<F::Addr>> {
     let generation = CONFIG.get(0).map_or(0, |c| c.generation);
     // A raw pointer (null for none) rather than an `Option` kept across the
     // lookup below: LLVM spills the payload of a `None` as an undefined
@@ -627,12 +618,9 @@ pub fn next_hop<'a, F: Family>(
     }
     .unwrap_or(core::ptr::null_mut());
     if !slot.is_null() {
-        // SAFETY: a successful lookup, copied into the scratch slot, which
-        // is a different object; then read from there only.
-        let cached = unsafe {
-            read_words(slot, hop);
-            &*hop
-        };
+        // SAFETY: a successful lookup; a volatile copy so the check covers
+        // exactly the bytes used.
+        let cached = unsafe { core::ptr::read_volatile(slot) };
         if generation != 0
             && cached.generation == generation
             && cached.addr == dst
@@ -641,12 +629,8 @@ pub fn next_hop<'a, F: Family>(
             return Some(cached);
         }
     }
-    // SAFETY: as above; written whole before the reference is made.
-    let hop = unsafe {
-        hop.write(NextHop::default());
-        &mut *hop
-    };
-    if !fib_lookup(ctx, ip, dst, hop) {
+    let mut hop = NextHop::default();
+    if !fib_lookup(ctx, ip, dst, &mut hop) {
         return None;
     }
     hop.generation = generation;
@@ -655,36 +639,13 @@ pub fn next_hop<'a, F: Family>(
     if !slot.is_null() {
         // SAFETY: a successful lookup; a concurrent reader of the half-
         // written value fails its check.
-        unsafe { core::ptr::write_volatile(slot, *hop) };
+        unsafe { core::ptr::write_volatile(slot, hop) };
     } else if let HopCache::Client(addr) = cache {
         // A full table evicts its least recently used client; if even that
         // fails, the next reply looks up again.
-        // By reference: by value, the hop would be copied onto the stack.
-        #[allow(clippy::needless_borrows_for_generic_args)]
-        let _ = F::client_hops().insert(addr, &*hop, 0);
+        let _ = F::client_hops().insert(addr, hop, 0);
     }
     Some(hop)
-}
-
-/// Copies the map value at `src` into `dst` a 32-bit word at a time, each
-/// read once and volatile, so that what the caller checks is what it uses
-/// (no field is read from the map again after the check). A volatile read
-/// of the whole struct did the same a byte at a time for its byte arrays
-/// (a next hop's MAC addresses), and the shifts that joined the bytes again
-/// cost an IPv6 known flow in remote mode several nanoseconds.
-///
-/// # Safety
-/// `src` points at a live map value and `dst` at a different object, both
-/// of a 4-aligned `T` whose size is a multiple of 4 (checked at compile
-/// time) and which any bytes make valid.
-#[inline(always)]
-unsafe fn read_words<T: Copy>(src: *const T, dst: *mut T) {
-    const { assert!(size_of::<T>().is_multiple_of(4) && align_of::<T>() >= 4) };
-    let (from, to) = (src.cast::<u32>(), dst.cast::<u32>());
-    for i in 0..size_of::<T>() / 4 {
-        // SAFETY: word `i` lies inside both values (the caller's promise).
-        unsafe { to.add(i).write(core::ptr::read_volatile(from.add(i))) };
-    }
 }
 
 /// Fills `hop` with the egress interface, MAC addresses and MTU toward
