@@ -115,23 +115,24 @@ fn find_entry<F: Family>(key: &FlowKey<F::Addr>, reply: bool) -> Option<Flow<F::
 // a `Flow` first costs a call to a byte-by-byte `memset` on this target.
 
 /// A packet from client to service of an established connection: its
-/// entry into `out`, after tracking the segment; false when `CONNS` has
-/// none.
+/// entry, after tracking the segment; `None` when `CONNS` has none. The
+/// entry itself, not a copy, as Katran reads its connection entry: the
+/// fields a known flow is sent by (backend, address, service) never change
+/// while the entry lives, and tracking reads and writes the entry in place
+/// anyway. (The copy of all of it cost an IPv6 known flow about 10 ns.)
 #[inline(always)]
-pub fn established<F: Family>(
+pub fn established<'a, F: Family>(
     key: &FlowKey<F::Addr>,
     seg: &Segment,
-    out: &mut MaybeUninit<Flow<F::Addr>>,
-) -> bool {
-    let Some(entry) = F::conns().get_ptr_mut(key) else {
-        return false;
-    };
-    let flow = copy_out(entry, out);
-    if flow.flags & FLAG_REPLY != 0 {
-        return false;
+) -> Option<&'a Flow<F::Addr>> {
+    let entry = F::conns().get_ptr_mut(key)?;
+    // SAFETY: a successful lookup; map values outlive the program run.
+    if unsafe { (*entry).flags } & FLAG_REPLY != 0 {
+        return None;
     }
     track::<F>(F::conns(), key, entry, seg);
-    true
+    // SAFETY: as above.
+    Some(unsafe { &*entry })
 }
 
 /// A packet from client to service of a connection still proving itself:

@@ -243,9 +243,10 @@ pub fn steer<F: Family>(ctx: *mut xdp_md, ip: *mut F::Hdr, tcp: *mut TcpHdr, mar
         // A SYN always gets a fresh decision: a client reusing a port for a
         // new connection must not inherit a backend that has been isolated
         // since.
-        if !packet.has(TcpPacket::<F>::SYN) && conntrack::established::<F>(key, seg, found) {
-            // SAFETY: `established` wrote it.
-            return known(ctx, packet, unsafe { found.assume_init_ref() });
+        if !packet.has(TcpPacket::<F>::SYN)
+            && let Some(flow) = conntrack::established::<F>(key, seg)
+        {
+            return known(ctx, packet, flow);
         }
         // The service before the embryonic table: traffic to the service
         // port of another address pays one lookup less.
