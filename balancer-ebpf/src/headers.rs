@@ -21,6 +21,23 @@ pub struct EthHdr {
 
 impl EthHdr {
     pub const LEN: usize = size_of::<Self>();
+
+    /// Sets both MAC addresses, given as [`NextHop`] holds them, with six
+    /// halfword stores (the header has alignment 2, and both fields sit at
+    /// even offsets).
+    ///
+    /// [`NextHop`]: balancer_common::l4::NextHop
+    #[inline(always)]
+    pub fn set_macs(&mut self, dst: [u16; 3], src: [u16; 3]) {
+        for (field, mac) in [(&mut self.dst, dst), (&mut self.src, src)] {
+            let halves = field.as_mut_ptr().cast::<u16>();
+            for (i, half) in mac.into_iter().enumerate() {
+                // SAFETY: half `i` of a 6-byte field at an even offset of a
+                // 2-aligned header: aligned, and inside the field.
+                unsafe { halves.add(i).write(half) };
+            }
+        }
+    }
     pub const ETHER_TYPE_IPV4: u16 = 0x0800;
     pub const ETHER_TYPE_IPV6: u16 = 0x86dd;
     /// 802.1Q: one VLAN tag follows, then the real EtherType.
@@ -320,7 +337,8 @@ const _: () = {
     assert!(Ipv4Hdr::MIN_LEN == 20);
     assert!(Ipv6Hdr::LEN == 40);
     assert!(size_of::<TcpHdr>() == 20);
-    assert!(align_of::<Ipv6Hdr>() == 2);
+    assert!(align_of::<Ipv6Hdr>() == 2 && align_of::<EthHdr>() == 2);
+    assert!(core::mem::offset_of!(EthHdr, src) % 2 == 0);
     assert!(core::mem::offset_of!(Ipv6Hdr, saddr) % 2 == 0);
     assert!(core::mem::offset_of!(Ipv6Hdr, daddr) % 2 == 0);
 };

@@ -28,7 +28,7 @@ use aya_ebpf::programs::XdpContext;
 use balancer_common::l4::{
     Backend, BackendState, FLAG_RECOVERED, FLAG_REMOTE, FLAG_SEQ, Flow, FlowKey, LIST_TRIES,
     MAX_PROBES, MAX_SERVICE_BACKENDS, NextHop, Outcome, PROTO_TCP, Service, ServiceKey, flow_hash,
-    mix64, probe_hash, sole_of,
+    mac_halves, mix64, probe_hash, sole_of,
 };
 
 use crate::atomic;
@@ -583,8 +583,7 @@ pub fn emit<H: IpHeader>(ctx: &XdpContext, ip: &mut H, hop: &NextHop<H::Addr>) -
     }
     // SAFETY: bounds-checked just above.
     let eth = unsafe { &mut *(start as *mut EthHdr) };
-    eth.dst = hop.dst_mac;
-    eth.src = hop.src_mac;
+    eth.set_macs(hop.dst_mac, hop.src_mac);
     if hop.ifindex as usize == ctx.ingress_ifindex() {
         xdp_action::XDP_TX
     } else {
@@ -686,8 +685,8 @@ fn fib_lookup<H: IpHeader>(
         return false;
     }
     hop.ifindex = params.ifindex;
-    hop.dst_mac = params.dmac;
-    hop.src_mac = params.smac;
+    hop.dst_mac = mac_halves(params.dmac);
+    hop.src_mac = mac_halves(params.smac);
     hop.mtu = mtu;
     true
 }
