@@ -13,10 +13,12 @@ pub fn replace4(check: u16, old: u32, new: u32) -> u16 {
 
 /// The checksum `check` after the 32-bit words `old` became `new` (an
 /// IPv6 address is four): every halfword summed, and the carries folded
-/// once at the end rather than after each word. (`N` is at most 4 here:
-/// 17 halfwords of at most 0xffff cannot overflow the `u32`.)
+/// once at the end rather than after each word. (`N` is at most 4, checked
+/// at compile time: 17 halfwords of at most 0xffff cannot overflow the
+/// `u32`.)
 #[inline(always)]
 pub fn replace_words<const N: usize>(check: u16, old: [u32; N], new: [u32; N]) -> u16 {
+    const { assert!(N <= 4) };
     let mut sum = u32::from(!check);
     for (old, new) in old.into_iter().zip(new) {
         let old = !old;

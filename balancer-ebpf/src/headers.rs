@@ -21,23 +21,6 @@ pub struct EthHdr {
 
 impl EthHdr {
     pub const LEN: usize = size_of::<Self>();
-
-    /// Sets both MAC addresses, given as [`NextHop`] holds them, with six
-    /// halfword stores (the header has alignment 2, and both fields sit at
-    /// even offsets).
-    ///
-    /// [`NextHop`]: balancer_common::l4::NextHop
-    #[inline(always)]
-    pub fn set_macs(&mut self, dst: [u16; 3], src: [u16; 3]) {
-        for (field, mac) in [(&mut self.dst, dst), (&mut self.src, src)] {
-            let halves = field.as_mut_ptr().cast::<u16>();
-            for (i, half) in mac.into_iter().enumerate() {
-                // SAFETY: half `i` of a 6-byte field at an even offset of a
-                // 2-aligned header: aligned, and inside the field.
-                unsafe { halves.add(i).write(half) };
-            }
-        }
-    }
     pub const ETHER_TYPE_IPV4: u16 = 0x0800;
     pub const ETHER_TYPE_IPV6: u16 = 0x86dd;
     /// 802.1Q: one VLAN tag follows, then the real EtherType.
@@ -46,6 +29,16 @@ impl EthHdr {
     #[inline(always)]
     pub fn ether_type(&self) -> u16 {
         u16::from_be_bytes(self.ether_type)
+    }
+
+    /// Sets both MAC addresses, given as [`NextHop`] holds them, with six
+    /// halfword stores.
+    ///
+    /// [`NextHop`]: balancer_common::l4::NextHop
+    #[inline(always)]
+    pub fn set_macs(&mut self, dst: [u16; 3], src: [u16; 3]) {
+        store_halves(&mut self.dst, dst);
+        store_halves(&mut self.src, src);
     }
 }
 
@@ -311,14 +304,26 @@ fn load6(field: &[u8; 16]) -> Addr6 {
 /// stores (see [`load6`]).
 #[inline(always)]
 fn store6(field: &mut [u8; 16], addr: Addr6) {
-    let halves = field.as_mut_ptr().cast::<u16>();
+    let mut halves = [0u16; 8];
     for (i, word) in addr.iter().enumerate() {
         let [a0, a1, b0, b1] = word.to_ne_bytes();
-        // SAFETY: as in `load6`.
-        unsafe {
-            halves.add(2 * i).write(u16::from_ne_bytes([a0, a1]));
-            halves.add(2 * i + 1).write(u16::from_ne_bytes([b0, b1]));
-        }
+        halves[2 * i] = u16::from_ne_bytes([a0, a1]);
+        halves[2 * i + 1] = u16::from_ne_bytes([b0, b1]);
+    }
+    store_halves(field, halves);
+}
+
+/// Writes `halves` over a header field of `2 * N` bytes, a halfword store
+/// each. Every caller passes a field at an even offset of a header of
+/// alignment 2 (asserted below), so the stores are aligned.
+#[inline(always)]
+fn store_halves<const B: usize, const N: usize>(field: &mut [u8; B], halves: [u16; N]) {
+    const { assert!(B == 2 * N) };
+    let to = field.as_mut_ptr().cast::<u16>();
+    for (i, half) in halves.into_iter().enumerate() {
+        // SAFETY: half `i` lies inside the field (`B == 2 * N`), which is
+        // 2-aligned (its callers' fields, asserted below).
+        unsafe { to.add(i).write(half) };
     }
 }
 

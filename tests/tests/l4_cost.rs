@@ -17,11 +17,11 @@
 //! inserts a fresh entry instead: "new flow" runs rounds of SYNs of
 //! distinct four-tuples, once each, averages the kernel's per-run times in
 //! each round (the true first-insert cost) and reports the median of the
-//! rounds. A run of one starts the SYN path's
-//! code and the maps' own data cold, which a SYN flood would keep warm:
-//! "new flow, SYN path warm" takes off the single-run overhead of that path
-//! measured on a retransmitted SYN, where "new flow" takes off only the
-//! harness's, measured on a pass-through frame. The harness floor (an ARP frame,
+//! rounds. A run of one starts the SYN path's code and the maps' own data
+//! cold, which a SYN flood would keep warm: "new flow, SYN path warm" takes
+//! off the single-run overhead of that path measured on a retransmitted
+//! SYN, where "new flow" takes off only the harness's, measured on a
+//! pass-through frame. The harness floor (an ARP frame,
 //! which the program passes after its first check) is measured in the same
 //! run, so each figure can be read against it.
 //!
