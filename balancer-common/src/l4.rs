@@ -73,6 +73,18 @@ pub const CONNS: &str = "CONNS";
 /// client acknowledges the backend's SYN-ACK) or, for a mid-flow packet, once
 /// the backend answers with something other than a reset.
 pub const EMBRYONIC: &str = "EMBRYONIC";
+/// [`SynSet`] array: the handshakes of SYNs the backend has not answered
+/// yet, by a hash of their reply key, [`SYN_WAYS`] to a set. A SYN writes
+/// its reply entry here rather than into [`EMBRYONIC`], which it reaches
+/// when the backend answers (its SYN-ACK, or the reset that refuses it):
+/// a slot write instead of an LRU insert, so a SYN (a SYN flood's packet)
+/// costs no LRU node, no lock and no eviction.
+pub const SYNS: &str = "SYNS";
+/// [`SYNS`] of IPv6 connections ([`SynSet<Addr6>`]).
+pub const SYNS6: &str = "SYNS6";
+/// The global (patched at load) that holds the number of sets of
+/// [`SYNS`] and [`SYNS6`] less one: the mask of a reply key's hash.
+pub const SYN_SET_MASK: &str = "SYN_SET_MASK";
 /// Port (host order) → [`PORT_SERVICE`] | [`PORT_REPLY_INGRESS`] |
 /// [`PORT_REPLY_EGRESS`] bits, and per family the service the port
 /// belongs to alone ([`port_sole`]) (`u32` array of 65536): lets the
@@ -467,6 +479,60 @@ pub struct Config {
     pub keep_ttl: u32,
 }
 
+/// Ways of a [`SynSet`]: a waiting handshake is overwritten only when
+/// this many later SYNs with the same set all arrive before its backend
+/// answers, so the churn of other connections does not reset it.
+pub const SYN_WAYS: usize = 4;
+
+/// One set of [`SYNS`]: up to [`SYN_WAYS`] reply entries of SYNs (as
+/// [`EMBRYONIC`] would hold them). The tags and stamps come first, in one
+/// cache line, so that choosing a way reads one line.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SynSet<A = u32> {
+    /// Per way, [`SynSet::tag`] of its reply key; 0 for an empty way.
+    pub tags: [u32; SYN_WAYS],
+    /// Per way, when it was written (low 32 bits of jiffies): the oldest
+    /// way is the one a new SYN takes.
+    pub stamps: [u32; SYN_WAYS],
+    pub keys: [FlowKey<A>; SYN_WAYS],
+    pub flows: [Flow<A>; SYN_WAYS],
+    /// Per way, [`SynSet::check`] of its key and entry: SYNs on two CPUs
+    /// may write one way at once, and a reader takes only a whole one.
+    pub checks: [u32; SYN_WAYS],
+}
+
+impl<A: Addr> SynSet<A> {
+    /// The hash that places reply key `key` (its set is the low bits, its
+    /// tag the high ones).
+    #[inline(always)]
+    pub fn hash(key: &FlowKey<A>) -> u64 {
+        flow_hash(key.src_addr, key.src_port, key.dst_addr, key.dst_port)
+    }
+
+    /// The tag of a reply key of hash `hash`: never 0, which marks an
+    /// empty way.
+    #[inline(always)]
+    pub fn tag(hash: u64) -> u32 {
+        (hash >> 32) as u32 | 1
+    }
+
+    /// The check of a way holding `key` and `flow`: each field that
+    /// steers a packet, rotated differently, and one multiply to mix.
+    #[inline(always)]
+    pub fn check(key: &FlowKey<A>, flow: &Flow<A>) -> u32 {
+        let folded = key.src_addr.fold()
+            ^ key.dst_addr.fold().rotate_left(5)
+            ^ ((u32::from(key.src_port) << 16) | u32::from(key.dst_port)).rotate_left(11)
+            ^ flow.addr.fold().rotate_left(17)
+            ^ ((u32::from(flow.port) << 16) ^ flow.flags).rotate_left(23)
+            ^ flow.service.rotate_left(3)
+            ^ flow.backend.rotate_left(13)
+            ^ flow.ack.rotate_left(29);
+        folded.wrapping_mul(0x9e37_79b1) | 1
+    }
+}
+
 /// One direction of a TCP connection, as it arrives.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -799,6 +865,7 @@ mod pod {
     unsafe impl aya::Pod for Config {}
     unsafe impl<A: Addr + aya::Pod> aya::Pod for FlowKey<A> {}
     unsafe impl<A: Addr + aya::Pod> aya::Pod for Flow<A> {}
+    unsafe impl<A: Addr + aya::Pod> aya::Pod for SynSet<A> {}
     unsafe impl aya::Pod for ServiceStats {}
     unsafe impl aya::Pod for BackendStats {}
     unsafe impl aya::Pod for Trial {}

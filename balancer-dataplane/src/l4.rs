@@ -31,8 +31,8 @@ use aya::maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray};
 use balancer_common::l4::{
     self as common, Addr, Addr6, Backend, BackendState, BackendStats, Config, Flow, FlowKey,
     MAX_SERVICE_BACKENDS, MAX_SERVICES, NextHop, Outcome, PORT_MARKS, Service, ServiceKey,
-    ServiceStats, SoleService, addr_be, addr6_be, addr6_octets, port_be, port_sole, sole_mask,
-    sole_of,
+    ServiceStats, SoleService, SynSet, addr_be, addr6_be, addr6_octets, port_be, port_sole,
+    sole_mask, sole_of,
 };
 
 use crate::{DataplaneError, LoadOptions};
@@ -66,6 +66,7 @@ pub trait Family: Addr + aya::Pod {
     const NEXT_HOPS: &'static str;
     const CONNS: &'static str;
     const EMBRYONIC: &'static str;
+    const SYNS: &'static str;
     /// The address as it sits in a packet, if `ip` is of this family.
     fn addr(ip: IpAddr) -> Option<Self>;
     fn ip(self) -> IpAddr;
@@ -79,6 +80,7 @@ impl Family for u32 {
     const NEXT_HOPS: &'static str = common::NEXT_HOPS;
     const CONNS: &'static str = common::CONNS;
     const EMBRYONIC: &'static str = common::EMBRYONIC;
+    const SYNS: &'static str = common::SYNS;
     fn addr(ip: IpAddr) -> Option<Self> {
         match ip {
             IpAddr::V4(ip) => Some(addr_be(ip.octets())),
@@ -100,6 +102,7 @@ impl Family for Addr6 {
     const NEXT_HOPS: &'static str = common::NEXT_HOPS6;
     const CONNS: &'static str = common::CONNS6;
     const EMBRYONIC: &'static str = common::EMBRYONIC6;
+    const SYNS: &'static str = common::SYNS6;
     fn addr(ip: IpAddr) -> Option<Self> {
         match ip {
             IpAddr::V6(ip) => Some(addr6_be(ip.octets())),
@@ -122,6 +125,7 @@ pub struct FamilyMaps<A: Family> {
     next_hops: Mutex<Array<MapData, NextHop<A>>>,
     conns: Mutex<HashMap<MapData, FlowKey<A>, Flow<A>>>,
     embryonic: Mutex<HashMap<MapData, FlowKey<A>, Flow<A>>>,
+    syns: Mutex<Array<MapData, SynSet<A>>>,
 }
 
 impl<A: Family> FamilyMaps<A> {
@@ -133,6 +137,7 @@ impl<A: Family> FamilyMaps<A> {
             next_hops: Mutex::new(typed!(ebpf, A::NEXT_HOPS)),
             conns: Mutex::new(typed!(ebpf, A::CONNS)),
             embryonic: Mutex::new(typed!(ebpf, A::EMBRYONIC)),
+            syns: Mutex::new(typed!(ebpf, A::SYNS)),
         })
     }
 
@@ -679,6 +684,26 @@ impl L4Maps {
             Err(MapError::KeyNotFound) => Ok(None),
             Err(source) => Err(map_error(A::EMBRYONIC)(source)),
         }
+    }
+
+    /// The reply entry of a SYN's handshake that waits in the handshake
+    /// table (`SYNS`) under reply key `key`, whole (its check holds), if any.
+    pub fn handshake_flow<A: Family>(
+        &self,
+        key: &FlowKey<A>,
+    ) -> Result<Option<Flow<A>>, DataplaneError> {
+        let syns = lock(&A::maps(self).syns);
+        let hash = SynSet::hash(key);
+        let index = hash as u32 & (syns.len().max(1) - 1);
+        let set = syns.get(&index, 0).map_err(map_error(A::SYNS))?;
+        let tag = SynSet::<A>::tag(hash);
+        Ok((0..common::SYN_WAYS)
+            .find(|&w| {
+                set.tags[w] == tag
+                    && set.keys[w] == *key
+                    && set.checks[w] == SynSet::check(key, &set.flows[w])
+            })
+            .map(|w| set.flows[w]))
     }
 
     /// Writes `flow` as the established-table entry of `key` (tests set up

@@ -320,6 +320,13 @@ impl LoadOptions {
     pub fn embryonic_size(&self) -> u32 {
         (self.conntrack_size / 4).max(Self::EMBRYONIC_MIN)
     }
+
+    /// Sets of each handshake table (`SYNS`): as many ways as the
+    /// embryonic table has entries, in a power of two of sets (a set is
+    /// the low bits of a hash).
+    pub fn syn_sets(&self) -> u32 {
+        (self.embryonic_size() / common::SYN_WAYS as u32).next_power_of_two()
+    }
 }
 
 impl Default for LoadOptions {
@@ -409,7 +416,11 @@ impl Dataplane {
             .map_max_entries(common::CONNS, options.conntrack_size)
             .map_max_entries(common::EMBRYONIC, options.embryonic_size())
             .map_max_entries(common::CONNS6, options.conntrack_size)
-            .map_max_entries(common::EMBRYONIC6, options.embryonic_size());
+            .map_max_entries(common::EMBRYONIC6, options.embryonic_size())
+            .map_max_entries(common::SYNS, options.syn_sets())
+            .map_max_entries(common::SYNS6, options.syn_sets());
+        let syn_set_mask = options.syn_sets() - 1;
+        loader.override_global(common::SYN_SET_MASK, &syn_set_mask, true);
         let maps_dir = pins.as_ref().map(|p| p.maps_dir(&options));
         if let (Some(pins), Some(dir)) = (&pins, &maps_dir) {
             pins.create()?;

@@ -24,7 +24,7 @@ use std::time::Duration;
 use balancer_common::Verdict;
 use balancer_common::l4::{
     self as common, Addr6, Backend, BackendStats, Config, Flow, FlowKey, NextHop, Outcome, Service,
-    ServiceKey, ServiceStats, SoleService,
+    ServiceKey, ServiceStats, SoleService, SynSet,
 };
 
 use crate::LoadOptions;
@@ -41,7 +41,7 @@ const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 /// array when its last user reference goes, and a pin is one, so IPv6 keeps
 /// being steered (and ICMPv6 translated) while no agent runs; the next
 /// agent replaces the entries with its own programs.
-pub const PINNED_MAPS: [&str; 24] = [
+pub const PINNED_MAPS: [&str; 26] = [
     common::SERVICES,
     common::SOLE_SERVICES,
     common::BACKENDS,
@@ -51,6 +51,7 @@ pub const PINNED_MAPS: [&str; 24] = [
     common::SERVICE_BACKENDS,
     common::CONNS,
     common::EMBRYONIC,
+    common::SYNS,
     common::SERVICES6,
     common::SOLE_SERVICES6,
     common::BACKENDS6,
@@ -58,6 +59,7 @@ pub const PINNED_MAPS: [&str; 24] = [
     common::CLIENT_HOPS6,
     common::CONNS6,
     common::EMBRYONIC6,
+    common::SYNS6,
     common::IPV6_PROGRAM,
     common::ICMP6_PROGRAM,
     common::PORTS,
@@ -276,6 +278,7 @@ pub fn layout_id(options: &LoadOptions) -> String {
             options.services as usize,
             options.conntrack_size as usize,
             options.embryonic_size() as usize,
+            options.syn_sets() as usize,
             common::CONNTRACK_MAP_FLAGS as usize,
         ])
     )
@@ -299,6 +302,8 @@ pub fn types_id() -> String {
         size_of::<NextHop<Addr6>>(),
         size_of::<FlowKey<Addr6>>(),
         size_of::<Flow<Addr6>>(),
+        size_of::<SynSet>(),
+        size_of::<SynSet<Addr6>>(),
         size_of::<ServiceStats>(),
         size_of::<BackendStats>(),
         Outcome::COUNT,

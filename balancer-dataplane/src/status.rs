@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 use aya::maps::{Array, HashMap, Map, MapData, MapError};
 use aya::programs::links::{FdLink, PinnedLink};
 use balancer_common::l4::{
-    self as common, Addr6, Backend, BackendState, Config, Flow, FlowKey, Service, ServiceKey,
+    self as common, Addr6, Backend, BackendState, Config, FLAG_SEQ, Flow, FlowKey, Service,
+    ServiceKey, SynSet,
 };
 
 use crate::l4::Family;
@@ -21,6 +22,22 @@ use crate::pin::{self, PinDir, PinError};
 pub fn count_pinned_flows<A: Family>(path: &Path) -> Result<usize, MapError> {
     let map: HashMap<MapData, FlowKey<A>, Flow<A>> = open(path)?;
     Ok(map.keys().filter(Result::is_ok).count())
+}
+
+/// SYNs in the pinned handshake table of family `A` at `path` that their
+/// backend has not answered (abandoned ones among them, until a later SYN
+/// takes their way).
+pub fn count_pinned_syns<A: Family>(path: &Path) -> Result<usize, MapError> {
+    let map: Array<MapData, SynSet<A>> = open(path)?;
+    Ok(map
+        .iter()
+        .filter_map(Result::ok)
+        .map(|set| {
+            (0..common::SYN_WAYS)
+                .filter(|&w| set.tags[w] != 0 && set.flows[w].flags & FLAG_SEQ == 0)
+                .count()
+        })
+        .sum())
 }
 
 /// Entries of both families' pinned tables named `v4` and `v6` in `maps`.
@@ -119,9 +136,12 @@ fn describe(out: &mut String, dir: &PinDir) {
         let _ = writeln!(out, "  maps {layout}");
         let flows = count_both(&maps, common::CONNS, common::CONNS6);
         let embryonic = count_both(&maps, common::EMBRYONIC, common::EMBRYONIC6);
+        let syns = count_pinned_syns::<u32>(&maps.join(common::SYNS)).unwrap_or(0)
+            + count_pinned_syns::<Addr6>(&maps.join(common::SYNS6)).unwrap_or(0);
         let _ = writeln!(
             out,
-            "    connections: {} established ({flows} entries), {} in handshake",
+            "    connections: {} established ({flows} entries), {} in handshake, \
+             {syns} SYNs not answered yet",
             flows / 2,
             embryonic / 2
         );

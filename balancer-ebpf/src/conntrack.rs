@@ -1,13 +1,19 @@
 //! Connection tracking, shared by the XDP program (forward packets, and
 //! replies in remote mode) and the TC egress program (replies in local
-//! mode). It owns the two connection tables of each address family
-//! ([`Family::conns`], [`Family::embryonic`]) and the rules of moving an
-//! entry between them; it never rewrites a packet or picks a backend.
+//! mode). It owns the three connection tables of each address family
+//! ([`Family::syns`], [`Family::embryonic`], [`Family::conns`]) and the
+//! rules of moving an entry between them; it never rewrites a packet or
+//! picks a backend.
 //!
-//! - `EMBRYONIC` holds connections that have not proven themselves: a SYN
-//!   until the client acknowledges the backend's SYN-ACK, a mid-flow packet
-//!   of an unknown connection until the backend answers it with anything but
-//!   a reset. A flood of SYNs or stray ACKs only churns this table.
+//! - `SYNS` holds SYNs the backend has not answered: a set-associative
+//!   array written in place (no LRU node, lock or eviction per SYN), so a
+//!   SYN flood churns only its ways. The backend's SYN-ACK or reset moves
+//!   the entry to `EMBRYONIC`.
+//! - `EMBRYONIC` holds connections that have not proven themselves: an
+//!   answered SYN until the client acknowledges the backend's SYN-ACK, a
+//!   mid-flow packet of an unknown connection until the backend answers it
+//!   with anything but a reset. A flood of stray ACKs only churns this
+//!   table.
 //! - `CONNS` holds established connections. Each direction has its entry,
 //!   and every hit checks the other one and rebuilds it when the LRU
 //!   evicted it, so the two directions never fall out of step for long.
@@ -30,13 +36,13 @@ use core::mem::MaybeUninit;
 
 use balancer_common::l4::{
     Addr, CLOSE_GRACE, CLOSED_SHIFT, FLAG_FIN_BACKEND, FLAG_FIN_CLIENT, FLAG_RECOVERED, FLAG_REPLY,
-    FLAG_SEQ, Flow, FlowKey, Outcome,
+    FLAG_SEQ, Flow, FlowKey, Outcome, SYN_WAYS, SynSet,
 };
 
 use crate::atomic;
 use crate::family::Family;
 use crate::headers::{Segment, TcpHdr};
-use crate::maps::{backend_stats, outcome};
+use crate::maps::{SYN_SET_MASK, backend_stats, outcome};
 
 type Table<A> = LruHashMap<FlowKey<A>, Flow<A>>;
 
@@ -103,6 +109,34 @@ fn find_entry<F: Family>(key: &FlowKey<F::Addr>, reply: bool) -> Option<Flow<F::
             if flow.flags & FLAG_REPLY == wanted {
                 return Some(flow);
             }
+        }
+    }
+    if !reply {
+        return None;
+    }
+    // A SYN's handshake the backend has not answered yet.
+    let (set, way) = waiting::<F>(key)?;
+    // SAFETY: `waiting` found the set in the map.
+    Some(unsafe { (*set).flows[way % SYN_WAYS] })
+}
+
+/// The set of `SYNS` that reply key `key` belongs to, and the way that
+/// holds it whole, if one does (less than [`SYN_WAYS`]; callers index
+/// with `way % SYN_WAYS`, which the compiler sees is in range).
+#[inline(always)]
+fn waiting<F: Family>(key: &FlowKey<F::Addr>) -> Option<(*mut SynSet<F::Addr>, usize)> {
+    let hash = SynSet::hash(key);
+    let tag = SynSet::<F::Addr>::tag(hash);
+    let set = F::syns().get_ptr_mut(hash as u32 & SYN_SET_MASK.load())?;
+    // SAFETY: a successful lookup of a shared array slot; a way another CPU
+    // is writing fails its check.
+    let whole = unsafe { &*set };
+    for w in 0..SYN_WAYS {
+        if whole.tags[w] == tag
+            && whole.keys[w] == *key
+            && whole.checks[w] == SynSet::check(key, &whole.flows[w])
+        {
+            return Some((set, w));
         }
     }
     None
@@ -174,6 +208,9 @@ pub fn reply<F: Family>(
     seg: &Segment,
     out: &mut MaybeUninit<Flow<F::Addr>>,
 ) -> bool {
+    if seg.flags & (TcpHdr::SYN | TcpHdr::RST) != 0 {
+        answered::<F>(key);
+    }
     if let Some(entry) = F::conns().get_ptr_mut(key) {
         let flow = copy_out(entry, out);
         if flow.flags & FLAG_REPLY != 0 {
@@ -245,31 +282,65 @@ fn fill<A: Addr>(found: Option<Flow<A>>, out: &mut MaybeUninit<Flow<A>>) -> bool
 }
 
 /// Stores the entry a SYN needs: the reply direction's, which the
-/// backend's SYN-ACK must find to get the service back as its source. The
-/// forward entry is made from it when the backend answers (see [`track`]),
-/// so a SYN pays one insert, and a SYN flood one per packet: the reply
-/// entry carries the client's next sequence number in its `ack` (what the
-/// backend's SYN-ACK must acknowledge), which is what the forward entry
-/// needs to start from.
+/// backend's SYN-ACK must find to get the service back as its source. It
+/// goes into a way of its set in `SYNS` (the oldest, or the one its
+/// four-tuple already holds), not into `EMBRYONIC`: a slot write where an
+/// LRU insert takes a node, a lock and, in a full table, an eviction. The
+/// backend's answer moves it to `EMBRYONIC` ([`answered`]), and the forward
+/// entry is made from it then (see [`track`]), so a SYN flood churns only
+/// `SYNS`: the reply entry carries the client's next sequence number in its
+/// `ack` (what the backend's SYN-ACK must acknowledge), which is what the
+/// forward entry needs to start from.
 ///
 /// A SYN that finds its own handshake still waiting (same initial sequence
-/// number, same backend, nothing closed) is the client trying again:
-/// unanswered, the backend's handshake timed out, which its counters
-/// record, and the entries stay (one lookup instead of an insert, which
-/// costs an LRU node; a retransmitted SYN is what a SYN flood of one
-/// four-tuple is made of). What an earlier connection on the four-tuple
-/// left (a forward entry of an abandoned handshake, an established
-/// connection's entries) goes when the backend answers ([`track`]).
+/// number, same backend) is the client trying again: unanswered, the
+/// backend's handshake timed out, which its counters record, and the way
+/// stays as it is. What an earlier connection on the four-tuple left (a
+/// forward entry of an abandoned handshake, an established connection's
+/// entries) goes when the backend answers ([`track`]).
 #[inline(always)]
 pub fn open<F: Family>(key: &FlowKey<F::Addr>, flow: &Flow<F::Addr>) {
     let (peer_key, mut peer) = flow.peer(key);
     peer.ack = flow.seq;
-    if retransmitted::<F>(&peer_key, &peer) {
+    let hash = SynSet::hash(&peer_key);
+    let tag = SynSet::<F::Addr>::tag(hash);
+    let Some(set) = F::syns().get_ptr_mut(hash as u32 & SYN_SET_MASK.load()) else {
+        return;
+    };
+    // SAFETY: a successful lookup of a shared array slot. SYNs on other
+    // CPUs may write the same way: a reader checks it ([`SynSet::check`]).
+    let set = unsafe { &mut *set };
+    let now = now_jiffies();
+    let mut way = SYN_WAYS;
+    let mut oldest = 0;
+    for w in 0..SYN_WAYS {
+        if set.tags[w] == tag && set.keys[w] == peer_key {
+            if retransmitted::<F>(set, w, &peer_key, &peer) {
+                return;
+            }
+            way = w;
+            break;
+        }
+        let age = if set.tags[w] == 0 {
+            u32::MAX
+        } else {
+            now.wrapping_sub(set.stamps[w])
+        };
+        if way == SYN_WAYS || age > oldest {
+            (way, oldest) = (w, age);
+        }
+    }
+    if way >= SYN_WAYS {
         return;
     }
-    if F::embryonic().insert(&peer_key, &peer, 0).is_err() {
-        outcome(Outcome::ConntrackFull);
-    }
+    // Untagged while it is written: a reader between these stores finds
+    // no tag, or (on another CPU, stores seen out of order) fails the check.
+    set.tags[way] = 0;
+    set.keys[way] = peer_key;
+    set.flows[way] = peer;
+    set.checks[way] = SynSet::check(&peer_key, &peer);
+    set.stamps[way] = now;
+    set.tags[way] = tag;
 }
 
 /// Stores both entries of a connection a mid-flow packet recovers (its
@@ -289,36 +360,69 @@ pub fn recover<F: Family>(key: &FlowKey<F::Addr>, flow: &Flow<F::Addr>) {
     }
 }
 
-/// Whether the reply entry at `reply_key` is the handshake of a SYN that
-/// would make `fresh` there (the same backend and service, the same
-/// client's next sequence number, nothing closed): the SYN was sent
-/// again. If the backend has not answered it, counts a timeout of the
-/// backend. (Answered, the entry's `ack` is what the backend acknowledged,
-/// which for the SYN's own handshake is that same number.)
+/// Whether way `way` of `set` (reply key `key`) is the handshake of a
+/// SYN that would make `fresh` there (the same backend and service, the
+/// same client's next sequence number): the SYN was sent again. If the
+/// backend has not answered it ([`answered`] marks the way), counts a
+/// timeout of the backend. An answered one goes on in `EMBRYONIC`, unless
+/// the backend refused it with a reset there: then this SYN starts it
+/// again.
 #[inline(always)]
-fn retransmitted<F: Family>(reply_key: &FlowKey<F::Addr>, fresh: &Flow<F::Addr>) -> bool {
-    let Some(reply) = F::embryonic().get_ptr(reply_key) else {
-        return false;
-    };
-    // SAFETY: a successful lookup, copied at once.
-    let reply = unsafe { *reply };
-    let over = FLAG_RECOVERED | FLAG_FIN_CLIENT | FLAG_FIN_BACKEND;
-    if reply.flags & (over | FLAG_REPLY) != FLAG_REPLY
-        || reply.closed != 0
-        || reply.ack != fresh.ack
-        || reply.backend != fresh.backend
-        || reply.addr != fresh.addr
-        || reply.port != fresh.port
+fn retransmitted<F: Family>(
+    set: &SynSet<F::Addr>,
+    way: usize,
+    key: &FlowKey<F::Addr>,
+    fresh: &Flow<F::Addr>,
+) -> bool {
+    let waiting = &set.flows[way];
+    if waiting.ack != fresh.ack
+        || waiting.backend != fresh.backend
+        || waiting.addr != fresh.addr
+        || waiting.port != fresh.port
+        || set.checks[way] != SynSet::check(key, waiting)
     {
         return false;
     }
-    if reply.flags & FLAG_SEQ == 0
-        && let Some(stats) = backend_stats(reply.backend)
-    {
+    if waiting.flags & FLAG_SEQ != 0 {
+        // SAFETY: a successful lookup.
+        return !F::embryonic()
+            .get_ptr(key)
+            .is_some_and(|entry| unsafe { (*entry).closed } != 0);
+    }
+    if let Some(stats) = backend_stats(waiting.backend) {
         stats.timeouts += 1;
         stats.last_signal_ns = now_ns();
     }
     true
+}
+
+/// A backend's SYN-ACK, or reset, answering a SYN whose handshake waits in
+/// `SYNS` under the packet's four-tuple: moves its reply entry to
+/// `EMBRYONIC`, where the rest of the handshake finds it, and marks the way
+/// answered, so that the backend's answer sent again finds it there and a
+/// SYN sent again is not taken for one unanswered.
+#[inline(always)]
+fn answered<F: Family>(key: &FlowKey<F::Addr>) {
+    let Some((set, way)) = waiting::<F>(key) else {
+        return;
+    };
+    // SAFETY: as in `open`.
+    let set = unsafe { &mut *set };
+    let way = way % SYN_WAYS;
+    let flow = set.flows[way];
+    if flow.flags & FLAG_SEQ != 0 {
+        return;
+    }
+    if F::embryonic().insert(key, &flow, 0).is_err() {
+        outcome(Outcome::ConntrackFull);
+        return;
+    }
+    let (tag, mut marked) = (set.tags[way], flow);
+    marked.flags |= FLAG_SEQ;
+    set.tags[way] = 0;
+    set.flows[way] = marked;
+    set.checks[way] = SynSet::check(key, &marked);
+    set.tags[way] = tag;
 }
 
 /// Forgets an established connection whose four-tuple a new handshake

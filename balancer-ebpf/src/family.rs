@@ -10,7 +10,7 @@ use aya_ebpf::bindings::{BPF_F_PSEUDO_HDR, bpf_fib_lookup as FibParams};
 use aya_ebpf::maps::{Array, HashMap, LruHashMap, PerCpuArray};
 use aya_ebpf::programs::{TcContext, XdpContext};
 use balancer_common::l4::{
-    Addr, Addr6, Backend, Flow, FlowKey, NextHop, Service, ServiceKey, SoleService,
+    Addr, Addr6, Backend, Flow, FlowKey, NextHop, Service, ServiceKey, SoleService, SynSet,
 };
 
 use crate::csum;
@@ -31,6 +31,8 @@ pub trait Family: 'static {
     fn client_hops() -> &'static LruHashMap<Self::Addr, NextHop<Self::Addr>>;
     fn conns() -> &'static LruHashMap<FlowKey<Self::Addr>, Flow<Self::Addr>>;
     fn embryonic() -> &'static LruHashMap<FlowKey<Self::Addr>, Flow<Self::Addr>>;
+    /// Handshakes the backend has not answered yet (`SYNS`).
+    fn syns() -> &'static Array<SynSet<Self::Addr>>;
     /// Where steering keeps its largest locals: a per-CPU slot, because on
     /// the stack they would push the call chain past the verifier's 512
     /// bytes (steering is inlined into the parser, whose frame it shares).
@@ -121,6 +123,10 @@ impl Family for V4 {
         &maps::EMBRYONIC
     }
     #[inline(always)]
+    fn syns() -> &'static Array<SynSet> {
+        &maps::SYNS
+    }
+    #[inline(always)]
     fn scratch() -> &'static PerCpuArray<Scratch<u32>> {
         &maps::SCRATCH4
     }
@@ -156,6 +162,10 @@ impl Family for V6 {
     #[inline(always)]
     fn embryonic() -> &'static LruHashMap<FlowKey<Addr6>, Flow<Addr6>> {
         &maps::EMBRYONIC6
+    }
+    #[inline(always)]
+    fn syns() -> &'static Array<SynSet<Addr6>> {
+        &maps::SYNS6
     }
     #[inline(always)]
     fn scratch() -> &'static PerCpuArray<Scratch<Addr6>> {

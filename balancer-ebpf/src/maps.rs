@@ -6,6 +6,7 @@
 
 use crate::icmp6::Call;
 use crate::l4::Scratch;
+use aya_ebpf::Global;
 use aya_ebpf::bindings::bpf_fib_lookup as FibParams;
 use aya_ebpf::macros::map;
 use aya_ebpf::maps::{Array, HashMap, LruHashMap, PerCpuArray, ProgramArray};
@@ -13,7 +14,7 @@ use balancer_common::Verdict;
 use balancer_common::l4::{
     Addr6, Backend, BackendStats, CONNTRACK_MAP_FLAGS, Config, DEFAULT_CONNTRACK_SIZE,
     DEFAULT_TABLE_SIZE, Flow, FlowKey, MAX_BACKENDS, MAX_SERVICE_BACKENDS, MAX_SERVICES, NextHop,
-    Outcome, SOLE_SLOTS, Service, ServiceKey, ServiceStats, SoleService, Trial,
+    Outcome, SOLE_SLOTS, SYN_WAYS, Service, ServiceKey, ServiceStats, SoleService, SynSet, Trial,
 };
 
 #[map]
@@ -60,6 +61,20 @@ pub static CONNS: LruHashMap<FlowKey, Flow> =
 pub static EMBRYONIC: LruHashMap<FlowKey, Flow> =
     LruHashMap::with_max_entries(DEFAULT_CONNTRACK_SIZE / 4, CONNTRACK_MAP_FLAGS);
 
+/// Sets of the handshake tables at the default connection table size (the
+/// agent sets the real number at load, with [`SYN_SET_MASK`]): as many
+/// ways as `EMBRYONIC` has entries.
+const DEFAULT_SYN_SETS: u32 = DEFAULT_CONNTRACK_SIZE / 4 / SYN_WAYS as u32;
+
+#[map]
+pub static SYNS: Array<SynSet> = Array::with_max_entries(DEFAULT_SYN_SETS, 0);
+
+/// The number of sets of `SYNS` and `SYNS6` less one (a power of two less
+/// one), patched by the agent at load (`balancer_common::l4::SYN_SET_MASK`);
+/// read-only data, so the verifier knows it.
+#[unsafe(no_mangle)]
+pub static SYN_SET_MASK: Global<u32> = Global::new(DEFAULT_SYN_SETS - 1);
+
 // The IPv6 family's maps, sized like the IPv4 ones (the agent resizes the
 // connection tables to the same flags). The agent keeps them in step with
 // its workers and services.
@@ -88,6 +103,9 @@ pub static CONNS6: LruHashMap<FlowKey<Addr6>, Flow<Addr6>> =
 #[map]
 pub static EMBRYONIC6: LruHashMap<FlowKey<Addr6>, Flow<Addr6>> =
     LruHashMap::with_max_entries(DEFAULT_CONNTRACK_SIZE / 4, CONNTRACK_MAP_FLAGS);
+
+#[map]
+pub static SYNS6: Array<SynSet<Addr6>> = Array::with_max_entries(DEFAULT_SYN_SETS, 0);
 
 /// The IPv6 steering program, tail-called by the XDP program
 /// (`balancer_common::l4::IPV6_PROGRAM`).

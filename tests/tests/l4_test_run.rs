@@ -13,7 +13,8 @@ use std::time::Duration;
 use anyhow::{Context, Result, ensure};
 use balancer_common::Verdict;
 use balancer_common::l4::{
-    Addr6, BackendState, FLAG_RECOVERED, FlowKey, Outcome, addr_be, port_be, sole_of,
+    Addr6, BackendState, FLAG_RECOVERED, FlowKey, Outcome, SYN_WAYS, SynSet, addr_be, port_be,
+    sole_of,
 };
 use balancer_dataplane::maglev::{self, Member};
 use balancer_dataplane::{Dataplane, LoadOptions, VerdictCounts, XdpAction};
@@ -163,18 +164,18 @@ fn syn_to_service_is_rewritten_to_a_routable_backend_with_valid_checksums() {
     let stats = steered.maps.backend_stats(backend as u32).unwrap();
     assert_eq!((stats.connections, stats.packets), (1, 1));
 
-    // A SYN's entry waits in the embryonic table for the handshake: the
-    // reply direction's, which restores the service on the backend's
-    // SYN-ACK and holds the client's next sequence number; the forward
-    // entry is made from it when the backend answers.
+    // A SYN's entry waits in the handshake table (`SYNS`), not the
+    // embryonic one: the reply direction's, which restores the service on
+    // the backend's SYN-ACK and holds the client's next sequence number.
+    // The backend's answer moves it to the embryonic table, and the
+    // forward entry is made from it then.
     assert_eq!(steered.maps.flow(&flow_key(CLIENT, VIP)).unwrap(), None);
-    assert_eq!(
-        steered.maps.embryonic_flow(&flow_key(CLIENT, VIP)).unwrap(),
-        None
-    );
+    for key in [flow_key(CLIENT, VIP), flow_key(dst, CLIENT)] {
+        assert_eq!(steered.maps.embryonic_flow(&key).unwrap(), None);
+    }
     let reply = steered
         .maps
-        .embryonic_flow(&flow_key(dst, CLIENT))
+        .handshake_flow(&flow_key(dst, CLIENT))
         .unwrap()
         .expect("reply entry");
     assert_eq!(
@@ -186,6 +187,12 @@ fn syn_to_service_is_rewritten_to_a_routable_backend_with_valid_checksums() {
     assert_eq!(reply.ack, syn_seq.wrapping_add(1));
 
     answer(&steered, dst);
+    let moved_reply = steered
+        .maps
+        .embryonic_flow(&flow_key(dst, CLIENT))
+        .unwrap()
+        .expect("the reply entry, moved to the embryonic table by the answer");
+    assert_eq!((moved_reply.addr, moved_reply.ack), (reply.addr, reply.ack));
     let forward = steered
         .maps
         .embryonic_flow(&flow_key(CLIENT, VIP))
@@ -267,6 +274,45 @@ fn established_flow_keeps_its_backend_after_isolation() {
     answer(&steered, again);
     let (_, out) = xdp(&steered, &ack(CLIENT), None);
     assert_eq!(packet::endpoints(&out).1, again);
+}
+
+#[test]
+fn a_waiting_handshake_keeps_its_way_while_other_syns_fill_its_set() {
+    let Some(steered) = local() else { return };
+    // `local` loads the default tables of a 65,536-entry connection table.
+    let sets = LoadOptions {
+        conntrack_size: 1 << 16,
+        ..LoadOptions::default()
+    }
+    .syn_sets();
+    let set_of = |key: &FlowKey| SynSet::hash(key) as u32 & (sets - 1);
+    let (_, out) = xdp(&steered, &syn(CLIENT), None);
+    let backend = packet::endpoints(&out).1;
+    let set = set_of(&flow_key(backend, CLIENT));
+    // Other clients' SYNs (each its own four-tuple) until the set's other
+    // ways are all taken: with one way to a set, the first would have
+    // overwritten the waiting handshake.
+    let mut others = 0;
+    for client in Clients(0x5eed).take(1_000_000) {
+        let (_, out) = xdp(&steered, &syn(client), None);
+        if set_of(&flow_key(packet::endpoints(&out).1, client)) == set {
+            others += 1;
+            if others == SYN_WAYS - 1 {
+                break;
+            }
+        }
+    }
+    assert_eq!(others, SYN_WAYS - 1, "no SYNs of the set found");
+    assert!(
+        steered
+            .maps
+            .handshake_flow(&flow_key(backend, CLIENT))
+            .unwrap()
+            .is_some(),
+        "the first handshake still waits"
+    );
+    // Its backend's SYN-ACK still gets the service as its source.
+    answer(&steered, backend);
 }
 
 #[test]
