@@ -14,10 +14,10 @@
 //! so the entries are in the established table). A fixed point hides one
 //! cost: "retransmitted SYN" repeats a SYN of one connection, whose entries
 //! exist after the first run and stand. A connection's real first SYN
-//! inserts a fresh entry instead: "new flow" runs rounds of SYNs of
-//! distinct four-tuples, once each, averages the kernel's per-run times in
-//! each round (the true first-insert cost) and reports the median of the
-//! rounds. A run of one starts the SYN path's code and the maps' own data
+//! writes a fresh entry instead (a way of the handshake table, `SYNS`):
+//! "new flow" runs rounds of SYNs of distinct four-tuples, once each,
+//! averages the kernel's per-run times in each round (the true first-SYN
+//! cost) and reports the median of the rounds. A run of one starts the SYN path's code and the maps' own data
 //! cold, which a SYN flood would keep warm: "new flow, SYN path warm" takes
 //! off the single-run overhead of that path measured on a retransmitted
 //! SYN, where "new flow" takes off only the harness's, measured on a
@@ -229,11 +229,11 @@ struct FirstSyn {
     cold: f64,
     /// The same single runs less the SYN path's own single-run overhead:
     /// a retransmitted SYN takes that path (the same lookups and code,
-    /// without the inserts), so its single-run average against its
+    /// without the write), so its single-run average against its
     /// million-run average is what one run alone adds to that path (the
     /// harness, and the caches the code and the maps' own data start cold
-    /// in, which a SYN flood keeps warm). What is left is the inserts and
-    /// the memory the new entries touch.
+    /// in, which a SYN flood keeps warm). What is left is the write and
+    /// the memory the new entry touches.
     warm: f64,
 }
 
@@ -432,9 +432,9 @@ fn remote<F: Family>(
         rows.push((name, ns));
     }
     first_syn_rows(&mode, &first_syn(&remote, from_client)?, rows);
-    // The same into a full table that fits in cache, where every insert
-    // evicts: the CPU cost without the cold memory of a large table's
-    // never-used entries.
+    // The same into the small tables of a 1,024-entry connection table,
+    // whose handshake table (16,384 ways) the rounds fill: every SYN takes
+    // the oldest way of its set, in memory that fits in cache.
     let small = Steered::load_sized(object, F::BACKEND, &[F::BACKEND], true, 1024)?;
     small.maps.set_keep_ttl(true)?;
     rows.push((

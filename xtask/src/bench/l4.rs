@@ -172,7 +172,7 @@ fn cost_table(rows: &[(String, f64)]) -> String {
     );
     out.push_str(
         "  (\"new flow\": 7 rounds of 15,000 SYNs of distinct four-tuples, each run once, so\n   \
-         every one inserts a fresh entry; \"retransmitted SYN\" repeats one SYN, whose entry\n   \
+         every one writes a fresh entry; \"retransmitted SYN\" repeats one SYN, whose entry\n   \
          stands)",
     );
     out
