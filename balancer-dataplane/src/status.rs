@@ -140,8 +140,8 @@ fn describe(out: &mut String, dir: &PinDir) {
             + count_pinned_syns::<Addr6>(&maps.join(common::SYNS6)).unwrap_or(0);
         let _ = writeln!(
             out,
-            "    connections: {} established ({flows} entries), {} in handshake, \
-             {syns} SYNs not answered yet",
+            "    connections: {} established ({flows} entries), {} in handshake; \
+             unanswered SYNs: {syns}",
             flows / 2,
             embryonic / 2
         );

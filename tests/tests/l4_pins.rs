@@ -9,7 +9,8 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::{Path, PathBuf};
 
 use balancer_common::l4::{
-    BackendState, FLAG_REPLY, Flow, FlowKey, Outcome, PORT_SERVICE, addr_be, port_be,
+    BackendState, FLAG_REPLY, Flow, FlowKey, Outcome, PORT_REPLY_EGRESS, PORT_SERVICE, addr_be,
+    port_be,
 };
 use balancer_dataplane::l4::ServiceState;
 use balancer_dataplane::maglev::{self, Member};
@@ -182,6 +183,53 @@ fn detach_all_removes_everything_pinned() {
     assert_eq!(removed, vec!["local-eth9".to_owned()]);
     assert!(!pins.0.exists(), "{} still exists", pins.0.display());
     assert!(status::report(&pins.0).starts_with("nothing attached: nothing pinned"));
+}
+
+/// A SYN's handshake waits in the pinned handshake table: a second load
+/// adopts it (the worker's SYN-ACK after an agent restart still finds
+/// it), and `balancer l4 status` counts it until the worker answers.
+#[test]
+fn a_waiting_handshake_is_pinned_adopted_and_counted() {
+    let Some(object) = ebpf_prerequisites() else {
+        return;
+    };
+    let pins = Pins::new("syns");
+    let vip = SocketAddrV4::new(Ipv4Addr::new(10, 1, 8, 100), 80);
+    let backend = SocketAddrV4::new(Ipv4Addr::new(10, 1, 8, 11), 8000);
+    let client = SocketAddrV4::new(Ipv4Addr::new(10, 1, 9, 2), 40_000);
+    let reply_key = FlowKey::tcp(
+        addr_be(backend.ip().octets()),
+        port_be(backend.port()),
+        addr_be(client.ip().octets()),
+        port_be(client.port()),
+    );
+    {
+        let mut first = load(&object, &pins, 1024);
+        let maps = first.take_l4_maps().unwrap();
+        serve(&maps, vip, 0, backend);
+        // Local mode: the worker's replies leave through the TC program.
+        maps.set_port_bits(backend.port(), PORT_REPLY_EGRESS)
+            .unwrap();
+        assert_eq!(syn_to(&first, &maps, vip), (backend, Outcome::NewFlow));
+        assert!(maps.handshake_flow(&reply_key).unwrap().is_some());
+    }
+    let report = status::report(&pins.0);
+    assert!(report.contains("unanswered SYNs: 1"), "{report}");
+    let mut second = load(&object, &pins, 1024);
+    let maps = second.take_l4_maps().unwrap();
+    let waiting = maps
+        .handshake_flow(&reply_key)
+        .unwrap()
+        .expect("the handshake, adopted");
+    assert_eq!(
+        (waiting.addr, waiting.port),
+        (addr_be(vip.ip().octets()), port_be(vip.port()))
+    );
+    let syn_ack = packet::tcp_frame(backend, client, packet::TCP_SYN | packet::TCP_ACK);
+    let answered = second.test_run_egress(&syn_ack).unwrap();
+    assert_eq!(packet::endpoints(&answered.packet), (vip, client));
+    let report = status::report(&pins.0);
+    assert!(report.contains("unanswered SYNs: 0"), "{report}");
 }
 
 /// Runs a SYN from a fresh client to `vip` through `dataplane`'s XDP
