@@ -199,9 +199,18 @@ pub fn handshaking<F: Family>(
     true
 }
 
-/// A packet from a backend to a client of a connection either table knows:
-/// its (reply) entry into `out`, after tracking; false when the packet is
-/// not a reply of a steered connection, which then passes untouched.
+/// A packet from a backend to a client of a connection a table knows: its
+/// (reply) entry into `out`, after tracking; false when the packet is not
+/// a reply of a steered connection, which then passes untouched.
+///
+/// The backend's first packet of a connection answers a SYN that waits in
+/// `SYNS`, which moves to `EMBRYONIC` ([`answered`]): a SYN-ACK or a reset
+/// before anything else (an established connection on the same four-tuple
+/// gives way to it below), any other packet when neither table knows the
+/// four-tuple. (That is the ACK a backend's stack sends a SYN that meets
+/// the four-tuple's TIME-WAIT: restored, it tells the client's stack to
+/// reset and send the SYN again at once; untranslated, the client waits a
+/// whole retransmission timeout.)
 #[inline(always)]
 pub fn reply<F: Family>(
     key: &FlowKey<F::Addr>,
@@ -228,7 +237,11 @@ pub fn reply<F: Family>(
             let _ = F::conns().remove(key);
         }
     }
-    let Some(entry) = F::embryonic().get_ptr_mut(key) else {
+    let found = match F::embryonic().get_ptr_mut(key) {
+        None if answered::<F>(key) => F::embryonic().get_ptr_mut(key),
+        found => found,
+    };
+    let Some(entry) = found else {
         return false;
     };
     let flow = copy_out(entry, out);
@@ -396,26 +409,26 @@ fn retransmitted<F: Family>(
     true
 }
 
-/// A backend's SYN-ACK, or reset, answering a SYN whose handshake waits in
-/// `SYNS` under the packet's four-tuple: moves its reply entry to
+/// A backend's packet answering a SYN whose handshake waits in `SYNS` under
+/// the packet's four-tuple (see [`reply`]): moves its reply entry to
 /// `EMBRYONIC`, where the rest of the handshake finds it, and marks the way
 /// answered, so that the backend's answer sent again finds it there and a
-/// SYN sent again is not taken for one unanswered.
+/// SYN sent again is not taken for one unanswered. Whether it moved one.
 #[inline(always)]
-fn answered<F: Family>(key: &FlowKey<F::Addr>) {
+fn answered<F: Family>(key: &FlowKey<F::Addr>) -> bool {
     let Some((set, way)) = waiting::<F>(key) else {
-        return;
+        return false;
     };
     // SAFETY: as in `open`.
     let set = unsafe { &mut *set };
     let way = way % SYN_WAYS;
     let flow = set.flows[way];
     if flow.flags & FLAG_SEQ != 0 {
-        return;
+        return false;
     }
     if F::embryonic().insert(key, &flow, 0).is_err() {
         outcome(Outcome::ConntrackFull);
-        return;
+        return false;
     }
     let (tag, mut marked) = (set.tags[way], flow);
     marked.flags |= FLAG_SEQ;
@@ -423,6 +436,7 @@ fn answered<F: Family>(key: &FlowKey<F::Addr>) {
     set.flows[way] = marked;
     set.checks[way] = SynSet::check(key, &marked);
     set.tags[way] = tag;
+    true
 }
 
 /// Forgets an established connection whose four-tuple a new handshake

@@ -276,6 +276,28 @@ fn established_flow_keeps_its_backend_after_isolation() {
     assert_eq!(packet::endpoints(&out).1, again);
 }
 
+/// A worker whose stack still holds the four-tuple in TIME-WAIT answers a
+/// new SYN with a plain ACK of the old connection. It must reach the
+/// client from the service, whose stack then resets it and sends the SYN
+/// again at once (untranslated, the client waits a whole retransmission
+/// timeout, a second).
+#[test]
+fn a_workers_time_wait_ack_to_a_syn_is_restored_to_the_service() {
+    let Some(steered) = local() else { return };
+    let (_, out) = xdp(&steered, &syn(CLIENT), None);
+    let backend = packet::endpoints(&out).1;
+    let stale_ack = packet::Tcp::new(backend, CLIENT, packet::TCP_ACK, 7_000, 12_345).frame();
+    let run = steered.dataplane.test_run_egress(&stale_ack).unwrap();
+    assert_eq!(packet::endpoints(&run.packet), (VIP, CLIENT));
+    // The client's reset goes to the worker (its stack drops the
+    // TIME-WAIT), and the SYN sent again gets the same worker.
+    let reset = packet::Tcp::new(CLIENT, VIP, packet::TCP_RST, 12_345, 0).frame();
+    let (_, out) = xdp(&steered, &reset, None);
+    assert_eq!(packet::endpoints(&out), (CLIENT, backend));
+    let (_, out) = xdp(&steered, &syn(CLIENT), None);
+    assert_eq!(packet::endpoints(&out).1, backend);
+}
+
 #[test]
 fn a_waiting_handshake_keeps_its_way_while_other_syns_fill_its_set() {
     let Some(steered) = local() else { return };
