@@ -24,7 +24,7 @@ use std::time::Duration;
 use balancer_common::Verdict;
 use balancer_common::l4::{
     self as common, Addr6, Backend, BackendStats, Config, Flow, FlowKey, NextHop, Outcome, Service,
-    ServiceKey, ServiceStats, SoleService, SynSet,
+    ServiceKey, ServiceStats, SoleService,
 };
 
 use crate::LoadOptions;
@@ -278,7 +278,12 @@ pub fn layout_id(options: &LoadOptions) -> String {
             options.services as usize,
             options.conntrack_size as usize,
             options.embryonic_size() as usize,
+            // The handshake tables: their sets, and the ways of a set
+            // (with the connection key and entry, which `types` covers,
+            // that is the set's layout). Not in `types`, so that an agent
+            // of a build without them still hands its connections over.
             options.syn_sets() as usize,
+            common::SYN_WAYS,
             common::CONNTRACK_MAP_FLAGS as usize,
         ])
     )
@@ -302,8 +307,6 @@ pub fn types_id() -> String {
         size_of::<NextHop<Addr6>>(),
         size_of::<FlowKey<Addr6>>(),
         size_of::<Flow<Addr6>>(),
-        size_of::<SynSet>(),
-        size_of::<SynSet<Addr6>>(),
         size_of::<ServiceStats>(),
         size_of::<BackendStats>(),
         Outcome::COUNT,
@@ -423,6 +426,16 @@ mod tests {
         assert_ne!(a, PinDir::new(root, "local", &["lbc".into(), "lbw".into()]));
         assert_eq!(a.xdp_link("lbc"), root.join("remote-lbc+lbw/xdp-lbc"));
         assert_eq!(a.tc_link("lbc"), root.join("remote-lbc+lbw/tc-lbc"));
+    }
+
+    /// The shared types are those of the build before the handshake table
+    /// (1c3275e), whose agent's connections an upgraded agent adopts (the
+    /// handshake tables are new maps, in the sizes half of the layout). A
+    /// change of a shared type changes this value, and an upgrade then
+    /// loses the connections: make it knowingly, and say so.
+    #[test]
+    fn the_shared_types_are_those_of_the_build_before() {
+        assert_eq!(types_id(), "0af417be");
     }
 
     #[test]
