@@ -398,9 +398,9 @@ fn retransmitted<F: Family>(
     }
     if waiting.flags & FLAG_SEQ != 0 {
         // SAFETY: a successful lookup.
-        return !F::embryonic()
+        return F::embryonic()
             .get_ptr(key)
-            .is_some_and(|entry| unsafe { (*entry).closed } != 0);
+            .is_none_or(|entry| unsafe { (*entry).closed } == 0);
     }
     if let Some(stats) = backend_stats(waiting.backend) {
         stats.timeouts += 1;
