@@ -486,7 +486,9 @@ pub const SYN_WAYS: usize = 4;
 
 /// One set of [`SYNS`]: up to [`SYN_WAYS`] reply entries of SYNs (as
 /// [`EMBRYONIC`] would hold them). The tags and stamps come first, in one
-/// cache line, so that choosing a way reads one line.
+/// cache line with the first way, so that choosing a way reads one line;
+/// each way's key, entry and check lie together (an IPv6 way is 96 bytes,
+/// two cache lines), so that writing or reading one touches no other way.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SynSet<A = u32> {
@@ -495,11 +497,18 @@ pub struct SynSet<A = u32> {
     /// Per way, when it was written (low 32 bits of jiffies): the oldest
     /// way is the one a new SYN takes.
     pub stamps: [u32; SYN_WAYS],
-    pub keys: [FlowKey<A>; SYN_WAYS],
-    pub flows: [Flow<A>; SYN_WAYS],
-    /// Per way, [`SynSet::check`] of its key and entry: SYNs on two CPUs
-    /// may write one way at once, and a reader takes only a whole one.
-    pub checks: [u32; SYN_WAYS],
+    pub ways: [SynWay<A>; SYN_WAYS],
+}
+
+/// One way of a [`SynSet`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SynWay<A = u32> {
+    pub key: FlowKey<A>,
+    pub flow: Flow<A>,
+    /// [`SynSet::check`] of `key` and `flow`: SYNs on two CPUs may write
+    /// one way at once, and a reader takes only a whole one.
+    pub check: u32,
 }
 
 impl<A: Addr> SynSet<A> {
@@ -866,6 +875,7 @@ mod pod {
     unsafe impl<A: Addr + aya::Pod> aya::Pod for FlowKey<A> {}
     unsafe impl<A: Addr + aya::Pod> aya::Pod for Flow<A> {}
     unsafe impl<A: Addr + aya::Pod> aya::Pod for SynSet<A> {}
+    unsafe impl<A: Addr + aya::Pod> aya::Pod for SynWay<A> {}
     unsafe impl aya::Pod for ServiceStats {}
     unsafe impl aya::Pod for BackendStats {}
     unsafe impl aya::Pod for Trial {}

@@ -700,10 +700,10 @@ impl L4Maps {
         Ok((0..common::SYN_WAYS)
             .find(|&w| {
                 set.tags[w] == tag
-                    && set.keys[w] == *key
-                    && set.checks[w] == SynSet::check(key, &set.flows[w])
+                    && set.ways[w].key == *key
+                    && set.ways[w].check == SynSet::check(key, &set.ways[w].flow)
             })
-            .map(|w| set.flows[w]))
+            .map(|w| set.ways[w].flow))
     }
 
     /// Writes `flow` as the established-table entry of `key` (tests set up

@@ -34,7 +34,7 @@ pub fn count_pinned_syns<A: Family>(path: &Path) -> Result<usize, MapError> {
         .filter_map(Result::ok)
         .map(|set| {
             (0..common::SYN_WAYS)
-                .filter(|&w| set.tags[w] != 0 && set.flows[w].flags & FLAG_SEQ == 0)
+                .filter(|&w| set.tags[w] != 0 && set.ways[w].flow.flags & FLAG_SEQ == 0)
                 .count()
         })
         .sum())

@@ -117,7 +117,7 @@ fn find_entry<F: Family>(key: &FlowKey<F::Addr>, reply: bool) -> Option<Flow<F::
     // A SYN's handshake the backend has not answered yet.
     let (set, way) = waiting::<F>(key)?;
     // SAFETY: `waiting` found the set in the map.
-    Some(unsafe { (*set).flows[way % SYN_WAYS] })
+    Some(unsafe { (*set).ways[way % SYN_WAYS].flow })
 }
 
 /// The set of `SYNS` that reply key `key` belongs to, and the way that
@@ -133,8 +133,8 @@ fn waiting<F: Family>(key: &FlowKey<F::Addr>) -> Option<(*mut SynSet<F::Addr>, u
     let whole = unsafe { &*set };
     for w in 0..SYN_WAYS {
         if whole.tags[w] == tag
-            && whole.keys[w] == *key
-            && whole.checks[w] == SynSet::check(key, &whole.flows[w])
+            && whole.ways[w].key == *key
+            && whole.ways[w].check == SynSet::check(key, &whole.ways[w].flow)
         {
             return Some((set, w));
         }
@@ -327,7 +327,7 @@ pub fn open<F: Family>(key: &FlowKey<F::Addr>, flow: &Flow<F::Addr>) {
     let mut way = SYN_WAYS;
     let mut oldest = 0;
     for w in 0..SYN_WAYS {
-        if set.tags[w] == tag && set.keys[w] == peer_key {
+        if set.tags[w] == tag && set.ways[w].key == peer_key {
             if retransmitted::<F>(set, w, &peer_key, &peer) {
                 return;
             }
@@ -349,9 +349,9 @@ pub fn open<F: Family>(key: &FlowKey<F::Addr>, flow: &Flow<F::Addr>) {
     // Untagged while it is written: a reader between these stores finds
     // no tag, or (on another CPU, stores seen out of order) fails the check.
     set.tags[way] = 0;
-    set.keys[way] = peer_key;
-    set.flows[way] = peer;
-    set.checks[way] = SynSet::check(&peer_key, &peer);
+    set.ways[way].key = peer_key;
+    set.ways[way].flow = peer;
+    set.ways[way].check = SynSet::check(&peer_key, &peer);
     set.stamps[way] = now;
     set.tags[way] = tag;
 }
@@ -387,12 +387,12 @@ fn retransmitted<F: Family>(
     key: &FlowKey<F::Addr>,
     fresh: &Flow<F::Addr>,
 ) -> bool {
-    let waiting = &set.flows[way];
+    let waiting = &set.ways[way].flow;
     if waiting.ack != fresh.ack
         || waiting.backend != fresh.backend
         || waiting.addr != fresh.addr
         || waiting.port != fresh.port
-        || set.checks[way] != SynSet::check(key, waiting)
+        || set.ways[way].check != SynSet::check(key, waiting)
     {
         return false;
     }
@@ -422,7 +422,7 @@ fn answered<F: Family>(key: &FlowKey<F::Addr>) -> bool {
     // SAFETY: as in `open`.
     let set = unsafe { &mut *set };
     let way = way % SYN_WAYS;
-    let flow = set.flows[way];
+    let flow = set.ways[way].flow;
     if flow.flags & FLAG_SEQ != 0 {
         return false;
     }
@@ -433,8 +433,8 @@ fn answered<F: Family>(key: &FlowKey<F::Addr>) -> bool {
     let (tag, mut marked) = (set.tags[way], flow);
     marked.flags |= FLAG_SEQ;
     set.tags[way] = 0;
-    set.flows[way] = marked;
-    set.checks[way] = SynSet::check(key, &marked);
+    set.ways[way].flow = marked;
+    set.ways[way].check = SynSet::check(key, &marked);
     set.tags[way] = tag;
     true
 }
