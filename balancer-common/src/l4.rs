@@ -526,6 +526,20 @@ impl<A: Addr> SynSet<A> {
         (hash >> 32) as u32 | 1
     }
 
+    /// The way that holds reply key `key` (of hash `hash`, [`SynSet::hash`])
+    /// whole: its tag, its key, and its check over both, if one does.
+    #[inline(always)]
+    pub fn way_of(&self, key: &FlowKey<A>, hash: u64) -> Option<usize> {
+        let tag = Self::tag(hash);
+        for w in 0..SYN_WAYS {
+            let way = &self.ways[w];
+            if self.tags[w] == tag && way.key == *key && way.check == Self::check(key, &way.flow) {
+                return Some(w);
+            }
+        }
+        None
+    }
+
     /// The check of a way holding `key` and `flow`: each field that
     /// steers a packet, rotated differently, and one multiply to mix.
     #[inline(always)]
@@ -884,6 +898,38 @@ mod pod {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A way found by its key and check only when whole: an entry of
+    /// another connection under this key (two CPUs' writes mixed), or a
+    /// tag of another key, is no way of it.
+    #[test]
+    fn a_syn_way_is_found_only_whole() {
+        let key = FlowKey::tcp(0x0b02_630a, 8000, 0x0201_630a, 40_000);
+        let flow = Flow {
+            addr: 0x6400_630a,
+            port: 80,
+            flags: FLAG_REPLY,
+            ack: 1001,
+            ..Flow::default()
+        };
+        let hash = SynSet::hash(&key);
+        let mut set = SynSet::default();
+        set.tags[2] = SynSet::<u32>::tag(hash);
+        set.ways[2] = SynWay {
+            key,
+            flow,
+            check: SynSet::check(&key, &flow),
+        };
+        assert_eq!(set.way_of(&key, hash), Some(2));
+        set.ways[2].flow.addr = 0x6500_630a;
+        assert_eq!(set.way_of(&key, hash), None, "a torn entry");
+        set.ways[2].flow = flow;
+        set.ways[2].flow.ack = 2002;
+        assert_eq!(set.way_of(&key, hash), None, "another handshake's number");
+        set.ways[2].flow = flow;
+        set.tags[2] ^= 2;
+        assert_eq!(set.way_of(&key, hash), None, "another tag");
+    }
 
     const DST: [u8; 6] = [0x02, 0x11, 0x22, 0x33, 0x44, 0x55];
     const SRC: [u8; 6] = [0x02, 0xaa, 0xbb, 0xcc, 0xdd, 0xee];

@@ -696,14 +696,7 @@ impl L4Maps {
         let hash = SynSet::hash(key);
         let index = hash as u32 & (syns.len().max(1) - 1);
         let set = syns.get(&index, 0).map_err(map_error(A::SYNS))?;
-        let tag = SynSet::<A>::tag(hash);
-        Ok((0..common::SYN_WAYS)
-            .find(|&w| {
-                set.tags[w] == tag
-                    && set.ways[w].key == *key
-                    && set.ways[w].check == SynSet::check(key, &set.ways[w].flow)
-            })
-            .map(|w| set.ways[w].flow))
+        Ok(set.way_of(key, hash).map(|w| set.ways[w].flow))
     }
 
     /// Writes `flow` as the established-table entry of `key` (tests set up

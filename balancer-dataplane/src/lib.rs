@@ -895,6 +895,24 @@ fn attach_in(program: &mut Xdp, iface: &str, mode: XdpMode) -> Result<XdpLinkId,
 mod tests {
     use super::*;
 
+    /// The handshake table has as many ways as the embryonic table has
+    /// entries, in a power of two of sets, and so its floor: small
+    /// connection tables do not shrink it.
+    #[test]
+    fn the_handshake_table_follows_the_embryonic_one_with_its_floor() {
+        let sets = |conntrack_size| {
+            LoadOptions {
+                conntrack_size,
+                ..LoadOptions::default()
+            }
+            .syn_sets()
+        };
+        assert_eq!(sets(256), 4096);
+        assert_eq!(LoadOptions::default().syn_sets(), 16_384);
+        assert_eq!(sets(1 << 20), 65_536);
+        assert!(sets(300_000).is_power_of_two());
+    }
+
     #[test]
     fn a_binary_outside_the_source_tree_prefers_the_installed_object() {
         assert_eq!(

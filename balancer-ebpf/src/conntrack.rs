@@ -131,6 +131,8 @@ fn waiting<F: Family>(key: &FlowKey<F::Addr>) -> Option<(*mut SynSet<F::Addr>, u
     // SAFETY: a successful lookup of a shared array slot; a way another CPU
     // is writing fails its check.
     let whole = unsafe { &*set };
+    // `SynSet::way_of`'s test, written out: called here, its loop took
+    // the verifier past a million instructions.
     for w in 0..SYN_WAYS {
         if whole.tags[w] == tag
             && whole.ways[w].key == *key
@@ -217,7 +219,8 @@ pub fn reply<F: Family>(
     seg: &Segment,
     out: &mut MaybeUninit<Flow<F::Addr>>,
 ) -> bool {
-    if seg.flags & (TcpHdr::SYN | TcpHdr::RST) != 0 {
+    let answer = seg.flags & (TcpHdr::SYN | TcpHdr::RST) != 0;
+    if answer {
         answered::<F>(key);
     }
     if let Some(entry) = F::conns().get_ptr_mut(key) {
@@ -238,7 +241,7 @@ pub fn reply<F: Family>(
         }
     }
     let found = match F::embryonic().get_ptr_mut(key) {
-        None if answered::<F>(key) => F::embryonic().get_ptr_mut(key),
+        None if !answer && answered::<F>(key) => F::embryonic().get_ptr_mut(key),
         found => found,
     };
     let Some(entry) = found else {

@@ -335,6 +335,22 @@ fn a_waiting_handshake_keeps_its_way_while_other_syns_fill_its_set() {
     );
     // Its backend's SYN-ACK still gets the service as its source.
     answer(&steered, backend);
+    // A fourth SYN of the set takes the oldest way: the first handshake's
+    // (now answered, its entry in the embryonic table).
+    for client in Clients(0xface).take(1_000_000) {
+        let (_, out) = xdp(&steered, &syn(client), None);
+        if set_of(&flow_key(packet::endpoints(&out).1, client)) == set {
+            break;
+        }
+    }
+    assert!(
+        steered
+            .maps
+            .handshake_flow(&flow_key(backend, CLIENT))
+            .unwrap()
+            .is_none(),
+        "a fourth SYN of the set took the oldest way"
+    );
 }
 
 #[test]
